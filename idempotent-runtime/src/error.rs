@@ -1,0 +1,124 @@
+//! The one error type every store, the expansion and the adapters report.
+
+use std::fmt;
+
+/// What can go wrong around an idempotent handler.
+///
+/// A handler's own error type must implement `From<Error>`; the expansion
+/// converts with `?`-style conversion, so `anyhow::Error` and `Box<dyn Error>`
+/// work out of the box.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// The key expression produced `None`: the message carries no key, and
+    /// the body was not run.
+    #[error("message for `{scope}` has no idempotency key (the key expression gave `None`)")]
+    MissingKey {
+        /// The handler's scope.
+        scope: String,
+    },
+
+    /// The key cannot be stored as it is: empty, too long or containing a
+    /// character no backend can hold. Keys are never truncated.
+    #[error("invalid idempotency key for `{scope}`: {reason}")]
+    InvalidKey {
+        /// The handler's scope.
+        scope: String,
+        /// Why the key was refused.
+        reason: String,
+    },
+
+    /// The key was already processed with a different fingerprint: the same
+    /// id was reused for another message. Nothing was run or committed.
+    #[error("idempotency key {key} of `{scope}` was already used for a message with a different fingerprint")]
+    KeyReused {
+        /// The handler's scope.
+        scope: String,
+        /// The reused key, shortened for display.
+        key: DisplayKey,
+    },
+
+    /// Another consumer holds a live lease on this key (stores that cannot
+    /// join a transaction). Retry later: the message is being processed.
+    #[error("idempotency key {key} of `{scope}` is being processed by another consumer")]
+    InProgress {
+        /// The handler's scope.
+        scope: String,
+        /// The key, shortened for display.
+        key: DisplayKey,
+    },
+
+    /// The store failed (connection lost, deadlock that outlived its retries,
+    /// missing table...). The handler's effect, if any, was rolled back by
+    /// transactional stores.
+    #[error("idempotency store error: {0}")]
+    Store(#[source] Box<dyn std::error::Error + Send + Sync + 'static>),
+
+    /// The handler's result could not be stored or replayed (serde).
+    #[error("cannot store or replay the handler's result: {0}")]
+    Codec(#[source] serde_json::Error),
+
+    /// A store or janitor was configured with an invalid value (for example a
+    /// table name that is not a plain SQL identifier).
+    #[error("invalid idempotency configuration: {0}")]
+    Config(String),
+}
+
+impl Error {
+    /// Wraps any store-level error.
+    pub fn store(err: impl std::error::Error + Send + Sync + 'static) -> Self {
+        Error::Store(Box::new(err))
+    }
+
+    /// `true` when retrying the same message later can succeed
+    /// (`InProgress` and store failures); `false` for errors that the same
+    /// message will always produce again (missing, invalid or reused keys).
+    pub fn is_transient(&self) -> bool {
+        matches!(self, Error::InProgress { .. } | Error::Store(_))
+    }
+}
+
+#[cfg(feature = "sqlx")]
+impl From<sqlx::Error> for Error {
+    fn from(err: sqlx::Error) -> Self {
+        Error::Store(Box::new(err))
+    }
+}
+
+/// A key as shown in error messages: quoted, and shortened when long so a
+/// hostile 10 KB key does not flood the logs.
+#[derive(Clone, PartialEq, Eq)]
+pub struct DisplayKey(String);
+
+impl DisplayKey {
+    const MAX_SHOWN: usize = 64;
+
+    pub(crate) fn new(key: &str) -> Self {
+        DisplayKey(key.to_owned())
+    }
+
+    /// The full key.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Display for DisplayKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut end = self.0.len().min(Self::MAX_SHOWN);
+        while !self.0.is_char_boundary(end) {
+            end -= 1;
+        }
+        if end < self.0.len() {
+            write!(f, "{:?}... ({} bytes)", &self.0[..end], self.0.len())
+        } else {
+            write!(f, "{:?}", self.0)
+        }
+    }
+}
+
+impl fmt::Debug for DisplayKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(self, f)
+    }
+}

@@ -1,0 +1,109 @@
+//! Idempotent message consumers: process each message once, whatever the
+//! broker redelivers.
+//!
+//! Annotate an async handler with [`#[idempotent]`](idempotent) and give it a
+//! key and a store. The handler's body then runs in a database transaction
+//! together with the insert of a "processed" marker; a duplicate of a
+//! processed message does not run the body and answers with the first run's
+//! result.
+//!
+//! ```no_run
+//! use idempotent_runtime::{idempotent, PgStore};
+//! use idempotent_runtime::sqlx::PgConnection;
+//!
+//! #[derive(serde::Deserialize)]
+//! struct PaymentMessage { message_id: String, order_id: String, amount: i64 }
+//!
+//! #[derive(Debug, thiserror::Error)]
+//! enum AppError {
+//!     #[error(transparent)] Idempotency(#[from] idempotent_runtime::Error),
+//!     #[error(transparent)] Db(#[from] idempotent_runtime::sqlx::Error),
+//! }
+//!
+//! struct PaymentConsumer { store: PgStore }
+//!
+//! impl PaymentConsumer {
+//!     #[idempotent(key = "msg.message_id", store = self.store)]
+//!     async fn process_payment(&self, msg: &PaymentMessage, tx: &mut PgConnection) -> Result<(), AppError> {
+//!         idempotent_runtime::sqlx::query("INSERT INTO payments (order_id, amount) VALUES ($1, $2)")
+//!             .bind(&msg.order_id)
+//!             .bind(msg.amount)
+//!             .execute(&mut *tx)
+//!             .await?;
+//!         Ok(())
+//!     }
+//! }
+//! // After expansion: async fn process_payment(&self, msg: &PaymentMessage) -> Result<(), AppError>
+//! ```
+//!
+//! # Stores
+//!
+//! | store | feature | joins the transaction | concurrent duplicate |
+//! | --- | --- | --- | --- |
+//! | [`PgStore`] | `postgres` | yes | waits, then replays |
+//! | [`SqliteStore`] | `sqlite` | yes | waits, then replays |
+//! | [`MemoryStore`] | always | no (lease) | [`Error::InProgress`] |
+//!
+//! Stores that cannot join a transaction hold a lease while the body runs;
+//! the body's effects are then not atomic with the marker and must be
+//! idempotent by design.
+
+#![warn(missing_docs)]
+
+mod error;
+mod fingerprint;
+mod janitor;
+mod key;
+mod store;
+mod table;
+
+#[doc(hidden)]
+pub mod __private;
+
+pub use error::{DisplayKey, Error};
+pub use fingerprint::Fingerprint;
+pub use idempotent_macros::idempotent;
+pub use janitor::{Janitor, PurgeExpired};
+pub use key::{IdempotencyKey, MAX_KEY_BYTES, MAX_SCOPE_BYTES};
+pub use store::memory::{MemoryGuard, MemoryStore};
+pub use store::{Claim, DEFAULT_LEASE, DEFAULT_TTL, Guard, Replay, Request, Store, encode_result};
+pub use table::{MAX_TABLE_NAME_BYTES, TableName};
+
+#[cfg(feature = "sqlx")]
+pub use store::sql::{DEFAULT_PURGE_BATCH, SqlBackend, SqlGuard};
+#[cfg(feature = "sqlx")]
+pub use store::{FromTransaction, TransactionGuard, TransactionalStore};
+
+#[cfg(feature = "postgres")]
+pub use store::postgres::{PgStore, PgStoreBuilder};
+#[cfg(feature = "sqlite")]
+pub use store::sqlite::{SqliteStore, SqliteStoreBuilder};
+#[cfg(feature = "mysql")]
+pub use store::mysql::{MySqlStore, MySqlStoreBuilder};
+#[cfg(feature = "redis")]
+pub use store::redis::{RedisGuard, RedisStore, RedisStoreBuilder};
+
+#[cfg(feature = "lapin")]
+pub mod rabbitmq;
+#[cfg(feature = "nats")]
+pub mod nats;
+
+/// The sqlx crate the stores are built on (features `postgres`, `sqlite`,
+/// `mysql`), so handlers use the very same version.
+#[cfg(feature = "sqlx")]
+pub use sqlx;
+
+#[cfg(feature = "uuid")]
+pub use uuid;
+
+/// The redis crate [`RedisStore`] is built on.
+#[cfg(feature = "redis")]
+pub use redis;
+
+/// The lapin crate the RabbitMQ adapter is built on.
+#[cfg(feature = "lapin")]
+pub use lapin;
+
+/// The async-nats crate the NATS JetStream adapter is built on.
+#[cfg(feature = "nats")]
+pub use async_nats;

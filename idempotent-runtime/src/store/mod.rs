@@ -1,0 +1,277 @@
+//! The store contract: how a handler claims a key, and how the claim ends.
+//!
+//! Two families implement it. Transactional stores ([`TransactionalStore`]:
+//! Postgres, SQLite, MySQL) claim by inserting the marker inside a database
+//! transaction that the handler's body then shares, so effect and marker
+//! commit or roll back together. Lease stores (Redis, memory) claim with an
+//! atomic set-if-absent lease and cannot make the effect atomic with the
+//! marker: effects must be idempotent by design there.
+
+use std::future::Future;
+use std::time::Duration;
+
+use crate::Error;
+use crate::fingerprint::Fingerprint;
+
+/// Marker lifetime used when `#[idempotent]` has no `ttl`: seven days.
+pub const DEFAULT_TTL: Duration = Duration::from_secs(7 * 24 * 3600);
+
+/// Lease length used when `#[idempotent]` has no `lease` (lease stores only).
+pub const DEFAULT_LEASE: Duration = Duration::from_secs(30);
+
+/// One handler call asking to process one key.
+#[derive(Debug, Clone)]
+pub struct Request<'a> {
+    scope: &'a str,
+    key: &'a str,
+    ttl: Duration,
+    lease: Duration,
+    fingerprint: Option<Fingerprint>,
+}
+
+impl<'a> Request<'a> {
+    /// A request with the default ttl and lease and no fingerprint.
+    ///
+    /// Fails when the scope or key breaks the rules every store shares
+    /// (see [`MAX_KEY_BYTES`](crate::MAX_KEY_BYTES)).
+    pub fn new(scope: &'a str, key: &'a str) -> Result<Self, Error> {
+        crate::key::validate_scope(scope)?;
+        crate::key::validate(scope, key)?;
+        Ok(Request { scope, key, ttl: DEFAULT_TTL, lease: DEFAULT_LEASE, fingerprint: None })
+    }
+
+    /// Sets how long the completed marker blocks duplicates.
+    pub fn ttl(mut self, ttl: Duration) -> Self {
+        self.ttl = ttl;
+        self
+    }
+
+    /// Sets how long a lease store's claim lives without renewal.
+    pub fn lease(mut self, lease: Duration) -> Self {
+        self.lease = lease;
+        self
+    }
+
+    /// Sets the fingerprint that duplicates must match.
+    pub fn fingerprint(mut self, fingerprint: Option<Fingerprint>) -> Self {
+        self.fingerprint = fingerprint;
+        self
+    }
+
+    /// The namespace of the marker (by default the handler's name).
+    pub fn scope_name(&self) -> &'a str {
+        self.scope
+    }
+
+    /// The message's key, validated.
+    pub fn key(&self) -> &'a str {
+        self.key
+    }
+
+    /// Marker lifetime.
+    pub fn ttl_duration(&self) -> Duration {
+        self.ttl
+    }
+
+    /// Lease lifetime (lease stores).
+    pub fn lease_duration(&self) -> Duration {
+        self.lease
+    }
+
+    /// The fingerprint of the message, if the handler declares one.
+    pub fn fingerprint_value(&self) -> Option<&Fingerprint> {
+        self.fingerprint.as_ref()
+    }
+
+    /// The marker lifetime in whole milliseconds, at least 1.
+    pub fn ttl_millis(&self) -> i64 {
+        duration_millis(self.ttl)
+    }
+
+    /// The lease lifetime in whole milliseconds, at least 1.
+    pub fn lease_millis(&self) -> i64 {
+        duration_millis(self.lease)
+    }
+
+    /// `Error::KeyReused` unless `stored` (the fingerprint kept with the
+    /// marker) matches this request's.
+    pub fn check_fingerprint(&self, stored: Option<&str>) -> Result<(), Error> {
+        match (&self.fingerprint, stored) {
+            (Some(mine), stored) if stored != Some(mine.as_str()) => Err(self.key_reused()),
+            _ => Ok(()),
+        }
+    }
+
+    /// The `KeyReused` error for this request.
+    pub fn key_reused(&self) -> Error {
+        Error::KeyReused { scope: self.scope.to_owned(), key: crate::error::DisplayKey::new(self.key) }
+    }
+
+    /// The `InProgress` error for this request.
+    pub fn in_progress(&self) -> Error {
+        Error::InProgress { scope: self.scope.to_owned(), key: crate::error::DisplayKey::new(self.key) }
+    }
+}
+
+fn duration_millis(d: Duration) -> i64 {
+    i64::try_from(d.as_millis()).unwrap_or(i64::MAX).max(1)
+}
+
+/// The outcome of a claim.
+#[derive(Debug)]
+pub enum Claim<G> {
+    /// This caller owns the key: run the body, then [`Guard::complete`] or
+    /// [`Guard::abort`].
+    Fresh(G),
+    /// The key was already processed: here is what the first run returned.
+    Done(Replay),
+}
+
+/// The stored result of a completed first run.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Replay {
+    result: Option<String>,
+}
+
+impl Replay {
+    /// A replay of `result`, the JSON text stored with the marker (`None`
+    /// stands for JSON `null`, which is what `()` encodes to).
+    pub fn new(result: Option<String>) -> Self {
+        Replay { result }
+    }
+
+    /// The stored JSON text, `None` for `null`.
+    pub fn json(&self) -> Option<&str> {
+        self.result.as_deref()
+    }
+
+    /// Decodes the stored result.
+    pub fn decode<T: serde::de::DeserializeOwned>(&self) -> Result<T, Error> {
+        serde_json::from_str(self.result.as_deref().unwrap_or("null")).map_err(Error::Codec)
+    }
+}
+
+/// Encodes a handler's result for storage; `None` when it is JSON `null`
+/// (so `()` stores nothing and costs no extra write).
+pub fn encode_result<T: serde::Serialize + ?Sized>(value: &T) -> Result<Option<String>, Error> {
+    let json = serde_json::to_string(value).map_err(Error::Codec)?;
+    Ok(if json == "null" { None } else { Some(json) })
+}
+
+/// A key store: claims keys for handlers and remembers completed ones.
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` is not an idempotency store",
+    label = "the `store = ..` expression must give a store",
+    note = "use one of `PgStore`, `SqliteStore`, `MySqlStore`, `RedisStore` or `MemoryStore` (or a reference or `Arc` to one)"
+)]
+pub trait Store: Send + Sync {
+    /// The claim held while the body runs.
+    type Guard: Guard;
+
+    /// Claims `req`'s key: `Fresh` when this caller must run the body,
+    /// `Done` when the key was already processed (after checking the
+    /// fingerprint), or an error (`InProgress` for a live lease of another
+    /// consumer, `KeyReused`, `Store`).
+    fn claim(&self, req: &Request<'_>) -> impl Future<Output = Result<Claim<Self::Guard>, Error>> + Send;
+}
+
+/// A claim in progress. Dropping it without `complete` (panic, cancellation)
+/// releases it like `abort`: the transaction rolls back, or the lease is
+/// given up, so the redelivery can be processed at once.
+pub trait Guard: Send {
+    /// Stores `result` (JSON, `None` for `null`) with the marker and makes it
+    /// durable: commits the transaction, or turns the lease into a completed
+    /// marker if this caller still holds it.
+    fn complete(self, result: Option<String>) -> impl Future<Output = Result<(), Error>> + Send;
+
+    /// Gives the claim up after the body failed: rolls back, or releases the
+    /// lease if this caller still holds it.
+    fn abort(self) -> impl Future<Output = ()> + Send;
+}
+
+#[cfg(feature = "sqlx")]
+/// A store whose claim is a database transaction that the handler's body
+/// joins: effect and marker commit or roll back together.
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` cannot run the handler in a database transaction",
+    label = "this handler takes a transaction parameter, so its store must be transactional",
+    note = "Redis and in-memory stores cannot join a database transaction: remove the transaction parameter and make the effect idempotent by design, or use `PgStore`, `SqliteStore` or `MySqlStore`"
+)]
+pub trait TransactionalStore: Store<Guard: TransactionGuard<Database = Self::Database>> {
+    /// The database the transaction runs on.
+    type Database: sqlx::Database;
+}
+
+#[cfg(feature = "sqlx")]
+/// The claim of a transactional store: an open transaction holding the
+/// freshly inserted marker.
+pub trait TransactionGuard: Guard {
+    /// The database of the transaction.
+    type Database: sqlx::Database;
+
+    /// The open transaction, for the handler's body.
+    fn transaction(&mut self) -> &mut sqlx::Transaction<'static, Self::Database>;
+}
+
+#[cfg(feature = "sqlx")]
+/// A type a handler's transaction parameter can have for a store of
+/// database `DB`: `&mut sqlx::Transaction<'_, DB>` or `&mut DB`'s connection.
+#[diagnostic::on_unimplemented(
+    message = "the transaction parameter `{Self}` does not belong to the store's database `{DB}`",
+    label = "this parameter must be a transaction or connection of `{DB}`",
+    note = "use `&mut sqlx::Transaction<'_, {DB}>` or the `&mut` connection type of `{DB}`, or a store for the database this handler writes to"
+)]
+pub trait FromTransaction<'a, DB: sqlx::Database>: Sized {
+    /// Borrows the transaction as the handler's parameter type.
+    fn from_transaction(tx: &'a mut sqlx::Transaction<'static, DB>) -> Self;
+}
+
+#[cfg(feature = "sqlx")]
+impl<'a, DB: sqlx::Database> FromTransaction<'a, DB> for &'a mut sqlx::Transaction<'static, DB> {
+    fn from_transaction(tx: &'a mut sqlx::Transaction<'static, DB>) -> Self {
+        tx
+    }
+}
+
+macro_rules! connection_param {
+    ($feature:literal, $db:ty, $conn:ty) => {
+        #[cfg(feature = $feature)]
+        impl<'a> FromTransaction<'a, $db> for &'a mut $conn {
+            fn from_transaction(tx: &'a mut sqlx::Transaction<'static, $db>) -> Self {
+                &mut **tx
+            }
+        }
+    };
+}
+connection_param!("postgres", sqlx::Postgres, sqlx::PgConnection);
+connection_param!("sqlite", sqlx::Sqlite, sqlx::SqliteConnection);
+connection_param!("mysql", sqlx::MySql, sqlx::MySqlConnection);
+
+macro_rules! forward_store {
+    ($($ptr:ty),*) => {$(
+        impl<S: Store + ?Sized> Store for $ptr {
+            type Guard = S::Guard;
+            fn claim(&self, req: &Request<'_>) -> impl Future<Output = Result<Claim<Self::Guard>, Error>> + Send {
+                (**self).claim(req)
+            }
+        }
+
+        #[cfg(feature = "sqlx")]
+        impl<S: TransactionalStore + ?Sized> TransactionalStore for $ptr {
+            type Database = S::Database;
+        }
+    )*};
+}
+forward_store!(&S, std::sync::Arc<S>);
+
+pub(crate) mod memory;
+#[cfg(feature = "mysql")]
+pub(crate) mod mysql;
+#[cfg(feature = "postgres")]
+pub(crate) mod postgres;
+#[cfg(feature = "redis")]
+pub(crate) mod redis;
+#[cfg(feature = "sqlx")]
+pub(crate) mod sql;
+#[cfg(feature = "sqlite")]
+pub(crate) mod sqlite;

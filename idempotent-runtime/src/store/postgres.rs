@@ -1,0 +1,202 @@
+//! `PgStore`: markers in a PostgreSQL table, claimed inside the handler's
+//! transaction.
+
+use std::sync::Arc;
+
+use sqlx::{AssertSqlSafe, PgPool, Postgres, Row};
+
+use crate::Error;
+use crate::store::sql::{Settings, SqlBackend, SqlGuard, ddl};
+use crate::store::{Claim, Replay, Request, Store, TransactionalStore};
+
+/// A PostgreSQL store: the marker is inserted in the same transaction as the
+/// handler's effect, so both commit or neither does.
+///
+/// A concurrent duplicate waits on the marker's primary key until the first
+/// call commits (then it replays the result) or rolls back (then it runs the
+/// body itself). Expiry is computed by the database clock.
+///
+/// Cloning is cheap: clones share the pool.
+#[derive(Clone, Debug)]
+pub struct PgStore {
+    pool: PgPool,
+    sql: Arc<PgSql>,
+}
+
+#[derive(Debug)]
+struct PgSql {
+    table: crate::TableName,
+    claim: Arc<str>,
+    read: Arc<str>,
+    write_result: Arc<str>,
+    purge: Arc<str>,
+    ddl: Vec<String>,
+    purge_batch: i64,
+}
+
+/// Configures a [`PgStore`].
+#[derive(Debug, Clone)]
+pub struct PgStoreBuilder {
+    pool: PgPool,
+    settings: Settings,
+}
+
+impl PgStoreBuilder {
+    /// The marker table, `table` or `schema.table` (default
+    /// `processed_messages`). Validated by [`build`](Self::build).
+    pub fn table(mut self, name: &str) -> Self {
+        self.settings.set_table(name);
+        self
+    }
+
+    /// Markers deleted per statement by [`PgStore::purge_expired`]
+    /// (default 1000).
+    pub fn purge_batch(mut self, markers: u32) -> Self {
+        self.settings.purge_batch = markers;
+        self
+    }
+
+    /// The store, or [`Error::Config`] for an invalid setting.
+    pub fn build(self) -> Result<PgStore, Error> {
+        let table = self.settings.table()?;
+        let purge_batch = self.settings.purge_batch()?;
+        Ok(PgStore::assemble(self.pool, table, purge_batch))
+    }
+}
+
+impl PgStore {
+    fn assemble(pool: PgPool, table: crate::TableName, purge_batch: u32) -> PgStore {
+        let t = table.quoted('"');
+        let sql = PgSql {
+            claim: format!(
+                "INSERT INTO {t} AS m (scope, message_id, processed_at, expires_at, fingerprint) \
+                 VALUES ($1, $2, now(), now() + $3 * interval '1 millisecond', $4) \
+                 ON CONFLICT (scope, message_id) DO UPDATE \
+                 SET processed_at = EXCLUDED.processed_at, expires_at = EXCLUDED.expires_at, \
+                     fingerprint = EXCLUDED.fingerprint, result = NULL \
+                 WHERE m.expires_at <= now() \
+                 RETURNING true"
+            )
+            .into(),
+            read: format!("SELECT fingerprint, result FROM {t} WHERE scope = $1 AND message_id = $2").into(),
+            write_result: format!("UPDATE {t} SET result = $1 WHERE scope = $2 AND message_id = $3").into(),
+            purge: format!(
+                "DELETE FROM {t} WHERE (scope, message_id) IN (\
+                 SELECT scope, message_id FROM {t} WHERE expires_at <= now() \
+                 LIMIT $1 FOR UPDATE SKIP LOCKED)"
+            )
+            .into(),
+            ddl: ddl(include_str!("../../sql/postgres.sql"), &table, '"'),
+            purge_batch: i64::from(purge_batch),
+            table,
+        };
+        PgStore { pool, sql: Arc::new(sql) }
+    }
+
+    /// A store on `pool` with the default table, `processed_messages`.
+    pub fn new(pool: PgPool) -> Self {
+        PgStore::assemble(pool, crate::TableName::default(), crate::store::sql::DEFAULT_PURGE_BATCH)
+    }
+
+    /// A builder to set the table name and purge batch size.
+    pub fn builder(pool: PgPool) -> PgStoreBuilder {
+        PgStoreBuilder { pool, settings: Settings::default() }
+    }
+
+    /// The pool the store runs on.
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    /// The marker table.
+    pub fn table(&self) -> &crate::TableName {
+        &self.sql.table
+    }
+
+    /// Creates the marker table and its `expires_at` index if they do not
+    /// exist (the DDL of `sql/postgres.sql`). Safe to run concurrently.
+    pub async fn migrate(&self) -> Result<(), Error> {
+        let mut tx = self.pool.begin().await?;
+        // Concurrent CREATE TABLE IF NOT EXISTS can still collide in the
+        // catalog; serialize migrations with a transaction-scoped lock.
+        sqlx::query("SELECT pg_advisory_xact_lock(7306369421585737536)").execute(&mut *tx).await?;
+        for statement in &self.sql.ddl {
+            sqlx::query(AssertSqlSafe(statement.as_str())).execute(&mut *tx).await?;
+        }
+        tx.commit().await?;
+        Ok(())
+    }
+
+    /// Deletes expired markers, in batches of the configured size (each its
+    /// own short statement, skipping rows that claims hold locked); returns
+    /// how many were deleted.
+    pub async fn purge_expired(&self) -> Result<u64, Error> {
+        let mut total = 0;
+        loop {
+            let deleted = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.purge)))
+                .bind(self.sql.purge_batch)
+                .execute(&self.pool)
+                .await?
+                .rows_affected();
+            total += deleted;
+            if deleted < self.sql.purge_batch as u64 {
+                return Ok(total);
+            }
+        }
+    }
+}
+
+impl Store for PgStore {
+    type Guard = SqlGuard<Postgres>;
+
+    async fn claim(&self, req: &Request<'_>) -> Result<Claim<Self::Guard>, Error> {
+        let mut tx = self.pool.begin().await?;
+        let claimed = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.claim)))
+            .bind(req.scope_name())
+            .bind(req.key())
+            .bind(req.ttl_millis())
+            .bind(req.fingerprint_value().map(|f| f.as_str()))
+            .fetch_optional(&mut *tx)
+            .await?
+            .is_some();
+        if claimed {
+            return Ok(Claim::Fresh(SqlGuard::new(tx, Arc::clone(&self.sql.write_result), req, None)));
+        }
+        // A live marker exists (ON CONFLICT DO UPDATE locked it, so it
+        // cannot vanish before this read).
+        let row = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.read)))
+            .bind(req.scope_name())
+            .bind(req.key())
+            .fetch_one(&mut *tx)
+            .await?;
+        tx.rollback().await?;
+        let fingerprint: Option<String> = row.try_get("fingerprint")?;
+        req.check_fingerprint(fingerprint.as_deref())?;
+        Ok(Claim::Done(Replay::new(row.try_get("result")?)))
+    }
+}
+
+impl TransactionalStore for PgStore {
+    type Database = Postgres;
+}
+
+impl SqlBackend for Postgres {
+    fn write_result<'a>(
+        conn: &'a mut sqlx::PgConnection,
+        sql: Arc<str>,
+        result: String,
+        scope: &'a str,
+        key: &'a str,
+    ) -> impl Future<Output = Result<(), sqlx::Error>> + Send + 'a {
+        async move {
+            sqlx::query(AssertSqlSafe(sql)).bind(result).bind(scope).bind(key).execute(conn).await?;
+            Ok(())
+        }
+    }
+}
+
+impl crate::janitor::PurgeExpired for PgStore {
+    fn purge_expired(&self) -> impl Future<Output = Result<u64, Error>> + Send {
+        PgStore::purge_expired(self)
+    }
+}

@@ -1,0 +1,264 @@
+//! `SqliteStore`: markers in a SQLite table, claimed inside the handler's
+//! `BEGIN IMMEDIATE` transaction.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
+use sqlx::{AssertSqlSafe, Row, Sqlite, SqlitePool};
+use tokio::sync::Semaphore;
+
+use crate::Error;
+use crate::store::sql::{Settings, SqlBackend, SqlGuard, ddl};
+use crate::store::{Claim, Replay, Request, Store, TransactionalStore};
+
+/// The database clock in milliseconds since the Unix epoch.
+const NOW_MS: &str = "CAST((julianday('now') - 2440587.5) * 86400000.0 AS INTEGER)";
+
+/// How long a claim keeps retrying when another process holds the database's
+/// write lock past the pool's busy timeout.
+const BUSY_RETRY_FOR: Duration = Duration::from_secs(60);
+
+/// A SQLite store: the marker is inserted in the same `BEGIN IMMEDIATE`
+/// transaction as the handler's effect, so both commit or neither does.
+///
+/// SQLite has one writer at a time. Calls through one store (and its clones)
+/// queue for the write lock in order inside the process; contention with
+/// other processes is retried, so `SQLITE_BUSY` does not reach the caller.
+///
+/// Cloning is cheap: clones share the pool and the writer queue.
+#[derive(Clone, Debug)]
+pub struct SqliteStore {
+    pool: SqlitePool,
+    writer: Arc<Semaphore>,
+    sql: Arc<SqliteSql>,
+}
+
+#[derive(Debug)]
+struct SqliteSql {
+    table: crate::TableName,
+    claim: Arc<str>,
+    read: Arc<str>,
+    write_result: Arc<str>,
+    purge: Arc<str>,
+    ddl: Vec<String>,
+    purge_batch: i64,
+}
+
+/// Configures a [`SqliteStore`].
+#[derive(Debug, Clone)]
+pub struct SqliteStoreBuilder {
+    pool: SqlitePool,
+    settings: Settings,
+}
+
+impl SqliteStoreBuilder {
+    /// The marker table (default `processed_messages`); a plain identifier
+    /// (no `schema.` prefix). Validated by [`build`](Self::build).
+    pub fn table(mut self, name: &str) -> Self {
+        self.settings.set_table(name);
+        self
+    }
+
+    /// Markers deleted per statement by [`SqliteStore::purge_expired`]
+    /// (default 1000).
+    pub fn purge_batch(mut self, markers: u32) -> Self {
+        self.settings.purge_batch = markers;
+        self
+    }
+
+    /// The store, or [`Error::Config`] for an invalid setting.
+    pub fn build(self) -> Result<SqliteStore, Error> {
+        let table = self.settings.table()?;
+        if table.schema().is_some() {
+            return Err(Error::Config(format!(
+                "invalid table name {:?}: SQLite stores take a plain table name",
+                table.to_string()
+            )));
+        }
+        let purge_batch = self.settings.purge_batch()?;
+        Ok(SqliteStore::assemble(self.pool, table, purge_batch))
+    }
+}
+
+impl SqliteStore {
+    fn assemble(pool: SqlitePool, table: crate::TableName, purge_batch: u32) -> SqliteStore {
+        let t = table.quoted('"');
+        let sql = SqliteSql {
+            claim: format!(
+                "INSERT INTO {t} (scope, message_id, processed_at, expires_at, fingerprint) \
+                 VALUES (?1, ?2, {NOW_MS}, {NOW_MS} + ?3, ?4) \
+                 ON CONFLICT (scope, message_id) DO UPDATE \
+                 SET processed_at = excluded.processed_at, expires_at = excluded.expires_at, \
+                     fingerprint = excluded.fingerprint, result = NULL \
+                 WHERE expires_at <= excluded.processed_at \
+                 RETURNING 1"
+            )
+            .into(),
+            read: format!("SELECT fingerprint, result FROM {t} WHERE scope = ?1 AND message_id = ?2").into(),
+            write_result: format!("UPDATE {t} SET result = ?1 WHERE scope = ?2 AND message_id = ?3").into(),
+            purge: format!(
+                "DELETE FROM {t} WHERE (scope, message_id) IN (\
+                 SELECT scope, message_id FROM {t} WHERE expires_at <= {NOW_MS} LIMIT ?1)"
+            )
+            .into(),
+            ddl: ddl(include_str!("../../sql/sqlite.sql"), &table, '"'),
+            purge_batch: i64::from(purge_batch),
+            table,
+        };
+        SqliteStore { pool, writer: Arc::new(Semaphore::new(1)), sql: Arc::new(sql) }
+    }
+
+    /// A store on `pool` with the default table, `processed_messages`.
+    ///
+    /// For concurrent callers the pool should use WAL and a busy timeout, as
+    /// [`SqliteStore::open`] sets up.
+    pub fn new(pool: SqlitePool) -> Self {
+        SqliteStore::assemble(pool, crate::TableName::default(), crate::store::sql::DEFAULT_PURGE_BATCH)
+    }
+
+    /// A builder to set the table name and purge batch size.
+    pub fn builder(pool: SqlitePool) -> SqliteStoreBuilder {
+        SqliteStoreBuilder { pool, settings: Settings::default() }
+    }
+
+    /// Opens (creating it if missing) the database file at `path` with the
+    /// settings a consumer wants (WAL journal, `synchronous = NORMAL`, a
+    /// 5-second busy timeout, foreign keys on), and a store on it with the
+    /// default table. Call [`migrate`](Self::migrate) next.
+    pub async fn open(path: impl AsRef<Path>) -> Result<Self, Error> {
+        let options = SqliteConnectOptions::new()
+            .filename(path)
+            .create_if_missing(true)
+            .journal_mode(SqliteJournalMode::Wal)
+            .synchronous(SqliteSynchronous::Normal)
+            .busy_timeout(Duration::from_secs(5))
+            .foreign_keys(true);
+        let pool = SqlitePoolOptions::new().max_connections(8).connect_with(options).await?;
+        Ok(SqliteStore::new(pool))
+    }
+
+    /// The pool the store runs on.
+    pub fn pool(&self) -> &SqlitePool {
+        &self.pool
+    }
+
+    /// The marker table.
+    pub fn table(&self) -> &crate::TableName {
+        &self.sql.table
+    }
+
+    /// Creates the marker table and its `expires_at` index if they do not
+    /// exist (the DDL of `sql/sqlite.sql`).
+    pub async fn migrate(&self) -> Result<(), Error> {
+        let (mut tx, _writer) = self.begin_immediate().await?;
+        for statement in &self.sql.ddl {
+            sqlx::query(AssertSqlSafe(statement.as_str())).execute(&mut *tx).await?;
+        }
+        tx.commit().await?;
+        Ok(())
+    }
+
+    /// Deletes expired markers in batches of the configured size, each in
+    /// its own short write transaction; returns how many were deleted.
+    pub async fn purge_expired(&self) -> Result<u64, Error> {
+        let mut total = 0;
+        loop {
+            let (mut tx, _writer) = self.begin_immediate().await?;
+            let deleted = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.purge)))
+                .bind(self.sql.purge_batch)
+                .execute(&mut *tx)
+                .await?
+                .rows_affected();
+            tx.commit().await?;
+            total += deleted;
+            if deleted < self.sql.purge_batch as u64 {
+                return Ok(total);
+            }
+        }
+    }
+
+    /// Takes this process's writer turn, then SQLite's write lock
+    /// (`BEGIN IMMEDIATE`), retrying while another process holds it.
+    async fn begin_immediate(
+        &self,
+    ) -> Result<(sqlx::Transaction<'static, Sqlite>, tokio::sync::OwnedSemaphorePermit), Error> {
+        let writer = Arc::clone(&self.writer)
+            .acquire_owned()
+            .await
+            .map_err(|_| Error::Config("the SQLite writer queue was closed".into()))?;
+        let deadline = tokio::time::Instant::now() + BUSY_RETRY_FOR;
+        let mut backoff = Duration::from_millis(2);
+        loop {
+            match self.pool.begin_with("BEGIN IMMEDIATE").await {
+                Ok(tx) => return Ok((tx, writer)),
+                Err(error) if is_busy(&error) && tokio::time::Instant::now() < deadline => {
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(Duration::from_millis(100));
+                }
+                Err(error) => return Err(error.into()),
+            }
+        }
+    }
+}
+
+/// `SQLITE_BUSY` and `SQLITE_LOCKED`, with their extended codes.
+fn is_busy(error: &sqlx::Error) -> bool {
+    let Some(db) = error.as_database_error() else { return false };
+    db.code().and_then(|code| code.parse::<i32>().ok()).is_some_and(|code| matches!(code & 0xff, 5 | 6))
+}
+
+impl Store for SqliteStore {
+    type Guard = SqlGuard<Sqlite>;
+
+    async fn claim(&self, req: &Request<'_>) -> Result<Claim<Self::Guard>, Error> {
+        let (mut tx, writer) = self.begin_immediate().await?;
+        let claimed = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.claim)))
+            .bind(req.scope_name())
+            .bind(req.key())
+            .bind(req.ttl_millis())
+            .bind(req.fingerprint_value().map(|f| f.as_str()))
+            .fetch_optional(&mut *tx)
+            .await?
+            .is_some();
+        if claimed {
+            return Ok(Claim::Fresh(SqlGuard::new(tx, Arc::clone(&self.sql.write_result), req, Some(writer))));
+        }
+        let row = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.read)))
+            .bind(req.scope_name())
+            .bind(req.key())
+            .fetch_one(&mut *tx)
+            .await?;
+        tx.rollback().await?;
+        drop(writer);
+        let fingerprint: Option<String> = row.try_get("fingerprint")?;
+        req.check_fingerprint(fingerprint.as_deref())?;
+        Ok(Claim::Done(Replay::new(row.try_get("result")?)))
+    }
+}
+
+impl TransactionalStore for SqliteStore {
+    type Database = Sqlite;
+}
+
+impl SqlBackend for Sqlite {
+    fn write_result<'a>(
+        conn: &'a mut sqlx::SqliteConnection,
+        sql: Arc<str>,
+        result: String,
+        scope: &'a str,
+        key: &'a str,
+    ) -> impl Future<Output = Result<(), sqlx::Error>> + Send + 'a {
+        async move {
+            sqlx::query(AssertSqlSafe(sql)).bind(result).bind(scope).bind(key).execute(conn).await?;
+            Ok(())
+        }
+    }
+}
+
+impl crate::janitor::PurgeExpired for SqliteStore {
+    fn purge_expired(&self) -> impl Future<Output = Result<u64, Error>> + Send {
+        SqliteStore::purge_expired(self)
+    }
+}
