@@ -87,9 +87,12 @@ pub(crate) fn ddl(template: &str, table: &TableName, quote: char) -> Vec<String>
         .filter(|line| !line.trim_start().starts_with("--"))
         .collect::<Vec<_>>()
         .join("\n");
+    // One pass, so the table name is not replaced inside the index name.
     let body = body
-        .replace("processed_messages_expires_at_idx", &table.expiry_index(quote))
-        .replace("processed_messages", &table.quoted(quote));
+        .split("processed_messages_expires_at_idx")
+        .map(|part| part.replace("processed_messages", &table.quoted(quote)))
+        .collect::<Vec<_>>()
+        .join(&table.expiry_index(quote));
     body.split(';').map(str::trim).filter(|s| !s.is_empty()).map(str::to_owned).collect()
 }
 

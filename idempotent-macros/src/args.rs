@@ -1,0 +1,211 @@
+//! Stage 1: the attribute's arguments, `key = .., store = .., ...`.
+
+use proc_macro2::{Span, TokenStream};
+use syn::ext::IdentExt;
+use syn::parse::{ParseStream, Parser};
+use syn::{Expr, ExprLit, Ident, Lit, LitStr, Token};
+
+use crate::ctxt::Ctxt;
+use crate::duration::parse_millis;
+use crate::suggest::closest;
+
+const NAMES: &[&str] = &[
+    "key",
+    "store",
+    "scope",
+    "ttl",
+    "fingerprint",
+    "lease",
+    "tx",
+    "crate",
+];
+
+/// The default marker lifetime: seven days.
+const DEFAULT_TTL_MS: u64 = 7 * 86_400_000;
+/// The default lease of stores that cannot join a transaction.
+const DEFAULT_LEASE_MS: u64 = 30_000;
+
+/// The parsed attribute.
+pub struct Args {
+    /// `key = ..`: the expression identifying a message.
+    pub key: Option<Expr>,
+    /// `store = ..`: the expression giving the store.
+    pub store: Option<Expr>,
+    /// `scope = ".."`: namespace of the markers.
+    pub scope: Option<LitStr>,
+    /// `ttl = ".."` in milliseconds.
+    pub ttl_ms: u64,
+    /// `lease = ".."` in milliseconds.
+    pub lease_ms: u64,
+    /// `fingerprint = ..`.
+    pub fingerprint: Option<Expr>,
+    /// `tx = ..`: the name of the transaction parameter.
+    pub tx: Option<Ident>,
+    /// `crate = ".."`: path to the runtime.
+    pub krate: syn::Path,
+}
+
+/// Parses the attribute, recording every problem in `cx`.
+pub fn parse(cx: &Ctxt, tokens: TokenStream) -> Args {
+    let mut args = Args {
+        key: None,
+        store: None,
+        scope: None,
+        ttl_ms: DEFAULT_TTL_MS,
+        lease_ms: DEFAULT_LEASE_MS,
+        fingerprint: None,
+        tx: None,
+        krate: syn::parse_quote!(::idempotent_runtime),
+    };
+    let mut seen: Vec<String> = Vec::new();
+    let parser = |input: ParseStream| -> syn::Result<()> {
+        while !input.is_empty() {
+            let name = Ident::parse_any(input)?;
+            input.parse::<Token![=]>()?;
+            let value: Expr = input.parse()?;
+            let text = name.to_string();
+            if seen.contains(&text) {
+                cx.error_spanned_by(&name, format!("expected only a single `{text}` argument"));
+            } else {
+                seen.push(text.clone());
+                apply(cx, &mut args, &name, value);
+            }
+            if input.is_empty() {
+                break;
+            }
+            input.parse::<Token![,]>()?;
+        }
+        Ok(())
+    };
+    if let Err(error) = parser.parse2(tokens) {
+        cx.syn_error(error);
+        return args;
+    }
+    for (required, example) in [
+        ("key", "key = \"msg.message_id\""),
+        ("store", "store = self.store"),
+    ] {
+        if !seen.iter().any(|s| s == required) {
+            cx.error_at(
+                Span::call_site(),
+                format!("missing `{required}` argument: #[idempotent] needs `{example}`"),
+            );
+        }
+    }
+    args
+}
+
+fn apply(cx: &Ctxt, args: &mut Args, name: &Ident, value: Expr) {
+    match name.to_string().as_str() {
+        "key" => args.key = expression(cx, "key", value),
+        "store" => args.store = Some(value),
+        "fingerprint" => args.fingerprint = expression(cx, "fingerprint", value),
+        "scope" => {
+            if let Some(scope) = string(cx, "scope", &value, "scope = \"payments\"") {
+                let text = scope.value();
+                if text.is_empty() || text.len() > 128 || text.contains('\0') {
+                    cx.error_spanned_by(&scope, "`scope` must be 1 to 128 bytes long, without NUL");
+                } else {
+                    args.scope = Some(scope);
+                }
+            }
+        }
+        "ttl" => {
+            if let Some(ms) = duration(cx, "ttl", &value) {
+                args.ttl_ms = ms;
+            }
+        }
+        "lease" => {
+            if let Some(ms) = duration(cx, "lease", &value) {
+                args.lease_ms = ms;
+            }
+        }
+        "tx" => match &value {
+            Expr::Path(path) if path.path.get_ident().is_some() => {
+                args.tx = path.path.get_ident().cloned()
+            }
+            _ => match string(cx, "tx", &value, "tx = \"conn\"") {
+                Some(lit) => match lit.parse::<Ident>() {
+                    Ok(ident) => args.tx = Some(ident),
+                    Err(_) => {
+                        cx.error_spanned_by(&lit, "`tx` names a parameter, like `tx = \"conn\"`")
+                    }
+                },
+                None => {}
+            },
+        },
+        "crate" => {
+            if let Some(lit) = string(
+                cx,
+                "crate",
+                &value,
+                "crate = \"my_reexport::idempotent_runtime\"",
+            ) {
+                match lit.parse::<syn::Path>() {
+                    Ok(path) => args.krate = path,
+                    Err(_) => cx.error_spanned_by(
+                        &lit,
+                        "`crate` must be a path, like `crate = \"::idempotent_runtime\"`",
+                    ),
+                }
+            }
+        }
+        unknown => {
+            let message = match closest(unknown, NAMES) {
+                Some(intended) => {
+                    format!("unknown argument `{unknown}`; did you mean `{intended}`?")
+                }
+                None => format!(
+                    "unknown argument `{unknown}`; expected one of `key`, `store`, `scope`, `ttl`, `fingerprint`, `lease`, `tx`, `crate`"
+                ),
+            };
+            cx.error_spanned_by(name, message);
+        }
+    }
+}
+
+/// A key or fingerprint: a string holding an expression, or a bare expression.
+fn expression(cx: &Ctxt, what: &str, value: Expr) -> Option<Expr> {
+    let Expr::Lit(ExprLit {
+        lit: Lit::Str(lit), ..
+    }) = &value
+    else {
+        return Some(value);
+    };
+    match lit.parse::<Expr>() {
+        Ok(expr) => Some(expr),
+        Err(error) => {
+            cx.error_spanned_by(
+                lit,
+                format!("`{what}` must be an expression over the handler's parameters, like \"msg.message_id\": {error}"),
+            );
+            None
+        }
+    }
+}
+
+fn string(cx: &Ctxt, what: &str, value: &Expr, example: &str) -> Option<LitStr> {
+    match value {
+        Expr::Lit(ExprLit {
+            lit: Lit::Str(lit), ..
+        }) => Some(lit.clone()),
+        other => {
+            cx.error_spanned_by(
+                other,
+                format!("`{what}` takes a string literal, like `{example}`"),
+            );
+            None
+        }
+    }
+}
+
+fn duration(cx: &Ctxt, what: &str, value: &Expr) -> Option<u64> {
+    let lit = string(cx, what, value, &format!("{what} = \"30s\""))?;
+    match parse_millis(&lit.value()) {
+        Ok(ms) => Some(ms),
+        Err(reason) => {
+            cx.error_spanned_by(&lit, format!("invalid `{what}`: {reason}"));
+            None
+        }
+    }
+}

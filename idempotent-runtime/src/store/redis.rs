@@ -1,0 +1,454 @@
+//! `RedisStore`: a lease store on Redis, for high throughput when the effect
+//! does not need to be atomic with the marker.
+//!
+//! A claim is one atomic `SET key <lease> NX PX <lease>` (inside a small Lua
+//! script that also reads the existing value when the key is taken), holding
+//! a lease with a random fencing token. While the body runs the lease is
+//! renewed; completion replaces the lease by the completed marker only if
+//! the token still matches, and failure deletes the lease under the same
+//! condition, so a consumer whose lease expired and was taken over can never
+//! overwrite or delete the new owner's state.
+//!
+//! # Encoding
+//!
+//! The Redis key of `(scope, key)` is `{prefix}{len(scope)}:{scope}:{key}`,
+//! where `len(scope)` is the scope's length in bytes written in decimal: the
+//! length says where the scope ends, so no two different pairs share a key
+//! whatever characters they contain.
+//!
+//! The value is tagged by its first byte:
+//!
+//! - `L{token}`: a live lease; `token` is 32 random hex digits.
+//! - `D{fingerprint}{result}`: a completed marker; `fingerprint` is `-` when
+//!   the handler has none, else `{len}:{text}` (`len` in bytes, decimal);
+//!   `result` is empty for JSON `null` (what `()` returns), else `={json}`.
+//!
+//! Keys and values travel as script `KEYS`/`ARGV`, never spliced into
+//! commands.
+
+use std::fmt;
+use std::hash::{BuildHasher, Hasher};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, LazyLock};
+use std::time::Duration;
+
+use redis::Script;
+use redis::aio::ConnectionManager;
+use tokio::task::JoinHandle;
+
+use crate::Error;
+use crate::store::{Claim, Guard, Replay, Request, Store};
+
+/// The key prefix of [`RedisStore::new`].
+const DEFAULT_PREFIX: &str = "idempotent:";
+
+/// The longest key prefix [`RedisStoreBuilder::build`] accepts, in bytes.
+const MAX_PREFIX_BYTES: usize = 128;
+
+/// Sets the lease if the key is free; otherwise returns the current value.
+/// ARGV: lease value, lease ms. Returns nil when claimed.
+static CLAIM: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r"if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return false end
+return redis.call('GET', KEYS[1])",
+    )
+});
+
+/// Extends the lease if the token still matches. ARGV: lease value, lease ms.
+static RENEW: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r"if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+return 0",
+    )
+});
+
+/// Replaces the lease by the completed marker if the token still matches.
+/// ARGV: lease value, marker value, ttl ms.
+static COMPLETE: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r"if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3]) return 1 end
+return 0",
+    )
+});
+
+/// Deletes the lease if the token still matches. ARGV: lease value.
+static RELEASE: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r"if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0",
+    )
+});
+
+/// A store on Redis: markers are keys under a prefix, claims are leases.
+///
+/// A claim holds a lease (the handler's `lease`, default
+/// [`DEFAULT_LEASE`](crate::DEFAULT_LEASE)) that is renewed every third of
+/// its length while the body runs. A concurrent duplicate gets
+/// [`Error::InProgress`]; a completed key replays the stored result for the
+/// handler's `ttl`, after which Redis expires the marker by itself. When
+/// the body fails, panics or is cancelled the lease is released at once;
+/// when the process crashes the lease expires and the message can be
+/// processed again.
+///
+/// Redis cannot join the database transaction of the effect: an effect that
+/// succeeded before a crash (or before the lease was lost) is run again by
+/// the redelivery. Make effects idempotent by design with this store.
+///
+/// Cloning is cheap: clones share the connection manager.
+///
+/// ```no_run
+/// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+/// use idempotent_runtime::{RedisStore, redis};
+///
+/// let client = redis::Client::open("redis://127.0.0.1:6379/")?;
+/// let store = RedisStore::builder(client.get_connection_manager().await?)
+///     .prefix("payments:idempotent:")
+///     .build()?;
+/// # Ok(()) }
+/// ```
+#[derive(Clone)]
+pub struct RedisStore {
+    conn: ConnectionManager,
+    prefix: Arc<str>,
+    renew: bool,
+}
+
+impl RedisStore {
+    /// A store on `conn` with the key prefix `idempotent:`.
+    pub fn new(conn: ConnectionManager) -> Self {
+        RedisStore { conn, prefix: Arc::from(DEFAULT_PREFIX), renew: true }
+    }
+
+    /// A builder to set the key prefix.
+    pub fn builder(conn: ConnectionManager) -> RedisStoreBuilder {
+        RedisStoreBuilder { conn, prefix: DEFAULT_PREFIX.to_owned(), renew: true }
+    }
+
+    /// The prefix of every key this store writes.
+    pub fn prefix(&self) -> &str {
+        &self.prefix
+    }
+
+    /// The Redis key holding the marker or lease of `(scope, key)`:
+    /// `{prefix}{len(scope)}:{scope}:{key}`.
+    pub fn redis_key(&self, scope: &str, key: &str) -> String {
+        format!("{}{}:{scope}:{key}", self.prefix, scope.len())
+    }
+}
+
+impl fmt::Debug for RedisStore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RedisStore").field("prefix", &self.prefix).field("renew", &self.renew).finish()
+    }
+}
+
+/// Configures a [`RedisStore`].
+#[derive(Clone)]
+pub struct RedisStoreBuilder {
+    conn: ConnectionManager,
+    prefix: String,
+    renew: bool,
+}
+
+impl RedisStoreBuilder {
+    /// Sets the prefix of every key the store writes (default
+    /// `idempotent:`): 1 to 128 bytes, no whitespace or control characters.
+    ///
+    /// Stores sharing one Redis database should use prefixes of which none
+    /// starts another (`orders:` and `payments:`, not `idem` and `idem1`).
+    pub fn prefix(mut self, prefix: impl Into<String>) -> Self {
+        self.prefix = prefix.into();
+        self
+    }
+
+    /// Whether leases are renewed while the body runs (default `true`).
+    ///
+    /// Meant for tests that force a lease to expire mid-body or simulate a
+    /// crashed consumer: without renewal a body that runs longer than its
+    /// lease loses its claim to the next consumer, and its completion then
+    /// fails.
+    pub fn renew(mut self, renew: bool) -> Self {
+        self.renew = renew;
+        self
+    }
+
+    /// The store, or [`Error::Config`] for an invalid prefix.
+    pub fn build(self) -> Result<RedisStore, Error> {
+        let prefix = self.prefix;
+        if prefix.is_empty() || prefix.len() > MAX_PREFIX_BYTES {
+            return Err(Error::Config(format!(
+                "Redis key prefix {prefix:?} must be 1 to {MAX_PREFIX_BYTES} bytes long"
+            )));
+        }
+        if prefix.chars().any(|c| c.is_whitespace() || c.is_control()) {
+            return Err(Error::Config(format!(
+                "Redis key prefix {prefix:?} must not contain whitespace or control characters"
+            )));
+        }
+        Ok(RedisStore { conn: self.conn, prefix: Arc::from(prefix), renew: self.renew })
+    }
+}
+
+impl fmt::Debug for RedisStoreBuilder {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RedisStoreBuilder").field("prefix", &self.prefix).field("renew", &self.renew).finish()
+    }
+}
+
+impl Store for RedisStore {
+    type Guard = RedisGuard;
+
+    async fn claim(&self, req: &Request<'_>) -> Result<Claim<RedisGuard>, Error> {
+        let key = self.redis_key(req.scope_name(), req.key());
+        let lease = format!("L{}", new_token());
+        let lease_ms = req.lease_millis();
+        let mut conn = self.conn.clone();
+        let current: Option<Vec<u8>> = CLAIM
+            .key(&key)
+            .arg(&lease)
+            .arg(lease_ms)
+            .invoke_async(&mut conn)
+            .await
+            .map_err(Error::store)?;
+        let Some(current) = current else {
+            let renewal = self.renew.then(|| spawn_renewal(conn.clone(), key.clone(), lease.clone(), lease_ms)).flatten();
+            return Ok(Claim::Fresh(RedisGuard {
+                conn,
+                key,
+                lease,
+                ttl_ms: req.ttl_millis(),
+                fingerprint: req.fingerprint_value().map(|f| f.as_str().to_owned()),
+                renewal,
+                open: true,
+            }));
+        };
+        match current.first() {
+            Some(b'L') => Err(req.in_progress()),
+            Some(b'D') => {
+                let (fingerprint, result) = std::str::from_utf8(&current[1..])
+                    .ok()
+                    .and_then(decode_done)
+                    .ok_or_else(|| unrecognised(&key))?;
+                req.check_fingerprint(fingerprint)?;
+                Ok(Claim::Done(Replay::new(result.map(str::to_owned))))
+            }
+            _ => Err(unrecognised(&key)),
+        }
+    }
+}
+
+/// Redis expires markers by itself (each completed marker carries its
+/// `ttl` as a Redis expiry), so there is nothing to purge: always `Ok(0)`.
+impl crate::janitor::PurgeExpired for RedisStore {
+    fn purge_expired(&self) -> impl Future<Output = Result<u64, Error>> + Send {
+        std::future::ready(Ok(0))
+    }
+}
+
+/// The lease of a [`RedisStore`] claim, renewed in the background until the
+/// guard completes, aborts or is dropped; released on drop.
+pub struct RedisGuard {
+    conn: ConnectionManager,
+    key: String,
+    lease: String,
+    ttl_ms: i64,
+    fingerprint: Option<String>,
+    renewal: Option<JoinHandle<()>>,
+    open: bool,
+}
+
+impl RedisGuard {
+    fn stop_renewal(&mut self) {
+        if let Some(renewal) = self.renewal.take() {
+            renewal.abort();
+        }
+    }
+}
+
+impl fmt::Debug for RedisGuard {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RedisGuard").field("key", &self.key).field("open", &self.open).finish_non_exhaustive()
+    }
+}
+
+impl Guard for RedisGuard {
+    async fn complete(mut self, result: Option<String>) -> Result<(), Error> {
+        self.open = false;
+        self.stop_renewal();
+        let marker = encode_done(self.fingerprint.as_deref(), result.as_deref());
+        let replaced: i64 = COMPLETE
+            .key(&self.key)
+            .arg(&self.lease)
+            .arg(marker)
+            .arg(self.ttl_ms)
+            .invoke_async(&mut self.conn)
+            .await
+            .map_err(Error::store)?;
+        if replaced == 1 {
+            Ok(())
+        } else {
+            Err(Error::Store(
+                format!(
+                    "the Redis lease on {:?} expired and was lost before the handler completed; the result was not stored",
+                    self.key
+                )
+                .into(),
+            ))
+        }
+    }
+
+    async fn abort(mut self) {
+        self.open = false;
+        self.stop_renewal();
+        if let Err(error) = release(&mut self.conn, &self.key, &self.lease).await {
+            tracing::warn!(target: "idempotent", key = %self.key, %error, "releasing the Redis lease failed; it will expire");
+        }
+    }
+}
+
+impl Drop for RedisGuard {
+    fn drop(&mut self) {
+        self.stop_renewal();
+        if !self.open {
+            return;
+        }
+        // Dropped without completion (panic or cancellation): release in the
+        // background; without a runtime the lease simply expires.
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            let mut conn = self.conn.clone();
+            let key = std::mem::take(&mut self.key);
+            let lease = std::mem::take(&mut self.lease);
+            runtime.spawn(async move {
+                if let Err(error) = release(&mut conn, &key, &lease).await {
+                    tracing::warn!(target: "idempotent", %key, %error, "releasing the Redis lease failed; it will expire");
+                }
+            });
+        }
+    }
+}
+
+async fn release(conn: &mut ConnectionManager, key: &str, lease: &str) -> redis::RedisResult<()> {
+    let _: i64 = RELEASE.key(key).arg(lease).invoke_async(conn).await?;
+    Ok(())
+}
+
+/// Extends the lease every third of its length until aborted or lost.
+fn spawn_renewal(mut conn: ConnectionManager, key: String, lease: String, lease_ms: i64) -> Option<JoinHandle<()>> {
+    let runtime = tokio::runtime::Handle::try_current().ok()?;
+    let every = Duration::from_millis(u64::try_from(lease_ms / 3).unwrap_or(1).max(1));
+    Some(runtime.spawn(async move {
+        let mut ticks = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+        ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            ticks.tick().await;
+            let renewed: redis::RedisResult<i64> =
+                RENEW.key(&key).arg(&lease).arg(lease_ms).invoke_async(&mut conn).await;
+            match renewed {
+                Ok(1) => {}
+                Ok(_) => {
+                    tracing::warn!(target: "idempotent", %key, "the Redis lease was lost while the handler ran");
+                    return;
+                }
+                Err(error) => {
+                    tracing::warn!(target: "idempotent", %key, %error, "renewing the Redis lease failed; retrying");
+                }
+            }
+        }
+    }))
+}
+
+fn unrecognised(key: &str) -> Error {
+    Error::Store(
+        format!("unrecognised value under Redis key {key:?}: is something else writing under this store's prefix?")
+            .into(),
+    )
+}
+
+/// 32 hex digits, unique per claim: 128 bits from two randomly keyed
+/// SipHashes (the OS seeds std's `RandomState`) over the process id, the
+/// time and a counter.
+fn new_token() -> String {
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let count = COUNTER.fetch_add(1, Ordering::Relaxed);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    let half = || {
+        let mut hasher = std::hash::RandomState::new().build_hasher();
+        hasher.write_u32(std::process::id());
+        hasher.write_u128(nanos);
+        hasher.write_u64(count);
+        hasher.finish()
+    };
+    format!("{:016x}{:016x}", half(), half())
+}
+
+/// `D{fingerprint}{result}`; see the module docs.
+fn encode_done(fingerprint: Option<&str>, result: Option<&str>) -> String {
+    let mut value = String::with_capacity(8 + fingerprint.map_or(0, str::len) + result.map_or(0, str::len));
+    value.push('D');
+    match fingerprint {
+        Some(fp) => {
+            value.push_str(&fp.len().to_string());
+            value.push(':');
+            value.push_str(fp);
+        }
+        None => value.push('-'),
+    }
+    if let Some(result) = result {
+        value.push('=');
+        value.push_str(result);
+    }
+    value
+}
+
+/// The fingerprint and result of a completed marker (after its `D`).
+fn decode_done(rest: &str) -> Option<(Option<&str>, Option<&str>)> {
+    let (fingerprint, rest) = match rest.strip_prefix('-') {
+        Some(rest) => (None, rest),
+        None => {
+            let (len, rest) = rest.split_once(':')?;
+            if len.is_empty() || !len.bytes().all(|b| b.is_ascii_digit()) {
+                return None;
+            }
+            let len: usize = len.parse().ok()?;
+            let fingerprint = rest.get(..len)?;
+            (Some(fingerprint), rest.get(len..)?)
+        }
+    };
+    let result = match rest {
+        "" => None,
+        rest => Some(rest.strip_prefix('=')?),
+    };
+    Some((fingerprint, result))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn completed_markers_round_trip() {
+        for fingerprint in [None, Some(""), Some("abc"), Some("12:=-D|x")] {
+            for result in [None, Some(""), Some("42"), Some(r#"{"a":"=:-|"}"#), Some("=")] {
+                let value = encode_done(fingerprint, result);
+                assert_eq!(value.as_bytes()[0], b'D');
+                assert_eq!(decode_done(&value[1..]), Some((fingerprint, result)), "{value}");
+            }
+        }
+    }
+
+    #[test]
+    fn malformed_markers_are_refused() {
+        for rest in ["", "x", "3:ab", "3:abcx", "-x", "+1:a", "1a:b"] {
+            assert_eq!(decode_done(rest), None, "{rest}");
+        }
+    }
+
+    #[test]
+    fn tokens_differ() {
+        let a = new_token();
+        assert_eq!(a.len(), 32);
+        assert_ne!(a, new_token());
+    }
+}
