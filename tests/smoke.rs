@@ -40,9 +40,7 @@ impl Svc {
 #[tokio::test]
 async fn smoke() {
     let dir = tempfile::tempdir().unwrap();
-    let store = SqliteStore::open(dir.path().join("db.sqlite"))
-        .await
-        .unwrap();
+    let store = SqliteStore::open(dir.path().join("db.sqlite")).await.unwrap();
     store.migrate().await.unwrap();
     idempotent_runtime::sqlx::query("CREATE TABLE payments (id TEXT PRIMARY KEY, amount INTEGER)")
         .execute(store.pool())

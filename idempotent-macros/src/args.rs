@@ -9,16 +9,7 @@ use crate::ctxt::Ctxt;
 use crate::duration::parse_millis;
 use crate::suggest::closest;
 
-const NAMES: &[&str] = &[
-    "key",
-    "store",
-    "scope",
-    "ttl",
-    "fingerprint",
-    "lease",
-    "tx",
-    "crate",
-];
+const NAMES: &[&str] = &["key", "store", "scope", "ttl", "fingerprint", "lease", "tx", "crate"];
 
 /// The default marker lifetime: seven days.
 const DEFAULT_TTL_MS: u64 = 7 * 86_400_000;
@@ -81,10 +72,7 @@ pub fn parse(cx: &Ctxt, tokens: TokenStream) -> Args {
         cx.syn_error(error);
         return args;
     }
-    for (required, example) in [
-        ("key", "key = \"msg.message_id\""),
-        ("store", "store = self.store"),
-    ] {
+    for (required, example) in [("key", "key = \"msg.message_id\""), ("store", "store = self.store")] {
         if !seen.iter().any(|s| s == required) {
             cx.error_at(
                 Span::call_site(),
@@ -121,32 +109,22 @@ fn apply(cx: &Ctxt, args: &mut Args, name: &Ident, value: Expr) {
             }
         }
         "tx" => match &value {
-            Expr::Path(path) if path.path.get_ident().is_some() => {
-                args.tx = path.path.get_ident().cloned()
-            }
+            Expr::Path(path) if path.path.get_ident().is_some() => args.tx = path.path.get_ident().cloned(),
             _ => match string(cx, "tx", &value, "tx = \"conn\"") {
                 Some(lit) => match lit.parse::<Ident>() {
                     Ok(ident) => args.tx = Some(ident),
-                    Err(_) => {
-                        cx.error_spanned_by(&lit, "`tx` names a parameter, like `tx = \"conn\"`")
-                    }
+                    Err(_) => cx.error_spanned_by(&lit, "`tx` names a parameter, like `tx = \"conn\"`"),
                 },
                 None => {}
             },
         },
         "crate" => {
-            if let Some(lit) = string(
-                cx,
-                "crate",
-                &value,
-                "crate = \"my_reexport::idempotent_runtime\"",
-            ) {
+            if let Some(lit) = string(cx, "crate", &value, "crate = \"my_reexport::idempotent_runtime\"") {
                 match lit.parse::<syn::Path>() {
                     Ok(path) => args.krate = path,
-                    Err(_) => cx.error_spanned_by(
-                        &lit,
-                        "`crate` must be a path, like `crate = \"::idempotent_runtime\"`",
-                    ),
+                    Err(_) => {
+                        cx.error_spanned_by(&lit, "`crate` must be a path, like `crate = \"::idempotent_runtime\"`")
+                    }
                 }
             }
         }
@@ -166,10 +144,7 @@ fn apply(cx: &Ctxt, args: &mut Args, name: &Ident, value: Expr) {
 
 /// A key or fingerprint: a string holding an expression, or a bare expression.
 fn expression(cx: &Ctxt, what: &str, value: Expr) -> Option<Expr> {
-    let Expr::Lit(ExprLit {
-        lit: Lit::Str(lit), ..
-    }) = &value
-    else {
+    let Expr::Lit(ExprLit { lit: Lit::Str(lit), .. }) = &value else {
         return Some(value);
     };
     match lit.parse::<Expr>() {
@@ -177,7 +152,9 @@ fn expression(cx: &Ctxt, what: &str, value: Expr) -> Option<Expr> {
         Err(error) => {
             cx.error_spanned_by(
                 lit,
-                format!("`{what}` must be an expression over the handler's parameters, like \"msg.message_id\": {error}"),
+                format!(
+                    "`{what}` must be an expression over the handler's parameters, like \"msg.message_id\": {error}"
+                ),
             );
             None
         }
@@ -186,14 +163,9 @@ fn expression(cx: &Ctxt, what: &str, value: Expr) -> Option<Expr> {
 
 fn string(cx: &Ctxt, what: &str, value: &Expr, example: &str) -> Option<LitStr> {
     match value {
-        Expr::Lit(ExprLit {
-            lit: Lit::Str(lit), ..
-        }) => Some(lit.clone()),
+        Expr::Lit(ExprLit { lit: Lit::Str(lit), .. }) => Some(lit.clone()),
         other => {
-            cx.error_spanned_by(
-                other,
-                format!("`{what}` takes a string literal, like `{example}`"),
-            );
+            cx.error_spanned_by(other, format!("`{what}` takes a string literal, like `{example}`"));
             None
         }
     }

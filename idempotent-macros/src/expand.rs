@@ -192,10 +192,7 @@ fn item_span(item: &TokenStream) -> Span {
     let first = tokens.next();
     let second = tokens.next();
     match (first, second) {
-        (Some(first), Some(second)) => first
-            .span()
-            .join(second.span())
-            .unwrap_or_else(|| first.span()),
+        (Some(first), Some(second)) => first.span().join(second.span()).unwrap_or_else(|| first.span()),
         (Some(first), None) => first.span(),
         _ => Span::call_site(),
     }

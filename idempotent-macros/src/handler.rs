@@ -61,7 +61,10 @@ pub fn analyze(cx: &Ctxt, func: ItemFn, args: &Args) -> Handler {
         let looks_tx = args.tx.is_none() && is_transaction_type(&typed.ty);
         if named_tx || looks_tx {
             if named_tx && !matches!(&*typed.ty, Type::Reference(r) if r.mutability.is_some()) {
-                cx.error_spanned_by(&typed.ty, "the transaction parameter must be a `&mut` reference to a transaction or connection");
+                cx.error_spanned_by(
+                    &typed.ty,
+                    "the transaction parameter must be a `&mut` reference to a transaction or connection",
+                );
             }
             match &tx {
                 Some(first) => cx.error_spanned_by(
@@ -96,14 +99,7 @@ pub fn analyze(cx: &Ctxt, func: ItemFn, args: &Args) -> Handler {
         check_over_parameters(cx, "key", key, &names, tx_name.as_ref(), &sig.ident);
     }
     if let Some(fingerprint) = &args.fingerprint {
-        check_over_parameters(
-            cx,
-            "fingerprint",
-            fingerprint,
-            &names,
-            tx_name.as_ref(),
-            &sig.ident,
-        );
+        check_over_parameters(cx, "fingerprint", fingerprint, &names, tx_name.as_ref(), &sig.ident);
     }
 
     Handler {
@@ -138,10 +134,7 @@ fn result_types(cx: &Ctxt, func: &ItemFn) -> (Option<Type>, Option<Type>) {
     let explain = "#[idempotent] handlers must return `Result<T, E>` with `E: From<idempotent_runtime::Error>`: the store can fail, and duplicates answer with the stored `T`";
     let ty = match &func.sig.output {
         ReturnType::Default => {
-            cx.error_spanned_by(
-                &func.sig.ident,
-                format!("`{}` returns `()`; {explain}", func.sig.ident),
-            );
+            cx.error_spanned_by(&func.sig.ident, format!("`{}` returns `()`; {explain}", func.sig.ident));
             return (None, None);
         }
         ReturnType::Type(_, ty) => ty,
@@ -178,14 +171,7 @@ fn collect_bindings(pat: &Pat, names: &mut Vec<Ident>) {
 
 /// Every variable a key or fingerprint expression reads must be a parameter
 /// (other than the transaction).
-fn check_over_parameters(
-    cx: &Ctxt,
-    what: &str,
-    expr: &Expr,
-    params: &[Ident],
-    tx: Option<&Ident>,
-    func: &Ident,
-) {
+fn check_over_parameters(cx: &Ctxt, what: &str, expr: &Expr, params: &[Ident], tx: Option<&Ident>, func: &Ident) {
     let mut finder = Variables {
         found: Vec::new(),
         locals: Vec::new(),
@@ -196,7 +182,9 @@ fn check_over_parameters(
         if tx == Some(variable) {
             cx.error_spanned_by(
                 variable,
-                format!("the {what} cannot use the transaction parameter `{variable}`: it is bound after the key is read"),
+                format!(
+                    "the {what} cannot use the transaction parameter `{variable}`: it is bound after the key is read"
+                ),
             );
         } else if !params.contains(variable) {
             cx.error_spanned_by(
@@ -229,16 +217,11 @@ struct Variables {
 
 impl<'ast> Visit<'ast> for Variables {
     fn visit_expr_path(&mut self, path: &'ast syn::ExprPath) {
-        if path.qself.is_some()
-            || path.path.leading_colon.is_some()
-            || path.path.segments.len() != 1
-        {
+        if path.qself.is_some() || path.path.leading_colon.is_some() || path.path.segments.len() != 1 {
             return;
         }
         let ident = &path.path.segments[0].ident;
-        let is_constant = ident
-            .to_string()
-            .starts_with(|c: char| c.is_ascii_uppercase());
+        let is_constant = ident.to_string().starts_with(|c: char| c.is_ascii_uppercase());
         if !is_constant && !self.locals.contains(ident) {
             self.found.push(ident.clone());
         }
@@ -277,11 +260,7 @@ fn list(names: &[Ident]) -> String {
     if names.is_empty() {
         return "none".to_owned();
     }
-    names
-        .iter()
-        .map(|n| format!("`{n}`"))
-        .collect::<Vec<_>>()
-        .join(", ")
+    names.iter().map(|n| format!("`{n}`")).collect::<Vec<_>>().join(", ")
 }
 
 /// The span to report type errors about the handler's result on.

@@ -5,9 +5,7 @@ pub fn closest<'a>(word: &str, candidates: &[&'a str]) -> Option<&'a str> {
     candidates
         .iter()
         .map(|candidate| (edit_distance(word, candidate), *candidate))
-        .filter(|(distance, candidate)| {
-            *distance <= (candidate.len() / 3).max(1) + usize::from(word.len() > 4)
-        })
+        .filter(|(distance, candidate)| *distance <= (candidate.len() / 3).max(1) + usize::from(word.len() > 4))
         .min_by_key(|(distance, _)| *distance)
         .map(|(_, candidate)| candidate)
 }
@@ -31,16 +29,7 @@ fn edit_distance(a: &str, b: &str) -> usize {
 mod tests {
     use super::*;
 
-    const ARGS: &[&str] = &[
-        "key",
-        "store",
-        "scope",
-        "ttl",
-        "fingerprint",
-        "lease",
-        "tx",
-        "crate",
-    ];
+    const ARGS: &[&str] = &["key", "store", "scope", "ttl", "fingerprint", "lease", "tx", "crate"];
 
     #[test]
     fn typos_get_the_intended_name() {

@@ -44,11 +44,7 @@ pub fn span(req: &Request<'_>) -> Span {
 
 /// Claims with any store (handlers without a transaction parameter).
 #[inline]
-pub async fn claim<S: Store + ?Sized>(
-    store: &S,
-    req: &Request<'_>,
-    span: &Span,
-) -> Result<Claim<S::Guard>, Error> {
+pub async fn claim<S: Store + ?Sized>(store: &S, req: &Request<'_>, span: &Span) -> Result<Claim<S::Guard>, Error> {
     let claim = store.claim(req).await;
     log_claim(&claim, span);
     claim
@@ -130,7 +126,9 @@ pub async fn finish<G: Guard, T: StoredResult, E: HandlerError>(
                 Ok(stored) => stored,
                 Err(error) => {
                     guard.abort().await;
-                    span.in_scope(|| tracing::warn!(target: "idempotent", outcome = "failed", %error, "result not stored"));
+                    span.in_scope(
+                        || tracing::warn!(target: "idempotent", outcome = "failed", %error, "result not stored"),
+                    );
                     return Err(E::from(error));
                 }
             };
@@ -147,7 +145,9 @@ pub async fn finish<G: Guard, T: StoredResult, E: HandlerError>(
         }
         Err(error) => {
             guard.abort().await;
-            span.in_scope(|| tracing::debug!(target: "idempotent", outcome = "failed", "handler failed; claim released"));
+            span.in_scope(
+                || tracing::debug!(target: "idempotent", outcome = "failed", "handler failed; claim released"),
+            );
             Err(error)
         }
     }

@@ -91,12 +91,17 @@ impl IdempotencyKey for uuid::Uuid {
 
 /// The text of a key, or `MissingKey` when it is `None`.
 pub(crate) fn require<'k>(scope: &str, key: Option<Cow<'k, str>>) -> Result<Cow<'k, str>, Error> {
-    key.ok_or_else(|| Error::MissingKey { scope: scope.to_owned() })
+    key.ok_or_else(|| Error::MissingKey {
+        scope: scope.to_owned(),
+    })
 }
 
 /// Checks a key against the rules every store shares.
 pub(crate) fn validate(scope: &str, key: &str) -> Result<(), Error> {
-    let invalid = |reason: String| Error::InvalidKey { scope: scope.to_owned(), reason };
+    let invalid = |reason: String| Error::InvalidKey {
+        scope: scope.to_owned(),
+        reason,
+    };
     if key.is_empty() {
         return Err(invalid("the key is empty".into()));
     }

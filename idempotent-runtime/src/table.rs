@@ -23,7 +23,10 @@ pub const MAX_TABLE_NAME_BYTES: usize = 48;
 impl TableName {
     /// The default table, `processed_messages`.
     pub fn default_table() -> Self {
-        TableName { schema: None, table: "processed_messages".to_owned() }
+        TableName {
+            schema: None,
+            table: "processed_messages".to_owned(),
+        }
     }
 
     /// Validates `name`.
@@ -37,7 +40,10 @@ impl TableName {
         for part in schema.iter().chain([&table]) {
             check_identifier(name, part)?;
         }
-        Ok(TableName { schema: schema.map(str::to_owned), table: table.to_owned() })
+        Ok(TableName {
+            schema: schema.map(str::to_owned),
+            table: table.to_owned(),
+        })
     }
 
     /// The schema, when the name is qualified.

@@ -32,8 +32,14 @@ struct Inner {
 }
 
 enum Entry {
-    Leased { token: u64 },
-    Done { expires_at: Instant, fingerprint: Option<String>, result: Option<String> },
+    Leased {
+        token: u64,
+    },
+    Done {
+        expires_at: Instant,
+        fingerprint: Option<String>,
+        result: Option<String>,
+    },
 }
 
 impl MemoryStore {
@@ -90,7 +96,11 @@ impl Store for MemoryStore {
         let id = (req.scope_name().to_owned(), req.key().to_owned());
         let mut entries = self.inner.lock();
         match entries.get(&id) {
-            Some(Entry::Done { expires_at, fingerprint, result }) if *expires_at > Instant::now() => {
+            Some(Entry::Done {
+                expires_at,
+                fingerprint,
+                result,
+            }) if *expires_at > Instant::now() => {
                 req.check_fingerprint(fingerprint.as_deref())?;
                 return Ok(Claim::Done(Replay::new(result.clone())));
             }
@@ -128,7 +138,14 @@ impl Guard for MemoryGuard {
             Some(Entry::Leased { token }) if *token == self.token => {
                 let expires_at = Instant::now().checked_add(self.ttl).unwrap_or_else(far_future);
                 let fingerprint = self.fingerprint.take();
-                entries.insert(std::mem::take(&mut self.id), Entry::Done { expires_at, fingerprint, result });
+                entries.insert(
+                    std::mem::take(&mut self.id),
+                    Entry::Done {
+                        expires_at,
+                        fingerprint,
+                        result,
+                    },
+                );
                 Ok(())
             }
             _ => Err(Error::Store("the lease was lost before the handler completed".into())),

@@ -90,17 +90,27 @@ impl PgStore {
             purge_batch: i64::from(purge_batch),
             table,
         };
-        PgStore { pool, sql: Arc::new(sql) }
+        PgStore {
+            pool,
+            sql: Arc::new(sql),
+        }
     }
 
     /// A store on `pool` with the default table, `processed_messages`.
     pub fn new(pool: PgPool) -> Self {
-        PgStore::assemble(pool, crate::TableName::default(), crate::store::sql::DEFAULT_PURGE_BATCH)
+        PgStore::assemble(
+            pool,
+            crate::TableName::default(),
+            crate::store::sql::DEFAULT_PURGE_BATCH,
+        )
     }
 
     /// A builder to set the table name and purge batch size.
     pub fn builder(pool: PgPool) -> PgStoreBuilder {
-        PgStoreBuilder { pool, settings: Settings::default() }
+        PgStoreBuilder {
+            pool,
+            settings: Settings::default(),
+        }
     }
 
     /// The pool the store runs on.
@@ -119,7 +129,9 @@ impl PgStore {
         let mut tx = self.pool.begin().await?;
         // Concurrent CREATE TABLE IF NOT EXISTS can still collide in the
         // catalog; serialize migrations with a transaction-scoped lock.
-        sqlx::query("SELECT pg_advisory_xact_lock(7306369421585737536)").execute(&mut *tx).await?;
+        sqlx::query("SELECT pg_advisory_xact_lock(7306369421585737536)")
+            .execute(&mut *tx)
+            .await?;
         for statement in &self.sql.ddl {
             sqlx::query(AssertSqlSafe(statement.as_str())).execute(&mut *tx).await?;
         }
@@ -160,7 +172,12 @@ impl Store for PgStore {
             .await?
             .is_some();
         if claimed {
-            return Ok(Claim::Fresh(SqlGuard::new(tx, Arc::clone(&self.sql.write_result), req, None)));
+            return Ok(Claim::Fresh(SqlGuard::new(
+                tx,
+                Arc::clone(&self.sql.write_result),
+                req,
+                None,
+            )));
         }
         // A live marker exists (ON CONFLICT DO UPDATE locked it, so it
         // cannot vanish before this read).
@@ -189,7 +206,12 @@ impl SqlBackend for Postgres {
         key: &'a str,
     ) -> impl Future<Output = Result<(), sqlx::Error>> + Send + 'a {
         async move {
-            sqlx::query(AssertSqlSafe(sql)).bind(result).bind(scope).bind(key).execute(conn).await?;
+            sqlx::query(AssertSqlSafe(sql))
+                .bind(result)
+                .bind(scope)
+                .bind(key)
+                .execute(conn)
+                .await?;
             Ok(())
         }
     }

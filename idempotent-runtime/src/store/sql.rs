@@ -57,7 +57,14 @@ impl<DB: SqlBackend> SqlGuard<DB> {
 impl<DB: SqlBackend> Guard for SqlGuard<DB> {
     async fn complete(mut self, result: Option<String>) -> Result<(), Error> {
         if let Some(result) = result {
-            DB::write_result(&mut self.tx, Arc::clone(&self.write_result_sql), result, &self.scope, &self.key).await?;
+            DB::write_result(
+                &mut self.tx,
+                Arc::clone(&self.write_result_sql),
+                result,
+                &self.scope,
+                &self.key,
+            )
+            .await?;
         }
         self.tx.commit().await?;
         Ok(())
@@ -93,7 +100,11 @@ pub(crate) fn ddl(template: &str, table: &TableName, quote: char) -> Vec<String>
         .map(|part| part.replace("processed_messages", &table.quoted(quote)))
         .collect::<Vec<_>>()
         .join(&table.expiry_index(quote));
-    body.split(';').map(str::trim).filter(|s| !s.is_empty()).map(str::to_owned).collect()
+    body.split(';')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map(str::to_owned)
+        .collect()
 }
 
 /// Settings every sqlx store takes from its builder.
@@ -105,7 +116,10 @@ pub(crate) struct Settings {
 
 impl Default for Settings {
     fn default() -> Self {
-        Settings { table: Ok(TableName::default()), purge_batch: DEFAULT_PURGE_BATCH }
+        Settings {
+            table: Ok(TableName::default()),
+            purge_batch: DEFAULT_PURGE_BATCH,
+        }
     }
 }
 
@@ -135,7 +149,11 @@ mod tests {
         let table = TableName::new("app.seen").unwrap();
         let stmts = ddl(include_str!("../../sql/postgres.sql"), &table, '"');
         assert_eq!(stmts.len(), 2);
-        assert!(stmts[0].starts_with("CREATE TABLE IF NOT EXISTS \"app\".\"seen\" ("), "{}", stmts[0]);
+        assert!(
+            stmts[0].starts_with("CREATE TABLE IF NOT EXISTS \"app\".\"seen\" ("),
+            "{}",
+            stmts[0]
+        );
         assert!(stmts[1].contains("\"seen_expires_at_idx\""), "{}", stmts[1]);
         assert!(stmts[1].contains("ON \"app\".\"seen\" (expires_at)"), "{}", stmts[1]);
         assert!(!stmts.iter().any(|s| s.contains("processed_messages")));

@@ -107,7 +107,11 @@ impl SqliteStore {
             purge_batch: i64::from(purge_batch),
             table,
         };
-        SqliteStore { pool, writer: Arc::new(Semaphore::new(1)), sql: Arc::new(sql) }
+        SqliteStore {
+            pool,
+            writer: Arc::new(Semaphore::new(1)),
+            sql: Arc::new(sql),
+        }
     }
 
     /// A store on `pool` with the default table, `processed_messages`.
@@ -115,12 +119,19 @@ impl SqliteStore {
     /// For concurrent callers the pool should use WAL and a busy timeout, as
     /// [`SqliteStore::open`] sets up.
     pub fn new(pool: SqlitePool) -> Self {
-        SqliteStore::assemble(pool, crate::TableName::default(), crate::store::sql::DEFAULT_PURGE_BATCH)
+        SqliteStore::assemble(
+            pool,
+            crate::TableName::default(),
+            crate::store::sql::DEFAULT_PURGE_BATCH,
+        )
     }
 
     /// A builder to set the table name and purge batch size.
     pub fn builder(pool: SqlitePool) -> SqliteStoreBuilder {
-        SqliteStoreBuilder { pool, settings: Settings::default() }
+        SqliteStoreBuilder {
+            pool,
+            settings: Settings::default(),
+        }
     }
 
     /// Opens (creating it if missing) the database file at `path` with the
@@ -135,7 +146,10 @@ impl SqliteStore {
             .synchronous(SqliteSynchronous::Normal)
             .busy_timeout(Duration::from_secs(5))
             .foreign_keys(true);
-        let pool = SqlitePoolOptions::new().max_connections(8).connect_with(options).await?;
+        let pool = SqlitePoolOptions::new()
+            .max_connections(8)
+            .connect_with(options)
+            .await?;
         Ok(SqliteStore::new(pool))
     }
 
@@ -205,8 +219,12 @@ impl SqliteStore {
 
 /// `SQLITE_BUSY` and `SQLITE_LOCKED`, with their extended codes.
 fn is_busy(error: &sqlx::Error) -> bool {
-    let Some(db) = error.as_database_error() else { return false };
-    db.code().and_then(|code| code.parse::<i32>().ok()).is_some_and(|code| matches!(code & 0xff, 5 | 6))
+    let Some(db) = error.as_database_error() else {
+        return false;
+    };
+    db.code()
+        .and_then(|code| code.parse::<i32>().ok())
+        .is_some_and(|code| matches!(code & 0xff, 5 | 6))
 }
 
 impl Store for SqliteStore {
@@ -223,7 +241,12 @@ impl Store for SqliteStore {
             .await?
             .is_some();
         if claimed {
-            return Ok(Claim::Fresh(SqlGuard::new(tx, Arc::clone(&self.sql.write_result), req, Some(writer))));
+            return Ok(Claim::Fresh(SqlGuard::new(
+                tx,
+                Arc::clone(&self.sql.write_result),
+                req,
+                Some(writer),
+            )));
         }
         let row = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.read)))
             .bind(req.scope_name())
@@ -251,7 +274,12 @@ impl SqlBackend for Sqlite {
         key: &'a str,
     ) -> impl Future<Output = Result<(), sqlx::Error>> + Send + 'a {
         async move {
-            sqlx::query(AssertSqlSafe(sql)).bind(result).bind(scope).bind(key).execute(conn).await?;
+            sqlx::query(AssertSqlSafe(sql))
+                .bind(result)
+                .bind(scope)
+                .bind(key)
+                .execute(conn)
+                .await?;
             Ok(())
         }
     }
