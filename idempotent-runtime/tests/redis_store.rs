@@ -12,18 +12,13 @@ use std::future::Future;
 use std::time::{Duration, Instant};
 
 use idempotent_runtime::redis::{self, AsyncCommands, aio::ConnectionManager};
-use idempotent_runtime::{
-    Claim, Error, Fingerprint, Guard, PurgeExpired, RedisGuard, RedisStore, Request, Store,
-};
+use idempotent_runtime::{Claim, Error, Fingerprint, Guard, PurgeExpired, RedisGuard, RedisStore, Request, Store};
 
 const TTL: Duration = Duration::from_secs(60);
 
 async fn manager() -> ConnectionManager {
     let client = redis::Client::open("redis://127.0.0.1:6379/").expect("redis url");
-    client
-        .get_connection_manager()
-        .await
-        .expect("Redis at 127.0.0.1:6379")
+    client.get_connection_manager().await.expect("Redis at 127.0.0.1:6379")
 }
 
 /// A store under a prefix no other test (or run) uses.
@@ -41,15 +36,8 @@ impl Fixture {
             .as_nanos();
         let prefix = format!("idempotent-test:{test}:{}:{nanos}:", std::process::id());
         let conn = manager().await;
-        let store = RedisStore::builder(conn.clone())
-            .prefix(&prefix)
-            .build()
-            .unwrap();
-        Fixture {
-            conn,
-            prefix,
-            store,
-        }
+        let store = RedisStore::builder(conn.clone()).prefix(&prefix).build().unwrap();
+        Fixture { conn, prefix, store }
     }
 
     /// A second store on the same keys whose leases are not renewed.
@@ -62,11 +50,7 @@ impl Fixture {
     }
 
     async fn raw(&self, scope: &str, key: &str) -> Option<String> {
-        self.conn
-            .clone()
-            .get(self.store.redis_key(scope, key))
-            .await
-            .unwrap()
+        self.conn.clone().get(self.store.redis_key(scope, key)).await.unwrap()
     }
 
     async fn cleanup(&self) {
@@ -145,18 +129,9 @@ async fn completion_is_replayed_to_duplicates() {
     with_fixture("replay", |fx| async move {
         let r = req("orders", "msg-1");
         let guard = fresh(&fx.store, &r).await;
-        guard
-            .complete(Some(r#"{"charged":42}"#.into()))
-            .await
-            .unwrap();
-        assert_eq!(
-            done(&fx.store, &r).await.as_deref(),
-            Some(r#"{"charged":42}"#)
-        );
-        assert_eq!(
-            done(&fx.store, &r).await.as_deref(),
-            Some(r#"{"charged":42}"#)
-        );
+        guard.complete(Some(r#"{"charged":42}"#.into())).await.unwrap();
+        assert_eq!(done(&fx.store, &r).await.as_deref(), Some(r#"{"charged":42}"#));
+        assert_eq!(done(&fx.store, &r).await.as_deref(), Some(r#"{"charged":42}"#));
 
         // `()` stores nothing (JSON null) and replays as `None`.
         let unit = req("orders", "msg-unit");
@@ -166,11 +141,7 @@ async fn completion_is_replayed_to_duplicates() {
         // Results made of the encoding's own separators come back unchanged.
         let odd = req("orders", "msg-odd");
         let json = r#""D-=1:|L:=""#;
-        fresh(&fx.store, &odd)
-            .await
-            .complete(Some(json.into()))
-            .await
-            .unwrap();
+        fresh(&fx.store, &odd).await.complete(Some(json.into())).await.unwrap();
         assert_eq!(done(&fx.store, &odd).await.as_deref(), Some(json));
 
         // The completed marker carries the request's ttl as its Redis expiry.
@@ -231,11 +202,7 @@ async fn a_different_fingerprint_is_key_reused() {
         let first = Some(Fingerprint::of(&("order-1", 100)).unwrap());
         let other = Some(Fingerprint::of(&("order-1", 999)).unwrap());
         let r = req("orders", "msg-1").fingerprint(first.clone());
-        fresh(&fx.store, &r)
-            .await
-            .complete(Some("1".into()))
-            .await
-            .unwrap();
+        fresh(&fx.store, &r).await.complete(Some("1".into())).await.unwrap();
 
         let reused = req("orders", "msg-1").fingerprint(other);
         match fx.store.claim(&reused).await {
@@ -252,19 +219,13 @@ async fn a_different_fingerprint_is_key_reused() {
             Some("1")
         );
         // A request without a fingerprint does not check one.
-        assert_eq!(
-            done(&fx.store, &req("orders", "msg-1")).await.as_deref(),
-            Some("1")
-        );
+        assert_eq!(done(&fx.store, &req("orders", "msg-1")).await.as_deref(), Some("1"));
 
         // A marker stored without a fingerprint does not match one.
         let bare = req("orders", "msg-2");
         fresh(&fx.store, &bare).await.complete(None).await.unwrap();
         let with = req("orders", "msg-2").fingerprint(Some(Fingerprint::from_bytes(b"x")));
-        assert!(matches!(
-            fx.store.claim(&with).await,
-            Err(Error::KeyReused { .. })
-        ));
+        assert!(matches!(fx.store.claim(&with).await, Err(Error::KeyReused { .. })));
     })
     .await;
 }
@@ -322,8 +283,7 @@ async fn a_stale_consumer_cannot_overwrite_the_new_owners_marker() {
         let short = req("orders", "msg-1").lease(Duration::from_millis(200));
         let stale = fresh(&stale_store, &short).await;
         // The stale consumer's body outlives its lease; another takes over.
-        let owner =
-            eventually_fresh(&fx.store, &req("orders", "msg-1"), Duration::from_secs(3)).await;
+        let owner = eventually_fresh(&fx.store, &req("orders", "msg-1"), Duration::from_secs(3)).await;
         let owners_lease = fx.raw("orders", "msg-1").await;
 
         let err = stale.complete(Some("\"stale\"".into())).await.unwrap_err();
@@ -343,13 +303,8 @@ async fn a_stale_consumer_cannot_overwrite_the_new_owners_marker() {
         );
 
         // Even after the owner completed, a stale completion changes nothing.
-        let stale = fresh(
-            &stale_store,
-            &req("orders", "msg-2").lease(Duration::from_millis(200)),
-        )
-        .await;
-        let owner =
-            eventually_fresh(&fx.store, &req("orders", "msg-2"), Duration::from_secs(3)).await;
+        let stale = fresh(&stale_store, &req("orders", "msg-2").lease(Duration::from_millis(200))).await;
+        let owner = eventually_fresh(&fx.store, &req("orders", "msg-2"), Duration::from_secs(3)).await;
         owner.complete(Some("\"owner\"".into())).await.unwrap();
         let marker = fx.raw("orders", "msg-2").await;
         assert!(stale.complete(Some("\"stale\"".into())).await.is_err());
@@ -370,19 +325,13 @@ async fn a_stale_consumer_cannot_release_the_new_owners_claim() {
 
         // abort from the stale guard leaves the new owner's lease alone...
         let stale = fresh(&stale_store, &short).await;
-        let owner =
-            eventually_fresh(&fx.store, &req("orders", "msg-1"), Duration::from_secs(3)).await;
+        let owner = eventually_fresh(&fx.store, &req("orders", "msg-1"), Duration::from_secs(3)).await;
         stale.abort().await;
         assert_in_progress(&fx.store, &req("orders", "msg-1")).await;
 
         // ...and so does dropping it (the release runs in the background).
-        let stale = fresh(
-            &stale_store,
-            &req("orders", "msg-2").lease(Duration::from_millis(200)),
-        )
-        .await;
-        let owner2 =
-            eventually_fresh(&fx.store, &req("orders", "msg-2"), Duration::from_secs(3)).await;
+        let stale = fresh(&stale_store, &req("orders", "msg-2").lease(Duration::from_millis(200))).await;
+        let owner2 = eventually_fresh(&fx.store, &req("orders", "msg-2"), Duration::from_secs(3)).await;
         drop(stale);
         tokio::time::sleep(Duration::from_millis(200)).await;
         assert_in_progress(&fx.store, &req("orders", "msg-2")).await;
@@ -391,21 +340,13 @@ async fn a_stale_consumer_cannot_release_the_new_owners_claim() {
         owner2.complete(Some("2".into())).await.unwrap();
 
         // A stale abort after the owner completed leaves the marker too.
-        let stale = fresh(
-            &stale_store,
-            &req("orders", "msg-3").lease(Duration::from_millis(200)),
-        )
-        .await;
-        let owner3 =
-            eventually_fresh(&fx.store, &req("orders", "msg-3"), Duration::from_secs(3)).await;
+        let stale = fresh(&stale_store, &req("orders", "msg-3").lease(Duration::from_millis(200))).await;
+        let owner3 = eventually_fresh(&fx.store, &req("orders", "msg-3"), Duration::from_secs(3)).await;
         owner3.complete(Some("3".into())).await.unwrap();
         stale.abort().await;
 
         for (key, want) in [("msg-1", "1"), ("msg-2", "2"), ("msg-3", "3")] {
-            assert_eq!(
-                done(&fx.store, &req("orders", key)).await.as_deref(),
-                Some(want)
-            );
+            assert_eq!(done(&fx.store, &req("orders", key)).await.as_deref(), Some(want));
         }
     })
     .await;
@@ -464,10 +405,7 @@ async fn scopes_and_keys_never_collide() {
             ("3:a", "b"),
             ("a*?[", "ü 💳\n\""),
         ];
-        let keys: std::collections::HashSet<_> = pairs
-            .iter()
-            .map(|(s, k)| fx.store.redis_key(s, k))
-            .collect();
+        let keys: std::collections::HashSet<_> = pairs.iter().map(|(s, k)| fx.store.redis_key(s, k)).collect();
         assert_eq!(keys.len(), pairs.len());
 
         for (i, (scope, key)) in pairs.iter().enumerate() {
@@ -493,14 +431,8 @@ async fn scopes_and_keys_never_collide() {
 #[tokio::test]
 async fn a_completed_marker_expires_after_its_ttl() {
     with_fixture("ttl", |fx| async move {
-        let r = Request::new("orders", "msg-1")
-            .unwrap()
-            .ttl(Duration::from_millis(300));
-        fresh(&fx.store, &r)
-            .await
-            .complete(Some("1".into()))
-            .await
-            .unwrap();
+        let r = Request::new("orders", "msg-1").unwrap().ttl(Duration::from_millis(300));
+        fresh(&fx.store, &r).await.complete(Some("1".into())).await.unwrap();
         assert_eq!(done(&fx.store, &r).await.as_deref(), Some("1"));
         eventually_fresh(&fx.store, &r, Duration::from_secs(3))
             .await
@@ -515,12 +447,7 @@ async fn a_completed_marker_expires_after_its_ttl() {
 async fn a_foreign_value_under_the_prefix_is_a_store_error() {
     with_fixture("foreign", |fx| async move {
         let key = fx.store.redis_key("orders", "msg-1");
-        let _: () = fx
-            .conn
-            .clone()
-            .set_ex(&key, "something else", 60)
-            .await
-            .unwrap();
+        let _: () = fx.conn.clone().set_ex(&key, "something else", 60).await.unwrap();
         let err = fx.store.claim(&req("orders", "msg-1")).await.unwrap_err();
         assert!(matches!(err, Error::Store(_)), "{err:?}");
     })
@@ -535,22 +462,14 @@ async fn the_prefix_is_validated() {
         RedisStore::builder(conn.clone()).build().unwrap().prefix(),
         "idempotent:"
     );
-    for bad in [
-        String::new(),
-        "x".repeat(129),
-        "has space:".into(),
-        "ctl\n".into(),
-    ] {
+    for bad in [String::new(), "x".repeat(129), "has space:".into(), "ctl\n".into()] {
         let err = RedisStore::builder(conn.clone())
             .prefix(bad.clone())
             .build()
             .unwrap_err();
         assert!(matches!(err, Error::Config(_)), "{bad:?}: {err:?}");
     }
-    let store = RedisStore::builder(conn)
-        .prefix("app:idem:")
-        .build()
-        .unwrap();
+    let store = RedisStore::builder(conn).prefix("app:idem:").build().unwrap();
     assert_eq!(store.redis_key("a:b", "c"), "app:idem:3:a:b:c");
     assert_eq!(store.redis_key("a", "b:c"), "app:idem:1:a:b:c");
 }

@@ -116,12 +116,20 @@ pub struct RedisStore {
 impl RedisStore {
     /// A store on `conn` with the key prefix `idempotent:`.
     pub fn new(conn: ConnectionManager) -> Self {
-        RedisStore { conn, prefix: Arc::from(DEFAULT_PREFIX), renew: true }
+        RedisStore {
+            conn,
+            prefix: Arc::from(DEFAULT_PREFIX),
+            renew: true,
+        }
     }
 
     /// A builder to set the key prefix.
     pub fn builder(conn: ConnectionManager) -> RedisStoreBuilder {
-        RedisStoreBuilder { conn, prefix: DEFAULT_PREFIX.to_owned(), renew: true }
+        RedisStoreBuilder {
+            conn,
+            prefix: DEFAULT_PREFIX.to_owned(),
+            renew: true,
+        }
     }
 
     /// The prefix of every key this store writes.
@@ -138,7 +146,10 @@ impl RedisStore {
 
 impl fmt::Debug for RedisStore {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("RedisStore").field("prefix", &self.prefix).field("renew", &self.renew).finish()
+        f.debug_struct("RedisStore")
+            .field("prefix", &self.prefix)
+            .field("renew", &self.renew)
+            .finish()
     }
 }
 
@@ -185,13 +196,20 @@ impl RedisStoreBuilder {
                 "Redis key prefix {prefix:?} must not contain whitespace or control characters"
             )));
         }
-        Ok(RedisStore { conn: self.conn, prefix: Arc::from(prefix), renew: self.renew })
+        Ok(RedisStore {
+            conn: self.conn,
+            prefix: Arc::from(prefix),
+            renew: self.renew,
+        })
     }
 }
 
 impl fmt::Debug for RedisStoreBuilder {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("RedisStoreBuilder").field("prefix", &self.prefix).field("renew", &self.renew).finish()
+        f.debug_struct("RedisStoreBuilder")
+            .field("prefix", &self.prefix)
+            .field("renew", &self.renew)
+            .finish()
     }
 }
 
@@ -211,7 +229,10 @@ impl Store for RedisStore {
             .await
             .map_err(Error::store)?;
         let Some(current) = current else {
-            let renewal = self.renew.then(|| spawn_renewal(conn.clone(), key.clone(), lease.clone(), lease_ms)).flatten();
+            let renewal = self
+                .renew
+                .then(|| spawn_renewal(conn.clone(), key.clone(), lease.clone(), lease_ms))
+                .flatten();
             return Ok(Claim::Fresh(RedisGuard {
                 conn,
                 key,
@@ -267,7 +288,10 @@ impl RedisGuard {
 
 impl fmt::Debug for RedisGuard {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("RedisGuard").field("key", &self.key).field("open", &self.open).finish_non_exhaustive()
+        f.debug_struct("RedisGuard")
+            .field("key", &self.key)
+            .field("open", &self.open)
+            .finish_non_exhaustive()
     }
 }
 

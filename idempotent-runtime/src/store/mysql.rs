@@ -1,0 +1,371 @@
+//! `MySqlStore`: markers in a MySQL or MariaDB (InnoDB) table, claimed
+//! inside the handler's READ COMMITTED transaction.
+//!
+//! # The claim
+//!
+//! One statement, the first of the transaction:
+//!
+//! ```sql
+//! INSERT INTO t (scope, message_id, processed_at, expires_at, fingerprint)
+//! VALUES (?, ?, UTC_TIMESTAMP(3), UTC_TIMESTAMP(3) + INTERVAL ? MICROSECOND, ?)
+//! ON DUPLICATE KEY UPDATE
+//!     fingerprint  = IF(LAST_INSERT_ID(IF(expires_at <= UTC_TIMESTAMP(3), 2, 1)) = 2, ?, fingerprint),
+//!     result       = IF(expires_at <= UTC_TIMESTAMP(3), NULL, result),
+//!     processed_at = IF(expires_at <= UTC_TIMESTAMP(3), UTC_TIMESTAMP(3), processed_at),
+//!     expires_at   = IF(expires_at <= UTC_TIMESTAMP(3), UTC_TIMESTAMP(3) + INTERVAL ? MICROSECOND, expires_at)
+//! ```
+//!
+//! * On a duplicate key InnoDB takes an **exclusive** lock on the existing
+//!   row (a plain `INSERT` or `INSERT IGNORE` takes a shared one, and two
+//!   shared holders that both go on to write deadlock). If the row belongs to
+//!   a transaction still running, the statement waits for it: a concurrent
+//!   duplicate blocks until the first call commits (it then sees the live
+//!   marker) or rolls back (it then inserts the marker itself).
+//! * sqlx connects with `CLIENT_FOUND_ROWS`, so the affected-rows count is 1
+//!   both for a fresh insert and for a duplicate left unchanged: it cannot
+//!   tell them apart. The outcome is read from the OK packet's
+//!   `last_insert_id` instead: the table has no `AUTO_INCREMENT` column, so it
+//!   is 0 after an insert, and `LAST_INSERT_ID(expr)` in the update clause
+//!   sets it to 1 (live marker, nothing changed) or 2 (expired marker taken
+//!   over; affected rows is then 2).
+//! * MySQL evaluates the assignments left to right with the new values of
+//!   columns already assigned, so `expires_at` is assigned last and every
+//!   condition sees the old expiry. `UTC_TIMESTAMP(3)` is constant within a
+//!   statement.
+//!
+//! InnoDB can still report a deadlock (1213) when several transactions wait
+//! on the same key and the first rolls back, or a lock wait timeout (1205)
+//! when the first runs longer than `innodb_lock_wait_timeout`. The claim is
+//! the first statement of its transaction, so the whole transaction is
+//! retried (bounded, with a small jittered backoff); these errors reach the
+//! caller only when the retries are exhausted.
+
+use std::hash::{BuildHasher, Hasher};
+use std::sync::Arc;
+use std::time::Duration;
+
+use sqlx::mysql::MySqlDatabaseError;
+use sqlx::{AssertSqlSafe, MySql, MySqlPool, Row, Transaction};
+
+use crate::Error;
+use crate::store::sql::{Settings, SqlBackend, SqlGuard, ddl};
+use crate::store::{Claim, Replay, Request, Store, TransactionalStore};
+
+/// Begins a transaction at READ COMMITTED (for this transaction only; the
+/// pooled connection's session level is left alone).
+const BEGIN_READ_COMMITTED: &str = "SET TRANSACTION ISOLATION LEVEL READ COMMITTED; START TRANSACTION";
+
+/// `ER_LOCK_WAIT_TIMEOUT`.
+const ER_LOCK_WAIT_TIMEOUT: u16 = 1205;
+/// `ER_LOCK_DEADLOCK`.
+const ER_LOCK_DEADLOCK: u16 = 1213;
+/// `ER_TABLE_EXISTS_ERROR`.
+const ER_TABLE_EXISTS: u16 = 1050;
+
+/// Attempts of a claim (or of one purge batch) that ends in a deadlock.
+const MAX_DEADLOCK_ATTEMPTS: u32 = 12;
+/// Lock wait timeouts tolerated per claim (or purge batch) before the error
+/// is returned: each one already waited `innodb_lock_wait_timeout`.
+const MAX_LOCK_WAIT_TIMEOUTS: u32 = 2;
+
+/// The longest marker lifetime stored: about 1000 years, so the expiry stays
+/// inside `DATETIME`'s range whatever ttl is asked for.
+const MAX_TTL_MICROS: i64 = 1000 * 366 * 24 * 3600 * 1_000_000;
+
+/// `last_insert_id` of the claim statement: what happened to the marker.
+const CLAIM_INSERTED: u64 = 0;
+const CLAIM_LIVE: u64 = 1;
+const CLAIM_TAKEN_OVER: u64 = 2;
+
+/// A MySQL / MariaDB store: the marker is inserted in the same InnoDB
+/// transaction as the handler's effect, so both commit or neither does.
+///
+/// The transaction runs at READ COMMITTED. A concurrent duplicate waits on
+/// the marker's primary key until the first call commits (then it replays
+/// the result) or rolls back (then it runs the body itself). Deadlocks and
+/// lock wait timeouts that InnoDB reports while claiming are retried a
+/// bounded number of times. Expiry is computed by the database clock, in
+/// UTC.
+///
+/// Keys and scopes are stored as `VARBINARY`: two keys are the same marker
+/// only when their bytes are equal (case, accents and trailing spaces
+/// count).
+///
+/// Cloning is cheap: clones share the pool.
+#[derive(Clone, Debug)]
+pub struct MySqlStore {
+    pool: MySqlPool,
+    sql: Arc<MySqlSql>,
+}
+
+#[derive(Debug)]
+struct MySqlSql {
+    table: crate::TableName,
+    claim: Arc<str>,
+    read: Arc<str>,
+    write_result: Arc<str>,
+    purge: Arc<str>,
+    ddl: Vec<String>,
+    purge_batch: u64,
+}
+
+/// Configures a [`MySqlStore`].
+#[derive(Debug, Clone)]
+pub struct MySqlStoreBuilder {
+    pool: MySqlPool,
+    settings: Settings,
+}
+
+impl MySqlStoreBuilder {
+    /// The marker table, `table` or `database.table` (default
+    /// `processed_messages`). Validated by [`build`](Self::build).
+    pub fn table(mut self, name: &str) -> Self {
+        self.settings.set_table(name);
+        self
+    }
+
+    /// Markers deleted per statement by [`MySqlStore::purge_expired`]
+    /// (default 1000).
+    pub fn purge_batch(mut self, markers: u32) -> Self {
+        self.settings.purge_batch = markers;
+        self
+    }
+
+    /// The store, or [`Error::Config`] for an invalid setting.
+    pub fn build(self) -> Result<MySqlStore, Error> {
+        let table = self.settings.table()?;
+        let purge_batch = self.settings.purge_batch()?;
+        Ok(MySqlStore::assemble(self.pool, table, purge_batch))
+    }
+}
+
+impl MySqlStore {
+    fn assemble(pool: MySqlPool, table: crate::TableName, purge_batch: u32) -> MySqlStore {
+        let t = table.quoted('`');
+        let expired = "expires_at <= UTC_TIMESTAMP(3)";
+        let sql = MySqlSql {
+            claim: format!(
+                "INSERT INTO {t} (scope, message_id, processed_at, expires_at, fingerprint) \
+                 VALUES (?, ?, UTC_TIMESTAMP(3), UTC_TIMESTAMP(3) + INTERVAL ? MICROSECOND, ?) \
+                 ON DUPLICATE KEY UPDATE \
+                 fingerprint = IF(LAST_INSERT_ID(IF({expired}, {CLAIM_TAKEN_OVER}, {CLAIM_LIVE})) = \
+                 {CLAIM_TAKEN_OVER}, ?, fingerprint), \
+                 result = IF({expired}, NULL, result), \
+                 processed_at = IF({expired}, UTC_TIMESTAMP(3), processed_at), \
+                 expires_at = IF({expired}, UTC_TIMESTAMP(3) + INTERVAL ? MICROSECOND, expires_at)"
+            )
+            .into(),
+            read: format!("SELECT fingerprint, result FROM {t} WHERE scope = ? AND message_id = ?").into(),
+            write_result: format!("UPDATE {t} SET result = ? WHERE scope = ? AND message_id = ?").into(),
+            purge: format!("DELETE FROM {t} WHERE {expired} LIMIT ?").into(),
+            ddl: ddl(include_str!("../../sql/mysql.sql"), &table, '`'),
+            purge_batch: u64::from(purge_batch),
+            table,
+        };
+        MySqlStore { pool, sql: Arc::new(sql) }
+    }
+
+    /// A store on `pool` with the default table, `processed_messages`.
+    pub fn new(pool: MySqlPool) -> Self {
+        MySqlStore::assemble(pool, crate::TableName::default(), crate::store::sql::DEFAULT_PURGE_BATCH)
+    }
+
+    /// A builder to set the table name and purge batch size.
+    pub fn builder(pool: MySqlPool) -> MySqlStoreBuilder {
+        MySqlStoreBuilder { pool, settings: Settings::default() }
+    }
+
+    /// The pool the store runs on.
+    pub fn pool(&self) -> &MySqlPool {
+        &self.pool
+    }
+
+    /// The marker table.
+    pub fn table(&self) -> &crate::TableName {
+        &self.sql.table
+    }
+
+    /// Creates the marker table with its `expires_at` index if it does not
+    /// exist (the DDL of `sql/mysql.sql`, one `CREATE TABLE IF NOT EXISTS`
+    /// statement). Safe to run concurrently.
+    pub async fn migrate(&self) -> Result<(), Error> {
+        for statement in &self.sql.ddl {
+            match sqlx::query(AssertSqlSafe(statement.as_str())).execute(&self.pool).await {
+                Ok(_) => {}
+                // A concurrent migration created it between the existence
+                // check and the creation.
+                Err(error) if error_number(&error) == Some(ER_TABLE_EXISTS) => {}
+                Err(error) => return Err(error.into()),
+            }
+        }
+        Ok(())
+    }
+
+    /// Deletes expired markers in batches of the configured size, each its
+    /// own short READ COMMITTED transaction; returns how many were deleted.
+    ///
+    /// A marker being taken over by a claim is waited for, then kept if the
+    /// claim commits.
+    pub async fn purge_expired(&self) -> Result<u64, Error> {
+        let mut total = 0;
+        loop {
+            let mut retry = Retry::default();
+            let deleted = loop {
+                match self.purge_batch().await {
+                    Ok(deleted) => break deleted,
+                    Err(error) => retry.after(error, "purge").await?,
+                }
+            };
+            total += deleted;
+            if deleted < self.sql.purge_batch {
+                return Ok(total);
+            }
+        }
+    }
+
+    async fn purge_batch(&self) -> Result<u64, sqlx::Error> {
+        let mut tx = self.begin().await?;
+        let deleted = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.purge)))
+            .bind(self.sql.purge_batch)
+            .execute(&mut *tx)
+            .await?
+            .rows_affected();
+        tx.commit().await?;
+        Ok(deleted)
+    }
+
+    async fn begin(&self) -> Result<Transaction<'static, MySql>, sqlx::Error> {
+        self.pool.begin_with(BEGIN_READ_COMMITTED).await
+    }
+
+    /// One claim transaction: `Ok(Fresh)` holding the marker, `Ok(Done)`
+    /// with the live marker's `(fingerprint, result)`, or the database error
+    /// (retried by the caller when it is a deadlock or lock wait timeout).
+    async fn try_claim(&self, req: &Request<'_>) -> Result<Attempt, sqlx::Error> {
+        let mut tx = self.begin().await?;
+        let ttl_micros = req.ttl_millis().saturating_mul(1000).min(MAX_TTL_MICROS);
+        let fingerprint = req.fingerprint_value().map(|f| f.as_str());
+        let done = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.claim)))
+            .bind(req.scope_name())
+            .bind(req.key())
+            .bind(ttl_micros)
+            .bind(fingerprint)
+            .bind(fingerprint)
+            .bind(ttl_micros)
+            .execute(&mut *tx)
+            .await?;
+        match (done.last_insert_id(), done.rows_affected()) {
+            (CLAIM_INSERTED, 1) | (CLAIM_TAKEN_OVER, 2) => return Ok(Attempt::Fresh(tx)),
+            (CLAIM_LIVE, _) => {}
+            (id, rows) => {
+                return Err(sqlx::Error::Protocol(format!(
+                    "unexpected outcome of the MySQL claim statement (last_insert_id {id}, {rows} rows affected)"
+                )));
+            }
+        }
+        // A live marker: the claim statement holds an exclusive lock on it,
+        // so it cannot change or vanish before this read, which at READ
+        // COMMITTED sees its committed values.
+        let row = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.read)))
+            .bind(req.scope_name())
+            .bind(req.key())
+            .fetch_one(&mut *tx)
+            .await?;
+        tx.rollback().await?;
+        Ok(Attempt::Done { fingerprint: row.try_get("fingerprint")?, result: row.try_get("result")? })
+    }
+}
+
+enum Attempt {
+    Fresh(Transaction<'static, MySql>),
+    Done { fingerprint: Option<String>, result: Option<String> },
+}
+
+/// The MySQL error number of a database error.
+fn error_number(error: &sqlx::Error) -> Option<u16> {
+    error.as_database_error()?.try_downcast_ref::<MySqlDatabaseError>().map(MySqlDatabaseError::number)
+}
+
+/// Bounded retries of a transaction that InnoDB aborted for a deadlock or a
+/// lock wait timeout.
+#[derive(Default)]
+struct Retry {
+    deadlocks: u32,
+    lock_wait_timeouts: u32,
+}
+
+impl Retry {
+    /// Sleeps before the next attempt when `error` is retryable and the
+    /// budget allows it; otherwise gives the error back.
+    async fn after(&mut self, error: sqlx::Error, what: &'static str) -> Result<(), Error> {
+        let (count, budget) = match error_number(&error) {
+            Some(ER_LOCK_DEADLOCK) => (&mut self.deadlocks, MAX_DEADLOCK_ATTEMPTS - 1),
+            Some(ER_LOCK_WAIT_TIMEOUT) => (&mut self.lock_wait_timeouts, MAX_LOCK_WAIT_TIMEOUTS),
+            _ => return Err(error.into()),
+        };
+        if *count >= budget {
+            return Err(error.into());
+        }
+        *count += 1;
+        let attempt = self.deadlocks + self.lock_wait_timeouts;
+        tracing::debug!(target: "idempotent", %error, attempt, what, "retrying the MySQL transaction");
+        drop(error);
+        tokio::time::sleep(backoff(attempt)).await;
+        Ok(())
+    }
+}
+
+/// 2 ms doubling up to 100 ms, times a random factor in [0.5, 1.5) so that
+/// the transactions that deadlocked do not meet again.
+fn backoff(attempt: u32) -> Duration {
+    let base = 2u64 << attempt.saturating_sub(1).min(6);
+    let base = Duration::from_millis(base.min(100));
+    let jitter = std::collections::hash_map::RandomState::new().build_hasher().finish() % 1000;
+    base.mul_f64(0.5 + jitter as f64 / 1000.0)
+}
+
+impl Store for MySqlStore {
+    type Guard = SqlGuard<MySql>;
+
+    async fn claim(&self, req: &Request<'_>) -> Result<Claim<Self::Guard>, Error> {
+        let mut retry = Retry::default();
+        let attempt = loop {
+            match self.try_claim(req).await {
+                Ok(attempt) => break attempt,
+                Err(error) => retry.after(error, "claim").await?,
+            }
+        };
+        match attempt {
+            Attempt::Fresh(tx) => Ok(Claim::Fresh(SqlGuard::new(tx, Arc::clone(&self.sql.write_result), req, None))),
+            Attempt::Done { fingerprint, result } => {
+                req.check_fingerprint(fingerprint.as_deref())?;
+                Ok(Claim::Done(Replay::new(result)))
+            }
+        }
+    }
+}
+
+impl TransactionalStore for MySqlStore {
+    type Database = MySql;
+}
+
+impl SqlBackend for MySql {
+    fn write_result<'a>(
+        conn: &'a mut sqlx::MySqlConnection,
+        sql: Arc<str>,
+        result: String,
+        scope: &'a str,
+        key: &'a str,
+    ) -> impl Future<Output = Result<(), sqlx::Error>> + Send + 'a {
+        async move {
+            sqlx::query(AssertSqlSafe(sql)).bind(result).bind(scope).bind(key).execute(conn).await?;
+            Ok(())
+        }
+    }
+}
+
+impl crate::janitor::PurgeExpired for MySqlStore {
+    fn purge_expired(&self) -> impl Future<Output = Result<u64, Error>> + Send {
+        MySqlStore::purge_expired(self)
+    }
+}

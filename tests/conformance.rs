@@ -1,0 +1,398 @@
+//! One behavioural suite, run against every store.
+//!
+//! The same tests (exactly once under concurrent duplicates, replay,
+//! failure/panic/cancellation release the claim, fingerprints, missing and
+//! invalid keys, expiry, scopes, purge) are instantiated for each store by
+//! `conformance!` at the bottom. Where transactional stores (Postgres,
+//! SQLite, MySQL) and lease stores (Redis, memory) differ, the test says so
+//! through `Fixture::TRANSACTIONAL` rather than hiding it:
+//! - a concurrent duplicate *waits* for the first call on a transactional
+//!   store and then replays its result; on a lease store it gets
+//!   `Error::InProgress` while the first call runs;
+//! - `purge_expired` deletes expired markers on SQL and memory stores; Redis
+//!   expires keys by itself, so there it reports 0 (`Fixture::PURGES`).
+
+mod common;
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::sync::Arc;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use idempotent_runtime::{Error, Store, idempotent};
+use tokio::sync::Notify;
+
+/// A store under test, set up fresh (own table or key space) per test.
+pub trait Fixture: Sized + Send + Sync + 'static {
+    type S: Store + Clone + 'static;
+    const TRANSACTIONAL: bool;
+    /// `purge_expired` deletes markers itself (false where the backend
+    /// expires them on its own, like Redis).
+    const PURGES: bool = true;
+    fn setup() -> impl Future<Output = Self> + Send;
+    fn store(&self) -> &Self::S;
+    /// Deletes expired markers; how many.
+    fn purge(&self) -> impl Future<Output = u64> + Send;
+    fn teardown(self) -> impl Future<Output = ()> + Send;
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum TestError {
+    #[error(transparent)]
+    Idem(#[from] Error),
+    #[error("the handler failed on purpose")]
+    Failed,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Behavior {
+    Succeed,
+    Fail,
+    Panic,
+    /// Signal `started`, then wait for `release` (to hold the claim open).
+    Block,
+}
+
+pub struct Msg {
+    pub id: Option<String>,
+    pub body: String,
+    pub behavior: Behavior,
+}
+
+impl Msg {
+    fn new(id: &str) -> Msg {
+        Msg { id: Some(id.to_owned()), body: "body".into(), behavior: Behavior::Succeed }
+    }
+    fn with(mut self, behavior: Behavior) -> Msg {
+        self.behavior = behavior;
+        self
+    }
+}
+
+/// Counts how often each message's body ran; hands out run numbers so a
+/// replay (same number) is told apart from a second run (new number).
+#[derive(Default)]
+pub struct Effects {
+    runs: Mutex<HashMap<String, u32>>,
+    seq: AtomicU64,
+    pub started: Notify,
+    pub release: Notify,
+}
+
+impl Effects {
+    fn runs(&self, id: &str) -> u32 {
+        self.runs.lock().unwrap().get(id).copied().unwrap_or(0)
+    }
+
+    async fn run(&self, msg: &Msg) -> Result<u64, TestError> {
+        match msg.behavior {
+            Behavior::Fail => return Err(TestError::Failed),
+            Behavior::Panic => panic!("handler panicked on purpose"),
+            Behavior::Block => {
+                self.started.notify_one();
+                self.release.notified().await;
+            }
+            Behavior::Succeed => tokio::time::sleep(Duration::from_millis(5)).await,
+        }
+        *self.runs.lock().unwrap().entry(msg.id.clone().unwrap_or_default()).or_default() += 1;
+        Ok(self.seq.fetch_add(1, Ordering::SeqCst) + 1)
+    }
+}
+
+#[idempotent(key = "msg.id", store = store, fingerprint = "msg.body")]
+async fn handle<S: Store>(store: &S, msg: &Msg, effects: &Effects) -> Result<u64, TestError> {
+    effects.run(msg).await
+}
+
+#[idempotent(key = "msg.id", store = store, scope = "scope_a")]
+async fn handle_a<S: Store>(store: &S, msg: &Msg, effects: &Effects) -> Result<u64, TestError> {
+    effects.run(msg).await
+}
+
+#[idempotent(key = "msg.id", store = store, scope = "scope_b")]
+async fn handle_b<S: Store>(store: &S, msg: &Msg, effects: &Effects) -> Result<u64, TestError> {
+    effects.run(msg).await
+}
+
+#[idempotent(key = "msg.id", store = store, ttl = "300ms")]
+async fn handle_short_ttl<S: Store>(store: &S, msg: &Msg, effects: &Effects) -> Result<u64, TestError> {
+    effects.run(msg).await
+}
+
+fn key(tag: &str) -> String {
+    common::unique(tag)
+}
+
+pub async fn duplicate_replays_the_first_result<F: Fixture>() {
+    let f = F::setup().await;
+    let effects = Effects::default();
+    let id = key("replay");
+    let first = handle(f.store(), &Msg::new(&id), &effects).await.unwrap();
+    let second = handle(f.store(), &Msg::new(&id), &effects).await.unwrap();
+    assert_eq!(first, second, "a duplicate answers with the first run's result");
+    assert_eq!(effects.runs(&id), 1);
+    f.teardown().await;
+}
+
+pub async fn concurrent_duplicates_run_the_body_once<F: Fixture>() {
+    let f = F::setup().await;
+    let effects = Arc::new(Effects::default());
+    let id = key("concurrent");
+    let calls = (0..16).map(|_| {
+        let (store, effects, id) = (f.store().clone(), Arc::clone(&effects), id.clone());
+        tokio::spawn(async move { handle(&store, &Msg::new(&id), &effects).await })
+    });
+    let results: Vec<_> = futures_util::future::join_all(calls).await.into_iter().map(Result::unwrap).collect();
+    assert_eq!(effects.runs(&id), 1, "the body ran once");
+    let oks: Vec<u64> = results.iter().filter_map(|r| r.as_ref().ok().copied()).collect();
+    assert!(!oks.is_empty());
+    assert!(oks.iter().all(|v| *v == oks[0]), "every Ok carries the first run's result: {oks:?}");
+    if F::TRANSACTIONAL {
+        assert_eq!(oks.len(), 16, "transactional duplicates wait and replay: {results:?}");
+    } else {
+        for r in &results {
+            assert!(
+                matches!(r, Ok(_) | Err(TestError::Idem(Error::InProgress { .. }))),
+                "lease duplicates replay or get InProgress: {r:?}"
+            );
+        }
+    }
+    // Once the first call completed, every store replays.
+    assert_eq!(handle(f.store(), &Msg::new(&id), &effects).await.unwrap(), oks[0]);
+    f.teardown().await;
+}
+
+pub async fn failure_leaves_no_marker<F: Fixture>() {
+    let f = F::setup().await;
+    let effects = Effects::default();
+    let id = key("fail");
+    let err = handle(f.store(), &Msg::new(&id).with(Behavior::Fail), &effects).await.unwrap_err();
+    assert!(matches!(err, TestError::Failed));
+    handle(f.store(), &Msg::new(&id), &effects).await.unwrap();
+    assert_eq!(effects.runs(&id), 1, "the redelivery was processed");
+    f.teardown().await;
+}
+
+pub async fn panic_leaves_no_marker<F: Fixture>() {
+    let f = F::setup().await;
+    let effects = Arc::new(Effects::default());
+    let id = key("panic");
+    let (store, fx, pid) = (f.store().clone(), Arc::clone(&effects), id.clone());
+    let joined = tokio::spawn(async move { handle(&store, &Msg::new(&pid).with(Behavior::Panic), &fx).await }).await;
+    assert!(joined.unwrap_err().is_panic());
+    // The redelivery must not wait on anything the panicking call left.
+    let msg = Msg::new(&id);
+    let redelivery = tokio::time::timeout(Duration::from_secs(10), handle(f.store(), &msg, &effects));
+    redelivery.await.expect("the redelivery was not blocked").unwrap();
+    assert_eq!(effects.runs(&id), 1);
+    f.teardown().await;
+}
+
+pub async fn cancellation_leaves_no_marker<F: Fixture>() {
+    let f = F::setup().await;
+    let effects = Arc::new(Effects::default());
+    let id = key("cancel");
+    let (store, fx, cid) = (f.store().clone(), Arc::clone(&effects), id.clone());
+    let call = tokio::spawn(async move { handle(&store, &Msg::new(&cid).with(Behavior::Block), &fx).await });
+    effects.started.notified().await;
+    call.abort(); // drops the handler's future mid-body
+    assert!(call.await.unwrap_err().is_cancelled());
+    let msg = Msg::new(&id);
+    let redelivery = tokio::time::timeout(Duration::from_secs(10), handle(f.store(), &msg, &effects));
+    redelivery.await.expect("the redelivery was not blocked").unwrap();
+    assert_eq!(effects.runs(&id), 1);
+    f.teardown().await;
+}
+
+pub async fn different_fingerprint_is_key_reused<F: Fixture>() {
+    let f = F::setup().await;
+    let effects = Effects::default();
+    let id = key("fingerprint");
+    handle(f.store(), &Msg::new(&id), &effects).await.unwrap();
+    let mut other = Msg::new(&id);
+    other.body = "another message under the same id".into();
+    let err = handle(f.store(), &other, &effects).await.unwrap_err();
+    assert!(matches!(err, TestError::Idem(Error::KeyReused { .. })), "{err:?}");
+    assert_eq!(effects.runs(&id), 1);
+    f.teardown().await;
+}
+
+pub async fn missing_and_invalid_keys_are_refused<F: Fixture>() {
+    let f = F::setup().await;
+    let effects = Effects::default();
+    let none = Msg { id: None, body: "b".into(), behavior: Behavior::Succeed };
+    let err = handle(f.store(), &none, &effects).await.unwrap_err();
+    assert!(matches!(err, TestError::Idem(Error::MissingKey { .. })), "{err:?}");
+    for bad in [String::new(), "k".repeat(256), "nul\0key".to_owned()] {
+        let err = handle(f.store(), &Msg::new(&bad), &effects).await.unwrap_err();
+        assert!(matches!(err, TestError::Idem(Error::InvalidKey { .. })), "{err:?}");
+    }
+    assert_eq!(effects.seq.load(Ordering::SeqCst), 0, "no body ran");
+    // Hostile and Unicode keys are only data.
+    let hostile = format!("{}'); DROP TABLE processed_messages; -- \"`\\ çãõ 💳", key("hostile"));
+    let first = handle(f.store(), &Msg::new(&hostile), &effects).await.unwrap();
+    assert_eq!(handle(f.store(), &Msg::new(&hostile), &effects).await.unwrap(), first);
+    assert_eq!(effects.runs(&hostile), 1);
+    // Keys are never truncated: two long keys differing in the last byte differ.
+    let base = "x".repeat(254);
+    handle(f.store(), &Msg::new(&format!("{base}a")), &effects).await.unwrap();
+    handle(f.store(), &Msg::new(&format!("{base}b")), &effects).await.unwrap();
+    assert_eq!(effects.runs(&format!("{base}b")), 1);
+    f.teardown().await;
+}
+
+pub async fn two_scopes_each_process_the_key<F: Fixture>() {
+    let f = F::setup().await;
+    let (a, b) = (Effects::default(), Effects::default());
+    let id = key("scopes");
+    handle_a(f.store(), &Msg::new(&id), &a).await.unwrap();
+    handle_b(f.store(), &Msg::new(&id), &b).await.unwrap();
+    handle_a(f.store(), &Msg::new(&id), &a).await.unwrap();
+    handle_b(f.store(), &Msg::new(&id), &b).await.unwrap();
+    assert_eq!((a.runs(&id), b.runs(&id)), (1, 1));
+    f.teardown().await;
+}
+
+pub async fn expired_marker_no_longer_blocks_and_is_purged<F: Fixture>() {
+    let f = F::setup().await;
+    let effects = Effects::default();
+    let ids: Vec<String> = (0..3).map(|_| key("expiry")).collect();
+    for id in &ids {
+        handle_short_ttl(f.store(), &Msg::new(id), &effects).await.unwrap();
+    }
+    handle_short_ttl(f.store(), &Msg::new(&ids[0]), &effects).await.unwrap();
+    assert_eq!(effects.runs(&ids[0]), 1, "a live marker blocks");
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    handle_short_ttl(f.store(), &Msg::new(&ids[0]), &effects).await.unwrap();
+    assert_eq!(effects.runs(&ids[0]), 2, "an expired marker no longer blocks");
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    let purged = f.purge().await;
+    if F::PURGES {
+        assert_eq!(purged, 3, "purge_expired removes the expired markers and counts them");
+    } else {
+        assert_eq!(purged, 0, "the backend expired them by itself");
+    }
+    assert_eq!(f.purge().await, 0, "nothing left to purge");
+    f.teardown().await;
+}
+
+/// Instantiates the suite for one store fixture.
+macro_rules! conformance {
+    ($module:ident, $fixture:ty) => {
+        mod $module {
+            use super::*;
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn duplicate_replays_the_first_result() {
+                super::duplicate_replays_the_first_result::<$fixture>().await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn concurrent_duplicates_run_the_body_once() {
+                super::concurrent_duplicates_run_the_body_once::<$fixture>().await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn failure_leaves_no_marker() {
+                super::failure_leaves_no_marker::<$fixture>().await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn panic_leaves_no_marker() {
+                super::panic_leaves_no_marker::<$fixture>().await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn cancellation_leaves_no_marker() {
+                super::cancellation_leaves_no_marker::<$fixture>().await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn different_fingerprint_is_key_reused() {
+                super::different_fingerprint_is_key_reused::<$fixture>().await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn missing_and_invalid_keys_are_refused() {
+                super::missing_and_invalid_keys_are_refused::<$fixture>().await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn two_scopes_each_process_the_key() {
+                super::two_scopes_each_process_the_key::<$fixture>().await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn expired_marker_no_longer_blocks_and_is_purged() {
+                super::expired_marker_no_longer_blocks_and_is_purged::<$fixture>().await
+            }
+        }
+    };
+}
+
+// ---- fixtures ----------------------------------------------------------
+
+struct Memory(idempotent_runtime::MemoryStore);
+
+impl Fixture for Memory {
+    type S = idempotent_runtime::MemoryStore;
+    const TRANSACTIONAL: bool = false;
+    async fn setup() -> Self {
+        Memory(idempotent_runtime::MemoryStore::new())
+    }
+    fn store(&self) -> &Self::S {
+        &self.0
+    }
+    async fn purge(&self) -> u64 {
+        self.0.purge_expired().await.unwrap()
+    }
+    async fn teardown(self) {}
+}
+
+struct Postgres {
+    store: idempotent_runtime::PgStore,
+    table: String,
+}
+
+impl Fixture for Postgres {
+    type S = idempotent_runtime::PgStore;
+    const TRANSACTIONAL: bool = true;
+    async fn setup() -> Self {
+        let table = common::unique("conf");
+        let pool = common::pg_pool(20).await;
+        let store = idempotent_runtime::PgStore::builder(pool).table(&table).build().unwrap();
+        store.migrate().await.unwrap();
+        Postgres { store, table }
+    }
+    fn store(&self) -> &Self::S {
+        &self.store
+    }
+    async fn purge(&self) -> u64 {
+        self.store.purge_expired().await.unwrap()
+    }
+    async fn teardown(self) {
+        common::drop_pg_table(self.store.pool(), &self.table).await;
+    }
+}
+
+struct Sqlite {
+    store: idempotent_runtime::SqliteStore,
+    _dir: tempfile::TempDir,
+}
+
+impl Fixture for Sqlite {
+    type S = idempotent_runtime::SqliteStore;
+    const TRANSACTIONAL: bool = true;
+    async fn setup() -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let store = idempotent_runtime::SqliteStore::open(dir.path().join("markers.db")).await.unwrap();
+        store.migrate().await.unwrap();
+        Sqlite { store, _dir: dir }
+    }
+    fn store(&self) -> &Self::S {
+        &self.store
+    }
+    async fn purge(&self) -> u64 {
+        self.store.purge_expired().await.unwrap()
+    }
+    async fn teardown(self) {
+        self.store.pool().close().await;
+    }
+}
+
+conformance!(memory, Memory);
+conformance!(postgres, Postgres);
+conformance!(sqlite, Sqlite);
