@@ -473,3 +473,61 @@ async fn the_prefix_is_validated() {
     assert_eq!(store.redis_key("a:b", "c"), "app:idem:3:a:b:c");
     assert_eq!(store.redis_key("a", "b:c"), "app:idem:1:a:b:c");
 }
+
+/// The same store behind `#[idempotent]`: replay, a concurrent duplicate,
+/// renewal of a body longer than its lease, and a failure that releases.
+mod through_the_attribute {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use super::*;
+
+    struct Consumer {
+        store: RedisStore,
+        runs: AtomicUsize,
+    }
+
+    impl Consumer {
+        #[idempotent_runtime::idempotent(key = msg_id, store = self.store, scope = "charge", lease = "300ms", ttl = "1m")]
+        async fn charge(&self, msg_id: &str, amount: u64, body: Duration) -> Result<u64, Error> {
+            self.runs.fetch_add(1, Ordering::SeqCst);
+            tokio::time::sleep(body).await;
+            if amount == 0 {
+                return Err(Error::Config("nothing to charge".into()));
+            }
+            Ok(amount * 2)
+        }
+    }
+
+    #[tokio::test]
+    async fn handlers_on_a_redis_store() {
+        with_fixture("attribute", |fx| async move {
+            let consumer: &'static Consumer = Box::leak(Box::new(Consumer {
+                store: fx.store.clone(),
+                runs: AtomicUsize::new(0),
+            }));
+            let quick = Duration::ZERO;
+
+            assert_eq!(consumer.charge("m-1", 21, quick).await.unwrap(), 42);
+            eprintln!("RAW {:?} {:?}", fx.raw("charge", "m-1").await, fx.conn.clone().keys::<_, Vec<String>>(format!("{}*", fx.prefix)).await);
+            assert_eq!(consumer.charge("m-1", 21, quick).await.unwrap(), 42);
+            assert_eq!(consumer.runs.load(Ordering::SeqCst), 1);
+
+            // A body three times its lease keeps the claim while a duplicate arrives.
+            let long = tokio::spawn(consumer.charge("m-2", 5, Duration::from_millis(900)));
+            tokio::time::sleep(Duration::from_millis(600)).await;
+            assert!(matches!(
+                consumer.charge("m-2", 5, quick).await,
+                Err(Error::InProgress { .. })
+            ));
+            assert_eq!(long.await.unwrap().unwrap(), 10);
+            assert_eq!(consumer.charge("m-2", 5, quick).await.unwrap(), 10);
+            assert_eq!(consumer.runs.load(Ordering::SeqCst), 2);
+
+            // A failed body releases its claim: the redelivery runs again.
+            assert!(consumer.charge("m-3", 0, quick).await.is_err());
+            assert!(consumer.charge("m-3", 0, quick).await.is_err());
+            assert_eq!(consumer.runs.load(Ordering::SeqCst), 4);
+        })
+        .await;
+    }
+}

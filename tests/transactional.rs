@@ -1,0 +1,346 @@
+//! Transactional stores (Postgres, SQLite): the handler's effect and the
+//! marker commit or roll back together. Each test writes a real effect row
+//! through the handler's transaction parameter and then counts rows.
+
+mod common;
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use idempotent_runtime::sqlx::{self, AssertSqlSafe};
+use idempotent_runtime::{Error, idempotent};
+use rand::seq::SliceRandom;
+use tokio::sync::Notify;
+
+#[derive(Debug, thiserror::Error)]
+pub enum AppError {
+    #[error(transparent)]
+    Idem(#[from] Error),
+    #[error(transparent)]
+    Db(#[from] sqlx::Error),
+    #[error("failed after writing the effect")]
+    Failed,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum After {
+    Commit,
+    Fail,
+    Panic,
+    Block,
+}
+
+#[derive(Clone)]
+pub struct Payment {
+    pub message_id: String,
+    pub order_id: String,
+    pub amount: i64,
+    pub after: After,
+}
+
+impl Payment {
+    fn new(message_id: &str, amount: i64) -> Self {
+        Payment { message_id: message_id.into(), order_id: format!("order-{message_id}"), amount, after: After::Commit }
+    }
+    fn then(mut self, after: After) -> Self {
+        self.after = after;
+        self
+    }
+}
+
+#[derive(Default)]
+pub struct Signals {
+    started: Notify,
+}
+
+/// What the body does after its write, shared by every backend's handler.
+async fn after_effect(msg: &Payment, signals: &Signals) -> Result<i64, AppError> {
+    match msg.after {
+        After::Commit => Ok(msg.amount * 100),
+        After::Fail => Err(AppError::Failed),
+        After::Panic => panic!("panic after writing the effect"),
+        After::Block => {
+            signals.started.notify_one();
+            std::future::pending().await
+        }
+    }
+}
+
+/// A transactional store with an effect table, per backend.
+pub trait Backend: Sized + Send + Sync + 'static {
+    fn setup() -> impl Future<Output = Self> + Send;
+    fn pay(&self, msg: &Payment, signals: &Signals) -> impl Future<Output = Result<i64, AppError>> + Send;
+    fn payments(&self, message_id: &str) -> impl Future<Output = i64> + Send;
+    fn markers(&self, message_id: &str) -> impl Future<Output = i64> + Send;
+    fn teardown(self) -> impl Future<Output = ()> + Send;
+}
+
+// ---- Postgres -----------------------------------------------------------
+
+pub struct Pg {
+    store: idempotent_runtime::PgStore,
+    markers: String,
+    payments: String,
+}
+
+impl Pg {
+    #[idempotent(key = "msg.message_id", store = self.store, fingerprint = "(&msg.order_id, msg.amount)")]
+    async fn process(&self, msg: &Payment, signals: &Signals, tx: &mut sqlx::PgConnection) -> Result<i64, AppError> {
+        let insert = format!("INSERT INTO {} (message_id, order_id, amount) VALUES ($1, $2, $3)", self.payments);
+        sqlx::query(AssertSqlSafe(insert))
+            .bind(&msg.message_id)
+            .bind(&msg.order_id)
+            .bind(msg.amount)
+            .execute(&mut *tx)
+            .await?;
+        after_effect(msg, signals).await
+    }
+
+    async fn count(&self, sql: String, id: &str) -> i64 {
+        sqlx::query_scalar(AssertSqlSafe(sql)).bind(id).fetch_one(self.store.pool()).await.unwrap()
+    }
+}
+
+impl Backend for Pg {
+    async fn setup() -> Self {
+        let pool = common::pg_pool(24).await;
+        let (markers, payments) = (common::unique("markers"), common::unique("payments"));
+        let store = idempotent_runtime::PgStore::builder(pool.clone()).table(&markers).build().unwrap();
+        store.migrate().await.unwrap();
+        let ddl = format!("CREATE TABLE {payments} (id BIGSERIAL PRIMARY KEY, message_id TEXT, order_id TEXT, amount BIGINT)");
+        sqlx::query(AssertSqlSafe(ddl)).execute(&pool).await.unwrap();
+        Pg { store, markers, payments }
+    }
+    fn pay(&self, msg: &Payment, signals: &Signals) -> impl Future<Output = Result<i64, AppError>> + Send {
+        self.process(msg, signals)
+    }
+    async fn payments(&self, id: &str) -> i64 {
+        self.count(format!("SELECT count(*) FROM {} WHERE message_id = $1", self.payments), id).await
+    }
+    async fn markers(&self, id: &str) -> i64 {
+        self.count(format!("SELECT count(*) FROM {} WHERE message_id = $1", self.markers), id).await
+    }
+    async fn teardown(self) {
+        common::drop_pg_table(self.store.pool(), &self.markers).await;
+        common::drop_pg_table(self.store.pool(), &self.payments).await;
+    }
+}
+
+// ---- SQLite -------------------------------------------------------------
+
+pub struct Lite {
+    store: idempotent_runtime::SqliteStore,
+    _dir: tempfile::TempDir,
+}
+
+impl Lite {
+    #[idempotent(key = "msg.message_id", store = self.store, fingerprint = "(&msg.order_id, msg.amount)")]
+    async fn process(
+        &self,
+        msg: &Payment,
+        signals: &Signals,
+        tx: &mut sqlx::Transaction<'_, sqlx::Sqlite>,
+    ) -> Result<i64, AppError> {
+        sqlx::query("INSERT INTO payments (message_id, order_id, amount) VALUES (?1, ?2, ?3)")
+            .bind(&msg.message_id)
+            .bind(&msg.order_id)
+            .bind(msg.amount)
+            .execute(&mut **tx)
+            .await?;
+        after_effect(msg, signals).await
+    }
+
+    async fn count(&self, sql: &'static str, id: &str) -> i64 {
+        sqlx::query_scalar(sql).bind(id).fetch_one(self.store.pool()).await.unwrap()
+    }
+}
+
+impl Backend for Lite {
+    async fn setup() -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let store = idempotent_runtime::SqliteStore::open(dir.path().join("app.db")).await.unwrap();
+        store.migrate().await.unwrap();
+        sqlx::query("CREATE TABLE payments (id INTEGER PRIMARY KEY, message_id TEXT, order_id TEXT, amount INTEGER)")
+            .execute(store.pool())
+            .await
+            .unwrap();
+        Lite { store, _dir: dir }
+    }
+    fn pay(&self, msg: &Payment, signals: &Signals) -> impl Future<Output = Result<i64, AppError>> + Send {
+        self.process(msg, signals)
+    }
+    async fn payments(&self, id: &str) -> i64 {
+        self.count("SELECT count(*) FROM payments WHERE message_id = ?1", id).await
+    }
+    async fn markers(&self, id: &str) -> i64 {
+        self.count("SELECT count(*) FROM processed_messages WHERE message_id = ?1", id).await
+    }
+    async fn teardown(self) {
+        self.store.pool().close().await;
+    }
+}
+
+// ---- the tests ------------------------------------------------------------
+
+pub async fn sixteen_concurrent_deliveries_apply_the_effect_once<B: Backend>() {
+    let b = Arc::new(B::setup().await);
+    let id = common::unique("sixteen");
+    let signals = Arc::new(Signals::default());
+    let calls = (0..16).map(|_| {
+        let (b, signals, msg) = (Arc::clone(&b), Arc::clone(&signals), Payment::new(&id, 7));
+        tokio::spawn(async move { b.pay(&msg, &signals).await })
+    });
+    for result in futures_util::future::join_all(calls).await {
+        assert_eq!(result.unwrap().unwrap(), 700, "every caller gets Ok with the first run's result");
+    }
+    assert_eq!(b.payments(&id).await, 1);
+    assert_eq!(b.markers(&id).await, 1);
+    Arc::into_inner(b).unwrap().teardown().await;
+}
+
+/// A body that wrote its effect and then failed, panicked or was cancelled:
+/// neither effect nor marker remains, and the redelivery runs at once.
+pub async fn failed_bodies_leave_no_effect_and_no_marker<B: Backend>() {
+    let b = Arc::new(B::setup().await);
+    let signals = Arc::new(Signals::default());
+
+    let failed = common::unique("failed");
+    let err = b.pay(&Payment::new(&failed, 1).then(After::Fail), &signals).await.unwrap_err();
+    assert!(matches!(err, AppError::Failed), "{err:?}");
+
+    let panicked = common::unique("panicked");
+    let (b2, s2, msg) = (Arc::clone(&b), Arc::clone(&signals), Payment::new(&panicked, 1).then(After::Panic));
+    assert!(tokio::spawn(async move { b2.pay(&msg, &s2).await }).await.unwrap_err().is_panic());
+
+    let cancelled = common::unique("cancelled");
+    let (b3, s3, msg) = (Arc::clone(&b), Arc::clone(&signals), Payment::new(&cancelled, 1).then(After::Block));
+    let call = tokio::spawn(async move { b3.pay(&msg, &s3).await });
+    signals.started.notified().await; // the effect row is written, the body is mid-flight
+    call.abort();
+    assert!(call.await.unwrap_err().is_cancelled());
+
+    for id in [&failed, &panicked, &cancelled] {
+        assert_eq!(b.payments(id).await, 0, "{id}: the effect was rolled back");
+        assert_eq!(b.markers(id).await, 0, "{id}: no marker");
+        let redelivery = Payment::new(id, 1);
+        let again = tokio::time::timeout(Duration::from_secs(10), b.pay(&redelivery, &signals));
+        assert_eq!(again.await.expect("the redelivery did not wait on a lock left behind").unwrap(), 100);
+        assert_eq!(b.payments(id).await, 1);
+    }
+    Arc::into_inner(b).unwrap().teardown().await;
+}
+
+pub async fn reused_key_commits_nothing<B: Backend>() {
+    let b = B::setup().await;
+    let signals = Signals::default();
+    let id = common::unique("reused");
+    b.pay(&Payment::new(&id, 10), &signals).await.unwrap();
+    let err = b.pay(&Payment::new(&id, 99), &signals).await.unwrap_err();
+    assert!(matches!(err, AppError::Idem(Error::KeyReused { .. })), "{err:?}");
+    assert_eq!(b.payments(&id).await, 1);
+    b.teardown().await;
+}
+
+pub async fn sql_in_a_key_is_only_data<B: Backend>() {
+    let b = B::setup().await;
+    let signals = Signals::default();
+    let id = format!("{}'; DROP TABLE payments; --\"`\\", common::unique("hostile"));
+    assert_eq!(b.pay(&Payment::new(&id, 2), &signals).await.unwrap(), 200);
+    assert_eq!(b.pay(&Payment::new(&id, 2), &signals).await.unwrap(), 200);
+    assert_eq!(b.payments(&id).await, 1);
+    assert_eq!(b.markers(&id).await, 1, "the key is stored exactly as given");
+    b.teardown().await;
+}
+
+/// Several hundred deliveries of 120 messages, shuffled, 16 at a time, with
+/// some first attempts failing: every message's effect exactly once.
+pub async fn shuffled_duplicates_under_concurrency_apply_each_effect_once<B: Backend>() {
+    let b = Arc::new(B::setup().await);
+    let signals = Arc::new(Signals::default());
+    let ids: Vec<String> = (0..120).map(|i| common::unique(&format!("bulk{i}"))).collect();
+    let mut deliveries: Vec<Payment> = Vec::new();
+    for (i, id) in ids.iter().enumerate() {
+        let copies = 1 + i % 4; // 1..=4 deliveries each
+        for c in 0..copies {
+            let after = if c == 0 && i % 5 == 0 { After::Fail } else { After::Commit };
+            deliveries.push(Payment::new(id, i as i64).then(after));
+        }
+    }
+    // A failed first attempt is redelivered later, as a broker would.
+    for (i, id) in ids.iter().enumerate() {
+        if i % 5 == 0 {
+            deliveries.push(Payment::new(id, i as i64));
+        }
+    }
+    deliveries.shuffle(&mut rand::rng());
+    let total = deliveries.len();
+    assert!(total > 300);
+    let queue = Arc::new(tokio::sync::Mutex::new(deliveries));
+    let workers = (0..16).map(|_| {
+        let (b, signals, queue) = (Arc::clone(&b), Arc::clone(&signals), Arc::clone(&queue));
+        tokio::spawn(async move {
+            loop {
+                let Some(msg) = queue.lock().await.pop() else { return };
+                match b.pay(&msg, &signals).await {
+                    Ok(v) => assert_eq!(v, msg.amount * 100),
+                    Err(AppError::Failed) => assert_eq!(msg.after, After::Fail),
+                    Err(other) => panic!("unexpected error: {other:?}"),
+                }
+            }
+        })
+    });
+    for worker in futures_util::future::join_all(workers).await {
+        worker.unwrap();
+    }
+    for id in &ids {
+        assert_eq!(b.payments(id).await, 1, "{id}");
+    }
+    Arc::into_inner(b).unwrap().teardown().await;
+}
+
+macro_rules! transactional_suite {
+    ($module:ident, $backend:ty) => {
+        mod $module {
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn sixteen_concurrent_deliveries_apply_the_effect_once() {
+                super::sixteen_concurrent_deliveries_apply_the_effect_once::<$backend>().await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn failed_bodies_leave_no_effect_and_no_marker() {
+                super::failed_bodies_leave_no_effect_and_no_marker::<$backend>().await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn reused_key_commits_nothing() {
+                super::reused_key_commits_nothing::<$backend>().await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn sql_in_a_key_is_only_data() {
+                super::sql_in_a_key_is_only_data::<$backend>().await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn shuffled_duplicates_under_concurrency_apply_each_effect_once() {
+                super::shuffled_duplicates_under_concurrency_apply_each_effect_once::<$backend>().await
+            }
+        }
+    };
+}
+
+transactional_suite!(postgres, super::Pg);
+transactional_suite!(sqlite, super::Lite);
+
+#[tokio::test]
+async fn invalid_table_names_are_refused_at_configuration() {
+    let pool = common::pg_pool(1).await;
+    for bad in ["x; DROP TABLE users", "a\"b", "1st", "a.b.c", ""] {
+        let err = idempotent_runtime::PgStore::builder(pool.clone()).table(bad).build().unwrap_err();
+        assert!(matches!(err, Error::Config(_)), "{bad:?}: {err}");
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let lite = idempotent_runtime::SqliteStore::open(dir.path().join("x.db")).await.unwrap();
+    for bad in ["x; DROP TABLE users", "main.markers", "with space"] {
+        let err = idempotent_runtime::SqliteStore::builder(lite.pool().clone()).table(bad).build().unwrap_err();
+        assert!(matches!(err, Error::Config(_)), "{bad:?}: {err}");
+    }
+    assert!(idempotent_runtime::PgStore::builder(pool).table("app_markers").build().is_ok());
+}
