@@ -383,6 +383,53 @@ pub(crate) async fn sleep_unless_cancelled(delay: Duration, shutdown: &tokio_uti
     }
 }
 
+/// Notes the end of a delivery task: keeps the first fatal error.
+pub(crate) fn note_task(done: Result<Result<(), ConsumerError>, tokio::task::JoinError>, fatal: &mut Option<ConsumerError>) {
+    match done {
+        Ok(Ok(())) => {}
+        Ok(Err(err)) => {
+            if fatal.is_none() {
+                *fatal = Some(err);
+            }
+        }
+        Err(err) if err.is_panic() => {
+            // Handler panics are caught inside the task; this is the adapter's own.
+            tracing::error!(target: TRACING_TARGET, error = %err, "delivery task panicked");
+        }
+        Err(_) => {}
+    }
+}
+
+/// Waits for the in-flight delivery tasks, at most `timeout`; then aborts
+/// the rest (their deliveries stay unacknowledged and are redelivered).
+pub(crate) async fn drain(
+    tasks: &mut tokio::task::JoinSet<Result<(), ConsumerError>>,
+    timeout: Duration,
+    fatal: &mut Option<ConsumerError>,
+    source: &str,
+) {
+    let deadline = tokio::time::sleep(timeout);
+    tokio::pin!(deadline);
+    loop {
+        tokio::select! {
+            done = tasks.join_next() => match done {
+                Some(done) => note_task(done, fatal),
+                None => return,
+            },
+            _ = &mut deadline => {
+                tracing::warn!(
+                    target: TRACING_TARGET,
+                    source,
+                    abandoned = tasks.len(),
+                    "shutdown timeout: abandoning in-flight handlers, their messages will be redelivered"
+                );
+                tasks.shutdown().await;
+                return;
+            }
+        }
+    }
+}
+
 /// An adapter failed to run: bad configuration, or the broker connection
 /// broke in a way the consumer cannot recover from by itself (restart it).
 #[derive(Debug, thiserror::Error)]
@@ -401,6 +448,11 @@ pub enum ConsumerError {
     #[cfg(feature = "nats")]
     #[error("NATS error: {0}")]
     Nats(#[source] async_nats::Error),
+
+    /// The channel or connection closed under a delivery that was still to
+    /// be settled; the broker redelivers it.
+    #[error("{0}")]
+    Disconnected(String),
 
     /// The broker cancelled the consumer (for example the queue was deleted).
     #[error("the broker cancelled the consumer of `{0}`")]

@@ -83,6 +83,8 @@ pub use store::mysql::{MySqlStore, MySqlStoreBuilder};
 #[cfg(feature = "redis")]
 pub use store::redis::{RedisGuard, RedisStore, RedisStoreBuilder};
 
+#[cfg(any(feature = "lapin", feature = "nats"))]
+mod broker;
 #[cfg(feature = "lapin")]
 pub mod rabbitmq;
 #[cfg(feature = "nats")]

@@ -508,7 +508,6 @@ mod through_the_attribute {
             let quick = Duration::ZERO;
 
             assert_eq!(consumer.charge("m-1", 21, quick).await.unwrap(), 42);
-            eprintln!("RAW {:?} {:?}", fx.raw("charge", "m-1").await, fx.conn.clone().keys::<_, Vec<String>>(format!("{}*", fx.prefix)).await);
             assert_eq!(consumer.charge("m-1", 21, quick).await.unwrap(), 42);
             assert_eq!(consumer.runs.load(Ordering::SeqCst), 1);
 

@@ -1,16 +1,12 @@
 use idempotent_runtime::{MemoryStore, idempotent};
 
 #[derive(Debug, thiserror::Error)]
-enum AppError {
-    #[error(transparent)]
-    Idem(#[from] idempotent_runtime::Error),
-}
+#[error(transparent)]
+struct AppError(#[from] idempotent_runtime::Error);
 
-static STORE: std::sync::LazyLock<MemoryStore> = std::sync::LazyLock::new(MemoryStore::new);
-
-#[idempotent(key = "id", store = *STORE)]
-fn handle(id: String) -> Result<(), AppError> {
-    let _ = id;
+#[idempotent(key = "id", store = store)]
+fn handle(store: &MemoryStore, id: String) -> Result<(), AppError> {
+    let _ = (store, id);
     Ok(())
 }
 

@@ -1,0 +1,8 @@
+use idempotent_runtime::idempotent;
+
+#[idempotent(key = "id", store = store)]
+struct Handler {
+    id: String,
+}
+
+fn main() {}
