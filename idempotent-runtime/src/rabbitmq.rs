@@ -376,10 +376,12 @@ impl<D, R> RabbitConsumer<D, R> {
     /// redelivered by the broker.
     pub async fn run<M, H, Fut, T, E>(self, handler: H, shutdown: CancellationToken) -> Result<RunStats, ConsumerError>
     where
+        M: Send + 'static,
         D: Decoder<M>,
         R: RetryPolicy<E>,
         H: Fn(M) -> Fut + Send + Sync + 'static,
         Fut: Future<Output = Result<T, E>> + Send + 'static,
+        T: Send + 'static,
         E: fmt::Display + Send + 'static,
     {
         self.run_with_info(move |msg, _info| handler(msg), shutdown).await
@@ -394,10 +396,12 @@ impl<D, R> RabbitConsumer<D, R> {
         shutdown: CancellationToken,
     ) -> Result<RunStats, ConsumerError>
     where
+        M: Send + 'static,
         D: Decoder<M>,
         R: RetryPolicy<E>,
         H: Fn(M, DeliveryInfo) -> Fut + Send + Sync + 'static,
         Fut: Future<Output = Result<T, E>> + Send + 'static,
+        T: Send + 'static,
         E: fmt::Display + Send + 'static,
     {
         let RabbitConsumer {
