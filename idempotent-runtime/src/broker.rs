@@ -277,10 +277,6 @@ impl Recorder {
         Recorder { broker, source: Arc::from(source), stats }
     }
 
-    pub(crate) fn source(&self) -> &str {
-        &self.source
-    }
-
     pub(crate) fn received(&self) {
         self.stats.inner.received.fetch_add(1, Ordering::Relaxed);
     }

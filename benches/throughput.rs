@@ -1,0 +1,2 @@
+//! Throughput benchmark (placeholder until written).
+fn main() {}
