@@ -47,7 +47,7 @@ async fn purge_deletes_only_expired_markers_in_batches_and_counts_them() {
 #[tokio::test]
 async fn janitor_purges_periodically_until_shut_down() {
     let (store, table) = fresh_store(1000).await;
-    let janitor = Janitor::spawn(store.clone(), Duration::from_millis(100));
+    let janitor = Janitor::spawn(store.clone(), Duration::from_millis(100)).unwrap();
     for i in 0..5 {
         complete(&store, &format!("old-{i}"), Duration::from_millis(1)).await;
     }
@@ -81,4 +81,10 @@ async fn expiry_follows_the_database_clock() {
     assert_eq!(lifetime, 3600, "expires_at = processed_at + ttl");
     assert!(skew < 60, "processed_at is the database's now()");
     common::drop_pg_table(store.pool(), &table).await;
+}
+
+#[test]
+fn janitor_outside_a_runtime_is_an_error_not_a_panic() {
+    let err = Janitor::spawn(idempotent_runtime::MemoryStore::new(), Duration::from_secs(1)).unwrap_err();
+    assert!(err.to_string().contains("tokio runtime"), "{err}");
 }

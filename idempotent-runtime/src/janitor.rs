@@ -27,7 +27,7 @@ impl PurgeExpired for crate::MemoryStore {
 /// ```no_run
 /// # async fn run(store: idempotent_runtime::MemoryStore) {
 /// use std::time::Duration;
-/// let janitor = idempotent_runtime::Janitor::spawn(store, Duration::from_secs(3600));
+/// let janitor = idempotent_runtime::Janitor::spawn(store, Duration::from_secs(3600)).unwrap();
 /// // ... serve ...
 /// janitor.shutdown().await;
 /// # }
@@ -42,9 +42,13 @@ impl Janitor {
     /// Spawns a task on the current tokio runtime that purges `store` now and
     /// then every `every`. Failures are logged (`tracing`, target
     /// `idempotent`) and retried at the next tick.
-    pub fn spawn<S: PurgeExpired>(store: S, every: Duration) -> Janitor {
+    ///
+    /// Fails with [`Error::Config`] when called outside a tokio runtime.
+    pub fn spawn<S: PurgeExpired>(store: S, every: Duration) -> Result<Janitor, Error> {
+        let runtime = tokio::runtime::Handle::try_current()
+            .map_err(|_| Error::Config("Janitor::spawn must be called from inside a tokio runtime".into()))?;
         let (stop, mut stopped) = watch::channel(false);
-        let task = tokio::spawn(async move {
+        let task = runtime.spawn(async move {
             let mut ticks = tokio::time::interval(every.max(Duration::from_millis(1)));
             ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             loop {
@@ -59,7 +63,7 @@ impl Janitor {
                 }
             }
         });
-        Janitor { stop, task: Some(task) }
+        Ok(Janitor { stop, task: Some(task) })
     }
 
     /// Stops the janitor, letting a purge in progress finish.

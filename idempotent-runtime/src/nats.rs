@@ -412,7 +412,6 @@ impl<D, R> JetStreamConsumer<D, R> {
             retry,
             handler,
             recorder: recorder.clone(),
-            shutdown: shutdown.clone(),
         });
         let pull_backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(5));
         let mut pull_failures = 0u32;
@@ -511,7 +510,6 @@ struct Worker<D, R, H> {
     retry: R,
     handler: H,
     recorder: Recorder,
-    shutdown: CancellationToken,
 }
 
 async fn handle<M, D, R, H, Fut, T, E>(worker: Arc<Worker<D, R, H>>, msg: jetstream::Message) -> Result<(), ConsumerError>
@@ -650,7 +648,7 @@ impl<D, R, H> Worker<D, R, H> {
                 let name_str: &str = name.as_ref();
                 // Publish expectations, TTLs, rollups... of the original
                 // must not apply to the dead letter; its id may (dedup).
-                if name_str.starts_with("Nats-") && name_str != async_nats::header::NATS_MESSAGE_ID.as_ref() {
+                if name_str.starts_with("Nats-") && !name_str.eq_ignore_ascii_case("Nats-Msg-Id") {
                     continue;
                 }
                 for value in values {

@@ -188,33 +188,50 @@ async fn claim_effect_complete_then_duplicates_replay() {
 #[tokio::test]
 async fn the_claim_runs_at_read_committed_and_leaves_the_session_alone() {
     // One connection, so the plain transaction below runs on the very
-    // connection the claim used.
+    // connection the claim used; a second pool writes concurrently.
+    // (Behaviour is checked rather than `information_schema.innodb_trx`,
+    // whose isolation column is a cache refreshed at most every 100 ms.)
     let fx = Fixture::new("isolation", 1).await;
-    let level = "SELECT trx_isolation_level FROM information_schema.innodb_trx \
-                 WHERE trx_mysql_thread_id = CONNECTION_ID()";
+    let other = pool(1).await;
+    let probe = format!("{}_probe", fx.table);
+    let read = format!("SELECT a FROM `{probe}`");
+    let write = format!("UPDATE `{probe}` SET a = ?");
+    sqlx::query(AssertSqlSafe(format!("CREATE TABLE `{probe}` (a INT NOT NULL) ENGINE = InnoDB")))
+        .execute(&other)
+        .await
+        .expect("create probe");
+    sqlx::query(AssertSqlSafe(format!("INSERT INTO `{probe}` VALUES (1)"))).execute(&other).await.expect("insert");
+    let set = |a: i32| sqlx::query(AssertSqlSafe(write.clone())).bind(a).execute(&other);
 
     let mut guard = fresh(fx.claim("iso").await);
-    let in_claim: String = sqlx::query_scalar(level).fetch_one(&mut **guard.transaction()).await.expect("level");
+    let first: i32 = sqlx::query_scalar(AssertSqlSafe(read.clone())).fetch_one(&mut **guard.transaction()).await.expect("read");
+    set(2).await.expect("concurrent update");
+    let second: i32 =
+        sqlx::query_scalar(AssertSqlSafe(read.clone())).fetch_one(&mut **guard.transaction()).await.expect("read");
     guard.complete(None).await.expect("complete");
-    assert_eq!(in_claim, "READ COMMITTED");
+    assert_eq!((first, second), (1, 2), "READ COMMITTED sees the other transaction's commit");
 
+    // The next transaction on that connection has the session's own level
+    // again (the server default here, REPEATABLE READ).
     let mut tx = fx.pool.begin().await.expect("begin");
     // `tx_isolation` on MariaDB, `transaction_isolation` on MySQL 8.
-    let session_default: String = match sqlx::query_scalar("SELECT @@session.tx_isolation").fetch_one(&mut *tx).await {
+    let session: String = match sqlx::query_scalar("SELECT @@session.tx_isolation").fetch_one(&mut *tx).await {
         Ok(level) => level,
         Err(_) => sqlx::query_scalar("SELECT @@session.transaction_isolation")
             .fetch_one(&mut *tx)
             .await
             .expect("session level"),
     };
-    sqlx::query(AssertSqlSafe(format!("INSERT INTO `{}` (order_id, amount) VALUES ('x', 1)", fx.pay)))
-        .execute(&mut *tx)
-        .await
-        .expect("insert");
-    let plain: String = sqlx::query_scalar(level).fetch_one(&mut *tx).await.expect("level");
+    let first: i32 = sqlx::query_scalar(AssertSqlSafe(read.clone())).fetch_one(&mut *tx).await.expect("read");
+    set(3).await.expect("concurrent update");
+    let second: i32 = sqlx::query_scalar(AssertSqlSafe(read.clone())).fetch_one(&mut *tx).await.expect("read");
     tx.rollback().await.expect("rollback");
-    assert_eq!(plain.replace(' ', "-"), session_default, "SET TRANSACTION must not outlive the claim");
+    if session == "REPEATABLE-READ" {
+        assert_eq!((first, second), (2, 2), "SET TRANSACTION must not outlive the claim");
+    }
 
+    sqlx::query(AssertSqlSafe(format!("DROP TABLE `{probe}`"))).execute(&other).await.expect("drop probe");
+    other.close().await;
     fx.drop_tables().await;
 }
 
@@ -381,6 +398,70 @@ async fn hundreds_of_mixed_concurrent_deliveries_leak_no_deadlock() {
         KEYS * COPIES,
         retries::SEEN.load(Ordering::Relaxed)
     );
+
+    Arc::into_inner(fx).expect("tasks are done").drop_tables().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deadlocked_claim_is_retried_not_reported() {
+    retries::install();
+    let fx = Arc::new(Fixture::new("deadlock", 4).await);
+    let t = fx.table.clone();
+
+    // An expired marker: the claim below takes it over, which locks its
+    // primary-key row, then moves its `expires_at` index entry.
+    let req = Request::new("pay", "k-dl").expect("request").ttl(Duration::from_millis(10));
+    fresh(fx.store.claim(&req).await).complete(Some("0".to_owned())).await.expect("complete");
+    tokio::time::sleep(Duration::from_millis(50)).await;
+
+    // Another transaction, made heavier (more undo) so InnoDB picks the
+    // claim as the deadlock victim, locks the index entry only...
+    let mut other = fx.pool.begin().await.expect("begin");
+    for i in 0..50 {
+        sqlx::query(AssertSqlSafe(format!("INSERT INTO `{}` (order_id, amount) VALUES ('weight', ?)", fx.pay)))
+            .bind(i)
+            .execute(&mut *other)
+            .await
+            .expect("weight");
+    }
+    sqlx::query(AssertSqlSafe(format!(
+        "SELECT expires_at FROM `{t}` FORCE INDEX (`{t}_expires_at_idx`) WHERE expires_at <= UTC_TIMESTAMP(3) FOR UPDATE"
+    )))
+    .fetch_all(&mut *other)
+    .await
+    .expect("lock the index entry");
+
+    // ...the claim takes the row and waits for the index entry...
+    let claim = tokio::spawn({
+        let fx = Arc::clone(&fx);
+        async move {
+            let req = Request::new("pay", "k-dl")?;
+            match fx.store.claim(&req).await? {
+                Claim::Fresh(guard) => guard.complete(Some("1".to_owned())).await.map(|()| true),
+                Claim::Done(_) => Ok(false),
+            }
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let before = retries::SEEN.load(Ordering::SeqCst);
+    // ...and the other transaction now wants the row: a deadlock.
+    let row = sqlx::query(AssertSqlSafe(format!(
+        "SELECT result FROM `{t}` WHERE scope = 'pay' AND message_id = 'k-dl' FOR UPDATE"
+    )))
+    .fetch_one(&mut *other)
+    .await;
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let retried = retries::SEEN.load(Ordering::SeqCst) > before;
+    other.rollback().await.expect("rollback");
+    let took_over = tokio::time::timeout(Duration::from_secs(10), claim)
+        .await
+        .expect("the claim finishes")
+        .expect("join")
+        .expect("the deadlock must not reach the caller");
+    assert!(took_over);
+    assert_eq!(done(fx.store.claim(&Request::new("pay", "k-dl").expect("request")).await).as_deref(), Some("1"));
+    eprintln!("other transaction: {:?}; claim retried after a deadlock: {retried}", row.map(|_| "locked the row"));
+    assert!(retried, "the claim should have been the deadlock victim and retried");
 
     Arc::into_inner(fx).expect("tasks are done").drop_tables().await;
 }
