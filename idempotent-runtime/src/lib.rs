@@ -11,7 +11,6 @@
 //! use idempotent_runtime::{idempotent, PgStore};
 //! use idempotent_runtime::sqlx::PgConnection;
 //!
-//! #[derive(serde::Deserialize)]
 //! struct PaymentMessage { message_id: String, order_id: String, amount: i64 }
 //!
 //! #[derive(Debug, thiserror::Error)]
@@ -65,6 +64,7 @@ pub use fingerprint::Fingerprint;
 pub use idempotent_macros::idempotent;
 pub use janitor::{Janitor, PurgeExpired};
 pub use key::{IdempotencyKey, MAX_KEY_BYTES, MAX_SCOPE_BYTES};
+pub use store::cached::{CacheStats, CachedGuard, CachedStore, DEFAULT_CACHE_MAX_AGE};
 pub use store::memory::{MemoryGuard, MemoryStore};
 pub use store::{Claim, DEFAULT_LEASE, DEFAULT_TTL, Guard, Replay, Request, Store, encode_result};
 pub use table::{MAX_TABLE_NAME_BYTES, TableName};

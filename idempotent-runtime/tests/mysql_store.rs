@@ -57,7 +57,11 @@ impl Fixture {
     async fn with_batch(test: &str, connections: u32, batch: u32) -> Self {
         let pool = pool(connections).await;
         let table = format!("t_{test}_{:012x}", random_u64() & 0xffff_ffff_ffff);
-        let store = MySqlStore::builder(pool.clone()).table(&table).purge_batch(batch).build().expect("valid table");
+        let store = MySqlStore::builder(pool.clone())
+            .table(&table)
+            .purge_batch(batch)
+            .build()
+            .expect("valid table");
         store.migrate().await.expect("migrate");
         let pay = format!("{table}_pay");
         sqlx::query(AssertSqlSafe(format!(
@@ -67,12 +71,20 @@ impl Fixture {
         .execute(&pool)
         .await
         .expect("create effect table");
-        Fixture { store, pool, table, pay }
+        Fixture {
+            store,
+            pool,
+            table,
+            pay,
+        }
     }
 
     async fn drop_tables(self) {
         for t in [&self.table, &self.pay] {
-            sqlx::query(AssertSqlSafe(format!("DROP TABLE IF EXISTS `{t}`"))).execute(&self.pool).await.expect("drop");
+            sqlx::query(AssertSqlSafe(format!("DROP TABLE IF EXISTS `{t}`")))
+                .execute(&self.pool)
+                .await
+                .expect("drop");
         }
         self.pool.close().await;
     }
@@ -83,31 +95,40 @@ impl Fixture {
 
     /// The handler's effect, written in the claim's transaction.
     async fn pay(&self, guard: &mut MyGuard, order: &str, amount: i64) {
-        sqlx::query(AssertSqlSafe(format!("INSERT INTO `{}` (order_id, amount) VALUES (?, ?)", self.pay)))
-            .bind(order)
-            .bind(amount)
-            .execute(&mut **guard.transaction())
-            .await
-            .expect("effect");
+        sqlx::query(AssertSqlSafe(format!(
+            "INSERT INTO `{}` (order_id, amount) VALUES (?, ?)",
+            self.pay
+        )))
+        .bind(order)
+        .bind(amount)
+        .execute(&mut **guard.transaction())
+        .await
+        .expect("effect");
     }
 
     async fn effects(&self, order: &str) -> i64 {
-        sqlx::query(AssertSqlSafe(format!("SELECT COUNT(*) FROM `{}` WHERE order_id = ?", self.pay)))
-            .bind(order)
-            .fetch_one(&self.pool)
-            .await
-            .expect("count effects")
-            .get(0)
+        sqlx::query(AssertSqlSafe(format!(
+            "SELECT COUNT(*) FROM `{}` WHERE order_id = ?",
+            self.pay
+        )))
+        .bind(order)
+        .fetch_one(&self.pool)
+        .await
+        .expect("count effects")
+        .get(0)
     }
 
     async fn all_effects(&self) -> HashMap<String, i64> {
-        sqlx::query(AssertSqlSafe(format!("SELECT order_id, COUNT(*) FROM `{}` GROUP BY order_id", self.pay)))
-            .fetch_all(&self.pool)
-            .await
-            .expect("effects")
-            .into_iter()
-            .map(|row| (row.get(0), row.get(1)))
-            .collect()
+        sqlx::query(AssertSqlSafe(format!(
+            "SELECT order_id, COUNT(*) FROM `{}` GROUP BY order_id",
+            self.pay
+        )))
+        .fetch_all(&self.pool)
+        .await
+        .expect("effects")
+        .into_iter()
+        .map(|row| (row.get(0), row.get(1)))
+        .collect()
     }
 
     async fn markers(&self) -> i64 {
@@ -119,12 +140,15 @@ impl Fixture {
     }
 
     async fn has_marker(&self, key: &str) -> bool {
-        sqlx::query(AssertSqlSafe(format!("SELECT 1 FROM `{}` WHERE scope = 'pay' AND message_id = ?", self.table)))
-            .bind(key)
-            .fetch_optional(&self.pool)
-            .await
-            .expect("marker")
-            .is_some()
+        sqlx::query(AssertSqlSafe(format!(
+            "SELECT 1 FROM `{}` WHERE scope = 'pay' AND message_id = ?",
+            self.table
+        )))
+        .bind(key)
+        .fetch_optional(&self.pool)
+        .await
+        .expect("marker")
+        .is_some()
     }
 }
 
@@ -147,16 +171,23 @@ fn done(claim: Result<Claim<MyGuard>, Error>) -> Option<String> {
 /// A claim that must not wait for a lock left behind (the server's lock wait
 /// timeout is far longer than this).
 async fn claim_now(fx: &Fixture, key: &str) -> Result<Claim<MyGuard>, Error> {
-    tokio::time::timeout(Duration::from_secs(5), fx.claim(key)).await.expect("the claim waited for a released key")
+    tokio::time::timeout(Duration::from_secs(5), fx.claim(key))
+        .await
+        .expect("the claim waited for a released key")
 }
 
 #[tokio::test]
 async fn claim_effect_complete_then_duplicates_replay() {
-    let fx = Fixture::new("replay", 4).await;
+    // One connection: the fresh claim of `m-2` follows duplicates on the same
+    // session, whose `LAST_INSERT_ID` the claim statement set to 1.
+    let fx = Fixture::new("replay", 1).await;
 
     let mut guard = fresh(fx.claim("m-1").await);
     fx.pay(&mut guard, "order-1", 100).await;
-    guard.complete(Some(r#"{"receipt":42}"#.to_owned())).await.expect("complete");
+    guard
+        .complete(Some(r#"{"receipt":42}"#.to_owned()))
+        .await
+        .expect("complete");
 
     for _ in 0..3 {
         assert_eq!(done(fx.claim("m-1").await).as_deref(), Some(r#"{"receipt":42}"#));
@@ -165,7 +196,10 @@ async fn claim_effect_complete_then_duplicates_replay() {
         Claim::Done(replay) => replay,
         Claim::Fresh(_) => panic!("fresh"),
     };
-    assert_eq!(replay.decode::<serde_json::Value>().expect("decode"), serde_json::json!({"receipt": 42}));
+    assert_eq!(
+        replay.decode::<serde_json::Value>().expect("decode"),
+        serde_json::json!({"receipt": 42})
+    );
     assert_eq!(fx.effects("order-1").await, 1);
 
     // A unit result stores nothing and replays `null`.
@@ -196,41 +230,67 @@ async fn the_claim_runs_at_read_committed_and_leaves_the_session_alone() {
     let probe = format!("{}_probe", fx.table);
     let read = format!("SELECT a FROM `{probe}`");
     let write = format!("UPDATE `{probe}` SET a = ?");
-    sqlx::query(AssertSqlSafe(format!("CREATE TABLE `{probe}` (a INT NOT NULL) ENGINE = InnoDB")))
+    sqlx::query(AssertSqlSafe(format!(
+        "CREATE TABLE `{probe}` (a INT NOT NULL) ENGINE = InnoDB"
+    )))
+    .execute(&other)
+    .await
+    .expect("create probe");
+    sqlx::query(AssertSqlSafe(format!("INSERT INTO `{probe}` VALUES (1)")))
         .execute(&other)
         .await
-        .expect("create probe");
-    sqlx::query(AssertSqlSafe(format!("INSERT INTO `{probe}` VALUES (1)"))).execute(&other).await.expect("insert");
+        .expect("insert");
     let set = |a: i32| sqlx::query(AssertSqlSafe(write.clone())).bind(a).execute(&other);
 
     let mut guard = fresh(fx.claim("iso").await);
-    let first: i32 = sqlx::query_scalar(AssertSqlSafe(read.clone())).fetch_one(&mut **guard.transaction()).await.expect("read");
+    let first: i32 = sqlx::query_scalar(AssertSqlSafe(read.clone()))
+        .fetch_one(&mut **guard.transaction())
+        .await
+        .expect("read");
     set(2).await.expect("concurrent update");
-    let second: i32 =
-        sqlx::query_scalar(AssertSqlSafe(read.clone())).fetch_one(&mut **guard.transaction()).await.expect("read");
+    let second: i32 = sqlx::query_scalar(AssertSqlSafe(read.clone()))
+        .fetch_one(&mut **guard.transaction())
+        .await
+        .expect("read");
     guard.complete(None).await.expect("complete");
-    assert_eq!((first, second), (1, 2), "READ COMMITTED sees the other transaction's commit");
+    assert_eq!(
+        (first, second),
+        (1, 2),
+        "READ COMMITTED sees the other transaction's commit"
+    );
 
     // The next transaction on that connection has the session's own level
     // again (the server default here, REPEATABLE READ).
     let mut tx = fx.pool.begin().await.expect("begin");
     // `tx_isolation` on MariaDB, `transaction_isolation` on MySQL 8.
-    let session: String = match sqlx::query_scalar("SELECT @@session.tx_isolation").fetch_one(&mut *tx).await {
+    let session: String = match sqlx::query_scalar("SELECT @@session.tx_isolation")
+        .fetch_one(&mut *tx)
+        .await
+    {
         Ok(level) => level,
         Err(_) => sqlx::query_scalar("SELECT @@session.transaction_isolation")
             .fetch_one(&mut *tx)
             .await
             .expect("session level"),
     };
-    let first: i32 = sqlx::query_scalar(AssertSqlSafe(read.clone())).fetch_one(&mut *tx).await.expect("read");
+    let first: i32 = sqlx::query_scalar(AssertSqlSafe(read.clone()))
+        .fetch_one(&mut *tx)
+        .await
+        .expect("read");
     set(3).await.expect("concurrent update");
-    let second: i32 = sqlx::query_scalar(AssertSqlSafe(read.clone())).fetch_one(&mut *tx).await.expect("read");
+    let second: i32 = sqlx::query_scalar(AssertSqlSafe(read.clone()))
+        .fetch_one(&mut *tx)
+        .await
+        .expect("read");
     tx.rollback().await.expect("rollback");
     if session == "REPEATABLE-READ" {
         assert_eq!((first, second), (2, 2), "SET TRANSACTION must not outlive the claim");
     }
 
-    sqlx::query(AssertSqlSafe(format!("DROP TABLE `{probe}`"))).execute(&other).await.expect("drop probe");
+    sqlx::query(AssertSqlSafe(format!("DROP TABLE `{probe}`")))
+        .execute(&other)
+        .await
+        .expect("drop probe");
     other.close().await;
     fx.drop_tables().await;
 }
@@ -259,8 +319,12 @@ async fn sixteen_concurrent_duplicates_run_the_body_once() {
             }
         });
     }
-    let outcomes: Vec<(bool, Option<String>)> =
-        tasks.join_all().await.into_iter().collect::<Result<_, _>>().expect("no claim may fail");
+    let outcomes: Vec<(bool, Option<String>)> = tasks
+        .join_all()
+        .await
+        .into_iter()
+        .collect::<Result<_, _>>()
+        .expect("no claim may fail");
 
     assert_eq!(runs.load(Ordering::SeqCst), 1);
     assert_eq!(outcomes.iter().filter(|(fresh, _)| *fresh).count(), 1);
@@ -327,8 +391,11 @@ async fn hundreds_of_mixed_concurrent_deliveries_leak_no_deadlock() {
     let fx = Arc::new(Fixture::new("mixed", CONCURRENCY as u32 + 2).await);
     // Every third key fails its first run (the body's error rolls back), and
     // every seventh key's first run is dropped mid-body instead.
-    let failed_once: Arc<Vec<std::sync::atomic::AtomicBool>> =
-        Arc::new((0..KEYS).map(|k| std::sync::atomic::AtomicBool::new(k % 3 != 0 && k % 7 != 0)).collect());
+    let failed_once: Arc<Vec<std::sync::atomic::AtomicBool>> = Arc::new(
+        (0..KEYS)
+            .map(|k| std::sync::atomic::AtomicBool::new(k % 3 != 0 && k % 7 != 0))
+            .collect(),
+    );
     let committed = Arc::new(AtomicUsize::new(0));
 
     let mut deliveries: Vec<usize> = (0..KEYS).flat_map(|k| std::iter::repeat_n(k, COPIES)).collect();
@@ -343,8 +410,12 @@ async fn hundreds_of_mixed_concurrent_deliveries_leak_no_deadlock() {
     let limit = Arc::new(tokio::sync::Semaphore::new(CONCURRENCY));
     let mut tasks = tokio::task::JoinSet::new();
     for (n, k) in deliveries.into_iter().enumerate() {
-        let (fx, failed_once, committed, limit) =
-            (Arc::clone(&fx), Arc::clone(&failed_once), Arc::clone(&committed), Arc::clone(&limit));
+        let (fx, failed_once, committed, limit) = (
+            Arc::clone(&fx),
+            Arc::clone(&failed_once),
+            Arc::clone(&committed),
+            Arc::clone(&limit),
+        );
         tasks.spawn(async move {
             let _permit = limit.acquire_owned().await.expect("semaphore");
             let key = format!("key-{k}");
@@ -394,7 +465,7 @@ async fn hundreds_of_mixed_concurrent_deliveries_leak_no_deadlock() {
     assert!(effects.values().all(|&n| n == 1), "{effects:?}");
     assert_eq!(fx.markers().await, KEYS as i64);
     eprintln!(
-        "{} deliveries, {redeliveries} redeliveries after failed first runs, {} deadlock/lock-timeout retries inside claims",
+        "{} deliveries, {redeliveries} redeliveries after failed first runs, {} deadlock/lock-timeout retries inside claims (process-wide)",
         KEYS * COPIES,
         retries::SEEN.load(Ordering::Relaxed)
     );
@@ -407,36 +478,38 @@ async fn a_deadlocked_claim_is_retried_not_reported() {
     retries::install();
     let fx = Arc::new(Fixture::new("deadlock", 4).await);
     let t = fx.table.clone();
+    fresh(fx.claim("k-existing").await)
+        .complete(None)
+        .await
+        .expect("complete");
 
-    // An expired marker: the claim below takes it over, which locks its
-    // primary-key row, then moves its `expires_at` index entry.
-    let req = Request::new("pay", "k-dl").expect("request").ttl(Duration::from_millis(10));
-    fresh(fx.store.claim(&req).await).complete(Some("0".to_owned())).await.expect("complete");
-    tokio::time::sleep(Duration::from_millis(50)).await;
-
-    // Another transaction, made heavier (more undo) so InnoDB picks the
-    // claim as the deadlock victim, locks the index entry only...
+    // Another transaction (REPEATABLE READ, the server default), made heavier
+    // (more undo) so that InnoDB picks the claim as the deadlock victim,
+    // locks the whole `expires_at` index, gaps included...
     let mut other = fx.pool.begin().await.expect("begin");
     for i in 0..50 {
-        sqlx::query(AssertSqlSafe(format!("INSERT INTO `{}` (order_id, amount) VALUES ('weight', ?)", fx.pay)))
-            .bind(i)
-            .execute(&mut *other)
-            .await
-            .expect("weight");
+        sqlx::query(AssertSqlSafe(format!(
+            "INSERT INTO `{}` (order_id, amount) VALUES ('weight', ?)",
+            fx.pay
+        )))
+        .bind(i)
+        .execute(&mut *other)
+        .await
+        .expect("weight");
     }
     sqlx::query(AssertSqlSafe(format!(
-        "SELECT expires_at FROM `{t}` FORCE INDEX (`{t}_expires_at_idx`) WHERE expires_at <= UTC_TIMESTAMP(3) FOR UPDATE"
+        "SELECT expires_at FROM `{t}` FORCE INDEX (`{t}_expires_at_idx`) WHERE expires_at >= '2000-01-01' FOR UPDATE"
     )))
     .fetch_all(&mut *other)
     .await
-    .expect("lock the index entry");
+    .expect("lock the index");
 
-    // ...the claim takes the row and waits for the index entry...
+    // ...the claim inserts its marker row, then waits to insert its index
+    // entry...
     let claim = tokio::spawn({
         let fx = Arc::clone(&fx);
         async move {
-            let req = Request::new("pay", "k-dl")?;
-            match fx.store.claim(&req).await? {
+            match fx.claim("k-dl").await? {
                 Claim::Fresh(guard) => guard.complete(Some("1".to_owned())).await.map(|()| true),
                 Claim::Done(_) => Ok(false),
             }
@@ -444,11 +517,11 @@ async fn a_deadlocked_claim_is_retried_not_reported() {
     });
     tokio::time::sleep(Duration::from_millis(300)).await;
     let before = retries::SEEN.load(Ordering::SeqCst);
-    // ...and the other transaction now wants the row: a deadlock.
+    // ...and the other transaction now wants the claim's row: a deadlock.
     let row = sqlx::query(AssertSqlSafe(format!(
         "SELECT result FROM `{t}` WHERE scope = 'pay' AND message_id = 'k-dl' FOR UPDATE"
     )))
-    .fetch_one(&mut *other)
+    .fetch_optional(&mut *other)
     .await;
     tokio::time::sleep(Duration::from_millis(100)).await;
     let retried = retries::SEEN.load(Ordering::SeqCst) > before;
@@ -459,8 +532,8 @@ async fn a_deadlocked_claim_is_retried_not_reported() {
         .expect("join")
         .expect("the deadlock must not reach the caller");
     assert!(took_over);
-    assert_eq!(done(fx.store.claim(&Request::new("pay", "k-dl").expect("request")).await).as_deref(), Some("1"));
-    eprintln!("other transaction: {:?}; claim retried after a deadlock: {retried}", row.map(|_| "locked the row"));
+    assert_eq!(done(fx.claim("k-dl").await).as_deref(), Some("1"));
+    eprintln!("other transaction: {row:?}; claim retried after a deadlock: {retried}");
     assert!(retried, "the claim should have been the deadlock victim and retried");
 
     Arc::into_inner(fx).expect("tasks are done").drop_tables().await;
@@ -479,9 +552,17 @@ async fn abort_drop_panic_and_cancellation_release_the_key_at_once() {
         async move { fx.claim("k-abort").await }
     });
     tokio::time::sleep(Duration::from_millis(200)).await;
-    assert!(!waiter.is_finished(), "a concurrent duplicate must wait for the first call");
+    assert!(
+        !waiter.is_finished(),
+        "a concurrent duplicate must wait for the first call"
+    );
     guard.abort().await;
-    let mut guard = fresh(tokio::time::timeout(Duration::from_secs(5), waiter).await.expect("waited").expect("join"));
+    let mut guard = fresh(
+        tokio::time::timeout(Duration::from_secs(5), waiter)
+            .await
+            .expect("waited")
+            .expect("join"),
+    );
     assert_eq!(fx.effects("o-abort").await, 0);
     fx.pay(&mut guard, "o-abort", 1).await;
     guard.complete(None).await.expect("complete");
@@ -543,7 +624,11 @@ async fn fingerprint_mismatch_is_key_reused_and_commits_nothing() {
     let fx = Fixture::new("fingerprint", 4).await;
     let a = Fingerprint::of(&("order-1", 100)).expect("fingerprint");
     let b = Fingerprint::of(&("order-1", 999)).expect("fingerprint");
-    let req = |fp: &Fingerprint| Request::new("pay", "m-fp").expect("request").fingerprint(Some(fp.clone()));
+    let req = |fp: &Fingerprint| {
+        Request::new("pay", "m-fp")
+            .expect("request")
+            .fingerprint(Some(fp.clone()))
+    };
 
     let mut guard = fresh(fx.store.claim(&req(&a)).await);
     fx.pay(&mut guard, "order-1", 100).await;
@@ -556,7 +641,9 @@ async fn fingerprint_mismatch_is_key_reused_and_commits_nothing() {
     .await
     .expect("marker");
 
-    let Err(err) = fx.store.claim(&req(&b)).await else { panic!("a reused key must be refused") };
+    let Err(err) = fx.store.claim(&req(&b)).await else {
+        panic!("a reused key must be refused")
+    };
     assert!(matches!(err, Error::KeyReused { .. }), "{err}");
     assert!(!err.is_transient());
     // The same message again replays.
@@ -580,12 +667,19 @@ async fn fingerprint_mismatch_is_key_reused_and_commits_nothing() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn expired_markers_are_taken_over_and_purged() {
     let fx = Arc::new(Fixture::with_batch("expiry", 10, 7).await);
-    let short = |key: &'static str| Request::new("pay", key).expect("request").ttl(Duration::from_millis(30));
+    let short = |key: &'static str| {
+        Request::new("pay", key)
+            .expect("request")
+            .ttl(Duration::from_millis(30))
+    };
 
     let mut guard = fresh(fx.store.claim(&short("k-exp")).await);
     fx.pay(&mut guard, "o-exp", 1).await;
     guard.complete(Some(r#""first""#.to_owned())).await.expect("complete");
-    assert_eq!(done(fx.store.claim(&short("k-exp")).await).as_deref(), Some(r#""first""#));
+    assert_eq!(
+        done(fx.store.claim(&short("k-exp")).await).as_deref(),
+        Some(r#""first""#)
+    );
     tokio::time::sleep(Duration::from_millis(120)).await;
 
     // Taking over an expired marker whose body then fails keeps the old
@@ -625,19 +719,39 @@ async fn expired_markers_are_taken_over_and_purged() {
             }
         });
     }
-    let results: Vec<Option<String>> = tasks.join_all().await.into_iter().collect::<Result<_, _>>().expect("claims");
+    let results: Vec<Option<String>> = tasks
+        .join_all()
+        .await
+        .into_iter()
+        .collect::<Result<_, _>>()
+        .expect("claims");
     assert_eq!(fx.effects("o-race").await, 1);
-    assert!(results.iter().all(|r| *r == results[0] && r.as_deref() != Some("0")), "{results:?}");
+    assert!(
+        results.iter().all(|r| *r == results[0] && r.as_deref() != Some("0")),
+        "{results:?}"
+    );
 
     // Purge: 25 expired markers (several batches of 7) and 5 live ones.
     for i in 0..30 {
         let key = format!("p-{i}");
-        let ttl = if i < 25 { Duration::from_millis(20) } else { Duration::from_secs(3600) };
-        let guard = fresh(fx.store.claim(&Request::new("pay", &key).expect("request").ttl(ttl)).await);
+        let ttl = if i < 25 {
+            Duration::from_millis(20)
+        } else {
+            Duration::from_secs(3600)
+        };
+        let guard = fresh(
+            fx.store
+                .claim(&Request::new("pay", &key).expect("request").ttl(ttl))
+                .await,
+        );
         guard.complete(None).await.expect("complete");
     }
     // A huge ttl is clamped, not an error.
-    let guard = fresh(fx.store.claim(&Request::new("pay", "forever").expect("request").ttl(Duration::MAX)).await);
+    let guard = fresh(
+        fx.store
+            .claim(&Request::new("pay", "forever").expect("request").ttl(Duration::MAX))
+            .await,
+    );
     guard.complete(None).await.expect("complete");
     tokio::time::sleep(Duration::from_millis(120)).await;
     // k-exp and k-race were taken over with the default ttl: they stay.
@@ -657,9 +771,24 @@ async fn keys_are_distinct_byte_for_byte() {
     let fx = Fixture::new("bytes", 2).await;
     let long = "€".repeat(85);
     assert_eq!(long.len(), idempotent_runtime::MAX_KEY_BYTES);
-    let keys = ["k", "K", "k ", " k", "é", "e\u{301}", "ê", "e", "💳", "a\u{7f}", long.as_str()];
+    let keys = [
+        "k",
+        "K",
+        "k ",
+        " k",
+        "é",
+        "e\u{301}",
+        "ê",
+        "e",
+        "💳",
+        "a\u{7f}",
+        long.as_str(),
+    ];
     for key in keys {
-        fresh(fx.claim(key).await).complete(Some(format!("{key:?}"))).await.expect("complete");
+        fresh(fx.claim(key).await)
+            .complete(Some(format!("{key:?}")))
+            .await
+            .expect("complete");
     }
     for key in keys {
         assert_eq!(done(fx.claim(key).await), Some(format!("{key:?}")), "key {key:?}");
@@ -676,7 +805,10 @@ async fn keys_are_distinct_byte_for_byte() {
 async fn migrate_is_idempotent_and_safe_to_run_concurrently() {
     let pool = pool(10).await;
     let table = format!("t_migrate_{:012x}", random_u64() & 0xffff_ffff_ffff);
-    let store = MySqlStore::builder(pool.clone()).table(&table).build().expect("valid table");
+    let store = MySqlStore::builder(pool.clone())
+        .table(&table)
+        .build()
+        .expect("valid table");
     let mut tasks = tokio::task::JoinSet::new();
     for _ in 0..8 {
         let store = store.clone();
@@ -687,22 +819,36 @@ async fn migrate_is_idempotent_and_safe_to_run_concurrently() {
     }
     store.migrate().await.expect("migrate again");
 
-    let (_, create): (String, String) =
-        sqlx::query_as(AssertSqlSafe(format!("SHOW CREATE TABLE `{table}`"))).fetch_one(&pool).await.expect("show");
-    assert!(create.contains(&format!("KEY `{table}_expires_at_idx` (`expires_at`)")), "{create}");
+    let (_, create): (String, String) = sqlx::query_as(AssertSqlSafe(format!("SHOW CREATE TABLE `{table}`")))
+        .fetch_one(&pool)
+        .await
+        .expect("show");
+    assert!(
+        create.contains(&format!("KEY `{table}_expires_at_idx` (`expires_at`)")),
+        "{create}"
+    );
     assert!(create.contains("PRIMARY KEY (`scope`,`message_id`)"), "{create}");
     assert!(create.contains("`message_id` varbinary(255) NOT NULL"), "{create}");
 
     // A `database.table` name works as well.
-    let qualified = MySqlStore::builder(pool.clone()).table(&format!("test.{table}_q")).build().expect("valid");
+    let qualified = MySqlStore::builder(pool.clone())
+        .table(&format!("test.{table}_q"))
+        .build()
+        .expect("valid");
     qualified.migrate().await.expect("migrate qualified");
     assert_eq!(qualified.table().to_string(), format!("test.{table}_q"));
     let req = Request::new("s", "k").expect("request");
-    fresh(qualified.claim(&req).await).complete(None).await.expect("complete");
+    fresh(qualified.claim(&req).await)
+        .complete(None)
+        .await
+        .expect("complete");
     assert_eq!(done(qualified.claim(&req).await), None);
 
     for t in [table.clone(), format!("{table}_q")] {
-        sqlx::query(AssertSqlSafe(format!("DROP TABLE `{t}`"))).execute(&pool).await.expect("drop");
+        sqlx::query(AssertSqlSafe(format!("DROP TABLE `{t}`")))
+            .execute(&pool)
+            .await
+            .expect("drop");
     }
     pool.close().await;
 }
@@ -715,7 +861,10 @@ async fn invalid_configuration_is_refused_by_build() {
         assert!(matches!(err, Error::Config(_)), "{bad:?}: {err}");
         assert!(err.to_string().contains("invalid table name"), "{err}");
     }
-    let err = MySqlStore::builder(pool.clone()).purge_batch(0).build().expect_err("batch 0");
+    let err = MySqlStore::builder(pool.clone())
+        .purge_batch(0)
+        .build()
+        .expect_err("batch 0");
     assert!(matches!(err, Error::Config(_)), "{err}");
     let store = MySqlStore::new(pool.clone());
     assert_eq!(store.table().to_string(), "processed_messages");

@@ -264,6 +264,7 @@ macro_rules! forward_store {
 }
 forward_store!(&S, std::sync::Arc<S>);
 
+pub(crate) mod cached;
 pub(crate) mod memory;
 #[cfg(feature = "mysql")]
 pub(crate) mod mysql;

@@ -162,17 +162,27 @@ impl MySqlStore {
             purge_batch: u64::from(purge_batch),
             table,
         };
-        MySqlStore { pool, sql: Arc::new(sql) }
+        MySqlStore {
+            pool,
+            sql: Arc::new(sql),
+        }
     }
 
     /// A store on `pool` with the default table, `processed_messages`.
     pub fn new(pool: MySqlPool) -> Self {
-        MySqlStore::assemble(pool, crate::TableName::default(), crate::store::sql::DEFAULT_PURGE_BATCH)
+        MySqlStore::assemble(
+            pool,
+            crate::TableName::default(),
+            crate::store::sql::DEFAULT_PURGE_BATCH,
+        )
     }
 
     /// A builder to set the table name and purge batch size.
     pub fn builder(pool: MySqlPool) -> MySqlStoreBuilder {
-        MySqlStoreBuilder { pool, settings: Settings::default() }
+        MySqlStoreBuilder {
+            pool,
+            settings: Settings::default(),
+        }
     }
 
     /// The pool the store runs on.
@@ -272,18 +282,27 @@ impl MySqlStore {
             .fetch_one(&mut *tx)
             .await?;
         tx.rollback().await?;
-        Ok(Attempt::Done { fingerprint: row.try_get("fingerprint")?, result: row.try_get("result")? })
+        Ok(Attempt::Done {
+            fingerprint: row.try_get("fingerprint")?,
+            result: row.try_get("result")?,
+        })
     }
 }
 
 enum Attempt {
     Fresh(Transaction<'static, MySql>),
-    Done { fingerprint: Option<String>, result: Option<String> },
+    Done {
+        fingerprint: Option<String>,
+        result: Option<String>,
+    },
 }
 
 /// The MySQL error number of a database error.
 fn error_number(error: &sqlx::Error) -> Option<u16> {
-    error.as_database_error()?.try_downcast_ref::<MySqlDatabaseError>().map(MySqlDatabaseError::number)
+    error
+        .as_database_error()?
+        .try_downcast_ref::<MySqlDatabaseError>()
+        .map(MySqlDatabaseError::number)
 }
 
 /// Bounded retries of a transaction that InnoDB aborted for a deadlock or a
@@ -336,7 +355,12 @@ impl Store for MySqlStore {
             }
         };
         match attempt {
-            Attempt::Fresh(tx) => Ok(Claim::Fresh(SqlGuard::new(tx, Arc::clone(&self.sql.write_result), req, None))),
+            Attempt::Fresh(tx) => Ok(Claim::Fresh(SqlGuard::new(
+                tx,
+                Arc::clone(&self.sql.write_result),
+                req,
+                None,
+            ))),
             Attempt::Done { fingerprint, result } => {
                 req.check_fingerprint(fingerprint.as_deref())?;
                 Ok(Claim::Done(Replay::new(result)))
@@ -350,17 +374,20 @@ impl TransactionalStore for MySqlStore {
 }
 
 impl SqlBackend for MySql {
-    fn write_result<'a>(
+    async fn write_result<'a>(
         conn: &'a mut sqlx::MySqlConnection,
         sql: Arc<str>,
         result: String,
         scope: &'a str,
         key: &'a str,
-    ) -> impl Future<Output = Result<(), sqlx::Error>> + Send + 'a {
-        async move {
-            sqlx::query(AssertSqlSafe(sql)).bind(result).bind(scope).bind(key).execute(conn).await?;
-            Ok(())
-        }
+    ) -> Result<(), sqlx::Error> {
+        sqlx::query(AssertSqlSafe(sql))
+            .bind(result)
+            .bind(scope)
+            .bind(key)
+            .execute(conn)
+            .await?;
+        Ok(())
     }
 }
 
