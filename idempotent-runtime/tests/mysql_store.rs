@@ -515,7 +515,25 @@ async fn a_deadlocked_claim_is_retried_not_reported() {
             }
         }
     });
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Wait until the claim is blocked (`innodb_trx` is refreshed every 100 ms).
+    let waiting = format!(
+        "SELECT COUNT(*) FROM information_schema.innodb_trx WHERE trx_state = 'LOCK WAIT' AND trx_query LIKE '%{t}%'"
+    );
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let n: i64 = sqlx::query_scalar(AssertSqlSafe(waiting.clone()))
+            .fetch_one(&fx.pool)
+            .await
+            .expect("poll");
+        if n > 0 {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the claim never waited for the index lock"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     let before = retries::SEEN.load(Ordering::SeqCst);
     // ...and the other transaction now wants the claim's row: a deadlock.
     let row = sqlx::query(AssertSqlSafe(format!(

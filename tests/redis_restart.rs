@@ -1,0 +1,125 @@
+//! `RedisStore` across a Redis restart, on a private Redis server started by
+//! the test (so the machine's Redis, used by other tests, is not touched).
+//! While Redis is down calls fail with `Error::Store` and run nothing; once
+//! it is back, redeliveries are recognised (the server persists its data
+//! with an append-only file, as a production Redis holding markers must)
+//! and no effect is lost or doubled.
+
+use std::collections::HashMap;
+use std::net::TcpListener;
+use std::process::{Child, Command, Stdio};
+use std::sync::Mutex;
+use std::time::Duration;
+
+use idempotent_runtime::{Error, RedisStore, idempotent};
+
+struct PrivateRedis {
+    port: u16,
+    dir: tempfile::TempDir,
+    child: Option<Child>,
+}
+
+impl PrivateRedis {
+    fn start() -> Self {
+        let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let mut redis = PrivateRedis { port, dir: tempfile::tempdir().unwrap(), child: None };
+        redis.spawn();
+        redis
+    }
+
+    fn spawn(&mut self) {
+        let child = Command::new("redis-server")
+            .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1", "--save", ""])
+            .args(["--appendonly", "yes", "--appendfsync", "always"])
+            .arg("--dir")
+            .arg(self.dir.path())
+            .stdout(Stdio::null())
+            .spawn()
+            .expect("redis-server on PATH");
+        self.child = Some(child);
+        for _ in 0..100 {
+            if std::net::TcpStream::connect(("127.0.0.1", self.port)).is_ok() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        panic!("private redis-server did not start");
+    }
+
+    fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            child.kill().unwrap();
+            child.wait().unwrap();
+        }
+    }
+}
+
+impl Drop for PrivateRedis {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+enum AppError {
+    #[error(transparent)]
+    Idem(#[from] Error),
+}
+
+#[derive(Default)]
+struct Effects(Mutex<HashMap<String, u32>>);
+
+#[idempotent(key = "id", store = store)]
+async fn handle(store: &RedisStore, id: &str, effects: &Effects) -> Result<(), AppError> {
+    *effects.0.lock().unwrap().entry(id.to_owned()).or_default() += 1;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_restart_loses_and_doubles_nothing() {
+    let mut redis = PrivateRedis::start();
+    let client = idempotent_runtime::redis::Client::open(format!("redis://127.0.0.1:{}/", redis.port)).unwrap();
+    let config = idempotent_runtime::redis::aio::ConnectionManagerConfig::new()
+        .set_response_timeout(Some(Duration::from_secs(1)))
+        .set_connection_timeout(Some(Duration::from_secs(1)))
+        .set_number_of_retries(1);
+    let manager = client.get_connection_manager_with_config(config).await.unwrap();
+    let store = RedisStore::new(manager);
+    let effects = Effects::default();
+    let ids: Vec<String> = (0..15).map(|i| format!("msg-{i}")).collect();
+
+    for id in &ids[..10] {
+        handle(&store, id, &effects).await.unwrap();
+    }
+
+    redis.kill();
+    for id in &ids[10..] {
+        let err = handle(&store, id, &effects).await.unwrap_err();
+        assert!(matches!(err, AppError::Idem(Error::Store(_))), "{err:?}");
+    }
+    assert!(ids[10..].iter().all(|id| !effects.0.lock().unwrap().contains_key(id)), "nothing ran while down");
+
+    redis.spawn();
+    // The broker redelivers everything; the connection manager reconnects.
+    let mut pending: Vec<&String> = ids.iter().collect();
+    for _ in 0..100 {
+        let mut still = Vec::new();
+        for id in pending {
+            match handle(&store, id, &effects).await {
+                Ok(()) => {}
+                Err(AppError::Idem(Error::Store(_))) => still.push(id),
+                Err(other) => panic!("{other:?}"),
+            }
+        }
+        pending = still;
+        if pending.is_empty() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(pending.is_empty(), "Redis came back");
+    let effects = effects.0.lock().unwrap();
+    for id in &ids {
+        assert_eq!(effects.get(id), Some(&1), "{id}: exactly one effect");
+    }
+}
