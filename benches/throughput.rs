@@ -1,2 +1,1076 @@
-//! Throughput benchmark (placeholder until written).
-fn main() {}
+//! Side-by-side throughput of `#[idempotent]` against the hand-written
+//! patterns (issue 6).
+//!
+//! ```text
+//! cargo bench --bench throughput                    # full run (~10-15 min), writes docs/
+//! cargo bench --bench throughput -- --quick         # ~1 min (or IDEMPOTENT_BENCH_QUICK=1)
+//! cargo bench --bench throughput -- --compile-cost  # build time of 100 handlers, with/without the attribute
+//! cargo bench --bench throughput -- --only=pg,redis # sections: pg, cache, rtt, sqlite, redis, memory, size, purge
+//! cargo bench --bench throughput -- --out=DIR       # where the markdown and SVG files go
+//! ```
+//!
+//! Needs the services of `.ci/run`: PostgreSQL (postgres://postgres@127.0.0.1:5432/test)
+//! and Redis (redis://127.0.0.1:6379); SQLite runs on a temporary file and
+//! Redis round trips are counted on a private `redis-server` when one is on
+//! the PATH. Every variant gets its own tables (unique names), dropped at
+//! the end.
+
+#[path = "throughput/compile_cost.rs"]
+mod compile_cost;
+#[path = "throughput/harness.rs"]
+mod harness;
+#[path = "throughput/redis.rs"]
+mod kv;
+#[path = "throughput/lite.rs"]
+mod lite;
+#[path = "throughput/mem.rs"]
+mod mem;
+#[path = "throughput/pg.rs"]
+mod pg;
+#[path = "throughput/report.rs"]
+mod report;
+
+use std::collections::HashMap;
+use std::fmt::Write as _;
+use std::future::Future;
+use std::path::PathBuf;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, RwLock};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use harness::{BoxError, Cell, Outcome, Plan, RunOptions, RunStats, Variant};
+use idempotent_runtime::{CachedStore, MemoryStore, PgStore};
+use report::Group;
+
+/// A name no other run uses: `prefix_<pid>_<n>`.
+pub fn unique(prefix: &str) -> String {
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let nanos = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos());
+    format!(
+        "{prefix}_{}_{}_{}",
+        std::process::id(),
+        nanos % 1_000_000_000,
+        COUNTER.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
+#[derive(Clone, Copy)]
+struct Timing {
+    warmup: Duration,
+    duration: Duration,
+}
+
+struct Config {
+    quick: bool,
+    reps: usize,
+    timing: Timing,
+    concurrencies: Vec<usize>,
+    dups: Vec<u32>,
+    out_dir: PathBuf,
+    sections: Option<Vec<String>>,
+}
+
+impl Config {
+    fn wants(&self, section: &str) -> bool {
+        self.sections.as_ref().is_none_or(|s| s.iter().any(|x| x == section))
+    }
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let env_quick = std::env::var("IDEMPOTENT_BENCH_QUICK").is_ok_and(|v| !v.is_empty() && v != "0");
+    let quick = env_quick || args.iter().any(|a| a == "--quick");
+    let workspace = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    let out_dir = args
+        .iter()
+        .find_map(|a| a.strip_prefix("--out="))
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            if quick {
+                workspace.join("target/idempotent-bench")
+            } else {
+                workspace.join("docs")
+            }
+        });
+    std::fs::create_dir_all(&out_dir).unwrap();
+
+    if args.iter().any(|a| a == "--compile-cost") {
+        let mut md = format!("## Compile time: 100 handlers\n\n{}\n", machine_line());
+        match compile_cost::run(&workspace) {
+            Ok(table) => md.push_str(&table),
+            Err(e) => {
+                eprintln!("compile-cost failed: {e}");
+                std::process::exit(1);
+            }
+        }
+        println!("{md}");
+        std::fs::write(out_dir.join("compile-cost.md"), md).unwrap();
+        return;
+    }
+
+    let cfg = Config {
+        quick,
+        reps: if quick { 1 } else { 3 },
+        timing: if quick {
+            Timing {
+                warmup: Duration::from_millis(120),
+                duration: Duration::from_millis(450),
+            }
+        } else {
+            Timing {
+                warmup: Duration::from_millis(400),
+                duration: Duration::from_millis(2000),
+            }
+        },
+        concurrencies: vec![1, 8, 32],
+        dups: vec![0, 20],
+        out_dir,
+        sections: args
+            .iter()
+            .find_map(|a| a.strip_prefix("--only="))
+            .map(|s| s.split(',').map(str::to_owned).collect()),
+    };
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    runtime.block_on(run(cfg));
+}
+
+// ---- one row of a table: a variant, type-erased ---------------------------------
+
+type LocalFuture<T> = Pin<Box<dyn Future<Output = T>>>;
+
+struct Row {
+    name: &'static str,
+    measure: Box<dyn Fn(Arc<Plan>, usize, String) -> LocalFuture<RunStats>>,
+}
+
+fn row<V: Variant>(name: &'static str, variant: V, timing: Timing, warm: &Arc<Plan>) -> Row {
+    let variant = Arc::new(variant);
+    let warm = Arc::clone(warm);
+    Row {
+        name,
+        measure: Box::new(move |plan, concurrency, prefix| {
+            let (variant, warm) = (Arc::clone(&variant), Arc::clone(&warm));
+            Box::pin(async move {
+                variant.reset().await;
+                let warm_prefix = format!("w{prefix}");
+                let opts = RunOptions {
+                    concurrency,
+                    duration: timing.warmup,
+                    prefix: &warm_prefix,
+                    keep_starts: false,
+                };
+                harness::run(&variant, &warm, opts).await;
+                let opts = RunOptions {
+                    concurrency,
+                    duration: timing.duration,
+                    prefix: &prefix,
+                    keep_starts: false,
+                };
+                harness::run(&variant, &plan, opts).await
+            })
+        }),
+    }
+}
+
+/// A variant with something to do after its reset (clear a cache).
+struct Hooked<V> {
+    inner: V,
+    after_reset: Box<dyn Fn(&V) + Send + Sync>,
+}
+
+impl<V: Variant> Variant for Hooked<V> {
+    fn deliver(&self, key: String) -> impl Future<Output = Result<Outcome, BoxError>> + Send {
+        self.inner.deliver(key)
+    }
+    async fn reset(&self) {
+        self.inner.reset().await;
+        (self.after_reset)(&self.inner);
+    }
+}
+
+/// A variant rebuilt from scratch at each reset (the in-memory stores).
+struct Rebuilt<V> {
+    make: Box<dyn Fn() -> V + Send + Sync>,
+    current: RwLock<Arc<V>>,
+}
+
+impl<V: Variant> Rebuilt<V> {
+    fn new(make: impl Fn() -> V + Send + Sync + 'static) -> Self {
+        let current = RwLock::new(Arc::new(make()));
+        Rebuilt {
+            make: Box::new(make),
+            current,
+        }
+    }
+}
+
+impl<V: Variant> Variant for Rebuilt<V> {
+    async fn deliver(&self, key: String) -> Result<Outcome, BoxError> {
+        let current = Arc::clone(&self.current.read().unwrap());
+        current.deliver(key).await
+    }
+    async fn reset(&self) {
+        *self.current.write().unwrap() = Arc::new((self.make)());
+    }
+}
+
+struct Plans {
+    by_dup: HashMap<u32, Arc<Plan>>,
+}
+
+impl Plans {
+    fn new(len: usize) -> Plans {
+        let by_dup = [0, 20, 80]
+            .into_iter()
+            .map(|d| (d, Arc::new(Plan::new(d, len, 0x1de3))))
+            .collect();
+        Plans { by_dup }
+    }
+    fn get(&self, dup: u32) -> Arc<Plan> {
+        Arc::clone(&self.by_dup[&dup])
+    }
+}
+
+/// Measures every row at every (duplicates, concurrency), `reps` times,
+/// interleaved (the order of the rows rotates from one repetition to the
+/// next). Returns one group per (duplicates, concurrency).
+async fn grid(section: &str, rows: &[Row], cells: &[(u32, usize)], plans: &Plans, reps: usize) -> Vec<Group> {
+    let mut groups: Vec<Group> = cells
+        .iter()
+        .map(|(dup, conc)| Group {
+            label: format!("c={conc}, {dup} % dup"),
+            cells: vec![None; rows.len()],
+        })
+        .collect();
+    for rep in 0..reps {
+        for (gi, &(dup, conc)) in cells.iter().enumerate() {
+            for k in 0..rows.len() {
+                let ri = (k + rep) % rows.len();
+                let row = &rows[ri];
+                let prefix = format!("r{rep}c{conc}d{dup}v{ri}-");
+                let stats = (row.measure)(plans.get(dup), conc, prefix).await;
+                eprintln!(
+                    "  {section} {:<16} {:<34} {:>9}/s  p50 {:>7} ms  p99 {:>7} ms  dup {:>4.1} %{}{}",
+                    groups[gi].label,
+                    row.name,
+                    report::fmt_rate(stats.rate()),
+                    report::fmt_ms(stats.percentile(50.0)),
+                    report::fmt_ms(stats.percentile(99.0)),
+                    100.0 * stats.duplicates as f64 / stats.deliveries.max(1) as f64,
+                    if stats.busy > 0 {
+                        format!("  busy {}", stats.busy)
+                    } else {
+                        String::new()
+                    },
+                    if stats.plan_exhausted { "  (plan exhausted)" } else { "" },
+                );
+                groups[gi].cells[ri].get_or_insert_with(Cell::new).add(&stats);
+            }
+        }
+    }
+    groups
+}
+
+fn cells(dups: &[u32], concs: &[usize]) -> Vec<(u32, usize)> {
+    dups.iter().flat_map(|&d| concs.iter().map(move |&c| (d, c))).collect()
+}
+
+// ---- the run ---------------------------------------------------------------------
+
+struct Doc {
+    md: String,
+}
+
+impl Doc {
+    fn section(&mut self, text: &str) {
+        println!("\n{text}");
+        self.md.push_str(text);
+        self.md.push('\n');
+    }
+}
+
+async fn run(cfg: Config) {
+    let started = Instant::now();
+    let mode = if cfg.quick { "quick" } else { "full" };
+    let mut doc = Doc { md: String::new() };
+    let load_before = loadavg();
+    doc.section(&format!(
+        "# Benchmark results ({mode} mode)\n\n{}\n\nLoad average at start: {load_before}. Every figure is deliveries per \
+         second (median of {} interleaved runs{}); each run has a {} ms warm-up then {} ms of measurement.\n",
+        machine_line(),
+        cfg.reps,
+        if cfg.reps > 1 { ", min–max in small type" } else { "" },
+        cfg.timing.warmup.as_millis(),
+        cfg.timing.duration.as_millis(),
+    ));
+    let plans = Plans::new(if cfg.quick { 1_500_000 } else { 4_000_000 });
+    let warm = plans.get(0);
+    let t = cfg.timing;
+    let mut charts: Vec<(String, String, Vec<&'static str>, Vec<Group>)> = Vec::new();
+
+    let env = match pg::PgEnv::connect(40).await {
+        Ok(env) => Some(env),
+        Err(e) => {
+            eprintln!("PostgreSQL unavailable ({e}): skipping its sections");
+            None
+        }
+    };
+
+    if let Some(env) = &env {
+        doc.section(&format!("PostgreSQL: {}.\n", pg_version(env).await));
+    }
+
+    // -- PostgreSQL: a/b/c/d (+ e, the proposed store change) -------------------------
+    if let (Some(env), true) = (&env, cfg.wants("pg")) {
+        let rows = vec![
+            row(
+                "(a) bare tx, no idempotency",
+                pg::Bare::new(env.tables("a").await),
+                t,
+                &warm,
+            ),
+            row(
+                "(b) article: check, then tx",
+                pg::Article::new(env.tables("b").await),
+                t,
+                &warm,
+            ),
+            row(
+                "(c) hand-written claim-first",
+                pg::ClaimFirst::new(env.tables("c").await, false),
+                t,
+                &warm,
+            ),
+            {
+                let td = env.tables("d").await;
+                row(
+                    "(d) #[idempotent] + PgStore",
+                    pg::Macro::new(td.clone(), td.store()),
+                    t,
+                    &warm,
+                )
+            },
+            {
+                let te = env.tables("e").await;
+                let store = pg::ProposedPgStore::new(&te);
+                row(
+                    "(e) #[idempotent] + proposed claim",
+                    pg::Macro::new(te, store),
+                    t,
+                    &warm,
+                )
+            },
+        ];
+        let names: Vec<&'static str> = rows.iter().map(|r| r.name).collect();
+        let groups = grid("pg", &rows, &cells(&cfg.dups, &cfg.concurrencies), &plans, cfg.reps).await;
+        let mut text = String::from(
+            "## PostgreSQL: deliveries per second\n\n(a) `BEGIN; INSERT effect; COMMIT`. (b) the article: `SELECT` on the \
+             marker table, then `BEGIN; INSERT effect; INSERT marker; COMMIT` (a concurrent duplicate fails on the \
+             primary key). (c) by hand with sqlx: `BEGIN; INSERT marker ON CONFLICT DO NOTHING RETURNING 1`, then the \
+             effect and `COMMIT`, or on a duplicate return (the dropped transaction rolls back). (d) the same handler \
+             with `#[idempotent]` and `PgStore`. (e) (d) on a prototype of the recommended `PgStore` change (one \
+             statement claims or reads the marker; a duplicate does not wait for its `ROLLBACK`). All marker tables \
+             have `PgStore`'s layout; the effect is one `INSERT` into a table of its own.\n\n",
+        );
+        text.push_str(&report::rate_table(
+            &names,
+            &groups,
+            &[(3, 2), (3, 1), (3, 0), (4, 2), (4, 1)],
+            cfg.reps,
+        ));
+        text.push_str("\nLatency per delivery, p50 / p99 (ms):\n\n");
+        text.push_str(&report::latency_table(&names, &groups));
+        doc.section(&text);
+        charts.push((
+            "throughput-postgres.svg".into(),
+            "PostgreSQL: deliveries/s (median, min–max)".into(),
+            names,
+            groups,
+        ));
+        env.cleanup().await;
+    }
+
+    // -- PostgreSQL: where the round trips go (c=8, 20 % dup) -----------------------------
+    if let (Some(env), true) = (&env, cfg.wants("rtt")) {
+        let rows = vec![
+            row(
+                "(c) claim-first, drop tx on dup",
+                pg::ClaimFirst::new(env.tables("c2").await, false),
+                t,
+                &warm,
+            ),
+            row(
+                "(c') claim-first, await rollback",
+                pg::ClaimFirst::new(env.tables("c3").await, true),
+                t,
+                &warm,
+            ),
+            {
+                let td = env.tables("d2").await;
+                row(
+                    "(d) #[idempotent] + PgStore",
+                    pg::Macro::new(td.clone(), td.store()),
+                    t,
+                    &warm,
+                )
+            },
+            {
+                let te = env.tables("e2").await;
+                let store = pg::ProposedPgStore::new(&te);
+                row(
+                    "(e) #[idempotent] + proposed claim",
+                    pg::Macro::new(te, store),
+                    t,
+                    &warm,
+                )
+            },
+        ];
+        let names: Vec<&'static str> = rows.iter().map(|r| r.name).collect();
+        let groups = grid("rtt", &rows, &cells(&[20, 80], &[8]), &plans, cfg.reps).await;
+        let mut text = String::from(
+            "## PostgreSQL: the duplicate path\n\nSame workload at concurrency 8. Client round trips per delivery \
+             (each waits for the server): fresh (c) = (d) = (e) = 4 (`BEGIN`, claim, effect, `COMMIT`); duplicate: \
+             (c) 2 (`BEGIN`, claim; the `ROLLBACK` is queued by sqlx and sent with the pool's release ping, off the \
+             caller's path), (c') 3, (d) 4 (`BEGIN`, claim, `SELECT fingerprint, result`, `ROLLBACK`), (e) 2.\n\n",
+        );
+        text.push_str(&report::rate_table(
+            &names,
+            &groups,
+            &[(2, 0), (2, 1), (3, 0)],
+            cfg.reps,
+        ));
+        text.push_str("\nLatency p50 / p99 (ms):\n\n");
+        text.push_str(&report::latency_table(&names, &groups));
+        doc.section(&text);
+        env.cleanup().await;
+    }
+
+    // -- PostgreSQL: the duplicate cache at 80 % duplicates -----------------------------------
+    if let (Some(env), true) = (&env, cfg.wants("cache")) {
+        let concs: Vec<usize> = if cfg.quick { vec![8] } else { vec![1, 8, 32] };
+        let rows = vec![
+            row(
+                "(b) article: check, then tx",
+                pg::Article::new(env.tables("b80").await),
+                t,
+                &warm,
+            ),
+            row(
+                "(c) hand-written claim-first",
+                pg::ClaimFirst::new(env.tables("c80").await, false),
+                t,
+                &warm,
+            ),
+            {
+                let td = env.tables("d80").await;
+                row(
+                    "(d) #[idempotent] + PgStore",
+                    pg::Macro::new(td.clone(), td.store()),
+                    t,
+                    &warm,
+                )
+            },
+            {
+                let tk = env.tables("k80").await;
+                let store = pg::cached(&tk, 100_000);
+                let hooked = Hooked {
+                    inner: pg::Macro::new(tk, store),
+                    after_reset: Box::new(|v: &pg::Macro<CachedStore<PgStore>>| v.store.clear()),
+                };
+                row("(d+cache) CachedStore<PgStore>", hooked, t, &warm)
+            },
+            {
+                let te = env.tables("e80").await;
+                let store = pg::ProposedPgStore::new(&te);
+                row(
+                    "(e) #[idempotent] + proposed claim",
+                    pg::Macro::new(te, store),
+                    t,
+                    &warm,
+                )
+            },
+        ];
+        let names: Vec<&'static str> = rows.iter().map(|r| r.name).collect();
+        let groups = grid("cache", &rows, &cells(&[80], &concs), &plans, cfg.reps).await;
+        let mut text = String::from(
+            "## Duplicate fast path: 80 % duplicates\n\n`CachedStore::new(PgStore, 100_000)`: a repeated duplicate is \
+             answered from an in-process LRU of completed keys, without a round trip. Each duplicate repeats a \
+             message processed by this process (so, with a large enough cache, every duplicate is a hit).\n\n",
+        );
+        text.push_str(&report::rate_table(
+            &names,
+            &groups,
+            &[(3, 2), (3, 1), (2, 1)],
+            cfg.reps,
+        ));
+        text.push_str("\nLatency p50 / p99 (ms):\n\n");
+        text.push_str(&report::latency_table(&names, &groups));
+        doc.section(&text);
+        charts.push((
+            "duplicates-80.svg".into(),
+            "PostgreSQL, 80 % duplicates: deliveries/s".into(),
+            names,
+            groups,
+        ));
+        env.cleanup().await;
+    }
+
+    // -- SQLite ------------------------------------------------------------------------------
+    if cfg.wants("sqlite") {
+        let env = lite::LiteEnv::open().await;
+        let rows = vec![
+            row(
+                "(a) bare tx, no idempotency",
+                lite::Bare::new(env.tables("a").await),
+                t,
+                &warm,
+            ),
+            row(
+                "(b) article: check, then tx",
+                lite::Article::new(env.tables("b").await),
+                t,
+                &warm,
+            ),
+            row(
+                "(c) hand-written claim-first",
+                lite::ClaimFirst::new(env.tables("c").await),
+                t,
+                &warm,
+            ),
+            row(
+                "(d) #[idempotent] + SqliteStore",
+                lite::Macro::new(env.tables("d").await),
+                t,
+                &warm,
+            ),
+        ];
+        let names: Vec<&'static str> = rows.iter().map(|r| r.name).collect();
+        let concs: Vec<usize> = if cfg.quick {
+            vec![1, 8]
+        } else {
+            cfg.concurrencies.clone()
+        };
+        let groups = grid("sqlite", &rows, &cells(&cfg.dups, &concs), &plans, cfg.reps).await;
+        let mut text = String::from(
+            "## SQLite: deliveries per second\n\nA temporary database file, WAL, `synchronous = NORMAL` \
+             (`SqliteStore::open`). Writers are serialised in-process (one permit, then `BEGIN IMMEDIATE`) for \
+             every variant, as `SqliteStore` does; the article's check runs outside the write lock.\n\n",
+        );
+        text.push_str(&report::rate_table(
+            &names,
+            &groups,
+            &[(3, 2), (3, 1), (3, 0)],
+            cfg.reps,
+        ));
+        text.push_str("\nLatency p50 / p99 (ms):\n\n");
+        text.push_str(&report::latency_table(&names, &groups));
+        doc.section(&text);
+        charts.push((
+            "throughput-sqlite.svg".into(),
+            "SQLite: deliveries/s".into(),
+            names,
+            groups,
+        ));
+    }
+
+    // -- Redis -----------------------------------------------------------------------------
+    if cfg.wants("redis") {
+        match kv::connect(kv::REDIS_URL).await {
+            Ok(conn) => redis_section(&cfg, &mut doc, &mut charts, conn, &plans, &warm).await,
+            Err(e) => eprintln!("Redis unavailable ({e}): skipping"),
+        }
+    }
+
+    // -- MemoryStore ---------------------------------------------------------------------------
+    if cfg.wants("memory") {
+        let rows = vec![
+            row("(a) no idempotency", mem::Bare::default(), t, &warm),
+            row(
+                "(d) #[idempotent] + MemoryStore",
+                Rebuilt::new(|| mem::Macro::new(MemoryStore::new())),
+                t,
+                &warm,
+            ),
+            row(
+                "(d+cache) CachedStore<MemoryStore>",
+                Rebuilt::new(|| mem::Macro::new(CachedStore::new(MemoryStore::new(), 100_000))),
+                t,
+                &warm,
+            ),
+        ];
+        let names: Vec<&'static str> = rows.iter().map(|r| r.name).collect();
+        let groups = grid(
+            "memory",
+            &rows,
+            &cells(&[0, 20, 80], &cfg.concurrencies),
+            &plans,
+            cfg.reps,
+        )
+        .await;
+        let mut text = String::from(
+            "## MemoryStore: deliveries per second\n\nNo I/O: what the expansion and a store cost per call. The effect \
+             is an atomic counter; every row builds the message key (`format!`) and a message struct.\n\n",
+        );
+        text.push_str(&report::rate_table(&names, &groups, &[(1, 0), (2, 1)], cfg.reps));
+        text.push_str("\nLatency p50 / p99 (ms):\n\n");
+        text.push_str(&report::latency_table(&names, &groups));
+        doc.section(&text);
+    }
+
+    // -- the marker table as it grows ------------------------------------------------------------
+    if let (Some(env), true) = (&env, cfg.wants("size")) {
+        table_size_section(&cfg, &mut doc, env, &plans, &warm).await;
+        env.cleanup().await;
+    }
+    if let (Some(env), true) = (&env, cfg.wants("purge")) {
+        purge_section(&cfg, &mut doc, env, &plans, &warm).await;
+        env.cleanup().await;
+    }
+
+    for (file, title, names, groups) in &charts {
+        let path = cfg.out_dir.join(file);
+        match report::bar_chart(&path, title, names, groups) {
+            Ok(()) => eprintln!("wrote {}", path.display()),
+            Err(e) => eprintln!("chart {file}: {e}"),
+        }
+    }
+    doc.section(&format!(
+        "Load average at the end: {}. Total time {:.0} s.\n",
+        loadavg(),
+        started.elapsed().as_secs_f64()
+    ));
+    let file = cfg.out_dir.join("benchmark-results.md");
+    std::fs::write(&file, &doc.md).unwrap();
+    eprintln!("wrote {}", file.display());
+    if let Some(env) = env {
+        env.cleanup().await;
+    }
+}
+
+async fn redis_section(
+    cfg: &Config,
+    doc: &mut Doc,
+    charts: &mut Vec<(String, String, Vec<&'static str>, Vec<Group>)>,
+    conn: idempotent_runtime::redis::aio::ConnectionManager,
+    plans: &Plans,
+    warm: &Arc<Plan>,
+) {
+    let t = cfg.timing;
+    let base = format!("idem-bench:{}:", std::process::id());
+    let version = redis_version(&mut conn.clone()).await;
+    let rows = vec![
+        row(
+            "(b) article: EXISTS, then SETEX",
+            kv::Article {
+                conn: conn.clone(),
+                prefix: format!("{base}article:"),
+                effects: AtomicU64::new(0),
+            },
+            t,
+            warm,
+        ),
+        row(
+            "(d) #[idempotent] + RedisStore",
+            kv::Macro {
+                store: kv::store(conn.clone(), &format!("{base}store:")),
+                effects: AtomicU64::new(0),
+            },
+            t,
+            warm,
+        ),
+        row(
+            "(d+cache) CachedStore<RedisStore>",
+            Hooked {
+                inner: kv::Macro {
+                    store: kv::cached(conn.clone(), &format!("{base}cached:"), 100_000),
+                    effects: AtomicU64::new(0),
+                },
+                after_reset: Box::new(|v: &kv::Macro<CachedStore<idempotent_runtime::RedisStore>>| v.store.clear()),
+            },
+            t,
+            warm,
+        ),
+    ];
+    let names: Vec<&'static str> = rows.iter().map(|r| r.name).collect();
+    let groups = grid(
+        "redis",
+        &rows,
+        &cells(&[0, 20, 80], &cfg.concurrencies),
+        plans,
+        cfg.reps,
+    )
+    .await;
+    let deleted = kv::delete_prefix(&mut conn.clone(), &base).await;
+    eprintln!("  redis: deleted {deleted} keys under {base}");
+
+    let mut text = format!(
+        "## Redis: deliveries per second\n\nRedis {version} at 127.0.0.1:6379, one multiplexed connection \
+         (`ConnectionManager`) shared by the workers. (b) the article: `EXISTS`, the effect, `SETEX` (not atomic: two \
+         concurrent deliveries can both pass `EXISTS`). (d) `RedisStore`: one script claims a lease (`SET NX PX`) or \
+         reads the completed marker; completion is a second script (token check + `SET PX`). The effect is an \
+         in-process counter.\n\n"
+    );
+    text.push_str(&report::rate_table(&names, &groups, &[(1, 0), (2, 1)], cfg.reps));
+    text.push_str("\nLatency p50 / p99 (ms):\n\n");
+    text.push_str(&report::latency_table(&names, &groups));
+    text.push_str(&redis_round_trips().await);
+    doc.section(&text);
+    charts.push((
+        "throughput-redis.svg".into(),
+        "Redis: deliveries/s".into(),
+        names,
+        groups,
+    ));
+}
+
+/// Counts the commands each Redis variant sends per fresh message and per
+/// duplicate, on a private server (`INFO commandstats` deltas).
+async fn redis_round_trips() -> String {
+    let Some(server) = kv::PrivateRedis::start() else {
+        return "\n(Round trips not counted: no `redis-server` on the PATH.)\n".into();
+    };
+    let conn = match kv::connect(&server.url).await {
+        Ok(conn) => conn,
+        Err(e) => return format!("\n(Round trips not counted: {e}.)\n"),
+    };
+    const N: usize = 500;
+    let mut text = format!(
+        "\n### Redis round trips\n\nCounted on a private `redis-server` with `INFO commandstats` deltas: {N} fresh \
+         messages one after the other, then the same {N} again (duplicates), then once more. Only commands the \
+         client sends count as round trips (the `SET`/`GET` a script runs inside the server do not).\n\n\
+         | variant | commands per fresh message | per duplicate | per repeated duplicate | commands seen (fresh; duplicates) |\n\
+         | --- | --- | --- | --- | --- |\n"
+    );
+    async fn phase<V: Variant>(
+        v: &V,
+        conn: &mut idempotent_runtime::redis::aio::ConnectionManager,
+        tag: &str,
+        top: &[&str],
+    ) -> (f64, String) {
+        let before = kv::command_stats(conn).await;
+        for i in 0..N {
+            v.deliver(format!("{tag}-{i}")).await.unwrap();
+        }
+        let after = kv::command_stats(conn).await;
+        let per = kv::client_commands(&before, &after, top) as f64 / N as f64;
+        let seen = kv::delta(&before, &after)
+            .iter()
+            .map(|(k, v)| format!("{k} {v}"))
+            .collect::<Vec<_>>()
+            .join(", ");
+        (per, seen)
+    }
+    let article_top = ["exists", "setex", "set", "get", "incr"];
+    let store_top = ["evalsha", "eval", "evalsha_ro", "eval_ro", "script", "fcall"];
+    let article = kv::Article {
+        conn: conn.clone(),
+        prefix: "rt:article:".into(),
+        effects: AtomicU64::new(0),
+    };
+    let store = kv::Macro {
+        store: kv::store(conn.clone(), "rt:store:"),
+        effects: AtomicU64::new(0),
+    };
+    let cached = kv::Macro {
+        store: kv::cached(conn.clone(), "rt:cached:", 10_000),
+        effects: AtomicU64::new(0),
+    };
+    let mut c = conn.clone();
+    let results = [
+        ("(b) article: EXISTS, then SETEX", {
+            let f = phase(&article, &mut c, "m", &article_top).await;
+            let d = phase(&article, &mut c, "m", &article_top).await;
+            let r = phase(&article, &mut c, "m", &article_top).await;
+            (f, d, r)
+        }),
+        ("(d) RedisStore", {
+            let f = phase(&store, &mut c, "m", &store_top).await;
+            let d = phase(&store, &mut c, "m", &store_top).await;
+            let r = phase(&store, &mut c, "m", &store_top).await;
+            (f, d, r)
+        }),
+        ("(d+cache) CachedStore<RedisStore>", {
+            let f = phase(&cached, &mut c, "m", &store_top).await;
+            let d = phase(&cached, &mut c, "m", &store_top).await;
+            let r = phase(&cached, &mut c, "m", &store_top).await;
+            (f, d, r)
+        }),
+    ];
+    for (name, (f, d, r)) in &results {
+        let _ = writeln!(
+            text,
+            "| {name} | {:.3} | {:.3} | {:.3} | {}; {} |",
+            f.0, d.0, r.0, f.1, d.1
+        );
+    }
+    let (f, d, _) = &results[1].1;
+    let _ = writeln!(
+        text,
+        "\nTarget (at most 2 round trips per fresh message, 1 per duplicate): {}. The first call of each script \
+         goes `EVALSHA` → `NOSCRIPT` → `EVAL` once per connection and script (the `eval` count above).\n",
+        if f.0 <= 2.0 + 1e-9 + 4.0 / N as f64 && d.0 <= 1.0 + 1e-9 {
+            "**met**"
+        } else {
+            "**not met**"
+        }
+    );
+    drop(server);
+    text
+}
+
+async fn table_size_section(cfg: &Config, doc: &mut Doc, env: &pg::PgEnv, plans: &Plans, warm: &Arc<Plan>) {
+    let sizes: Vec<u64> = if cfg.quick {
+        vec![0, 100_000]
+    } else {
+        vec![0, 1_000_000, 10_000_000]
+    };
+    let conc = 8;
+    let mut text = format!(
+        "## The marker table as it grows\n\nClaim throughput at concurrency {conc}, 20 % duplicates, with the \
+         marker table already holding N live markers of another scope (filled with one `INSERT .. SELECT \
+         generate_series`, then the primary key and the expiry index built, then `VACUUM ANALYZE`). The table is \
+         not emptied between runs.\n\n\
+         | markers in the table | fill + index time | table + indexes | (c) claim-first /s | (d) #[idempotent] /s | d/c | (d) p50 / p99 ms |\n\
+         | --- | --- | --- | --- | --- | --- | --- |\n"
+    );
+    let plan = plans.get(20);
+    for &n in &sizes {
+        eprintln!("  size: filling {n} markers…");
+        let (t, fill) = pg::prefilled(env, &format!("size{n}"), n, false).await;
+        let c = Arc::new(pg::ClaimFirst::new(t.clone(), false));
+        let d = Arc::new(pg::Macro::new(t.clone(), t.store()));
+        let (mut cc, mut dc) = (Cell::new(), Cell::new());
+        for rep in 0..cfg.reps {
+            for (k, which) in [0, 1].iter().enumerate() {
+                let which = (which + rep) % 2;
+                let prefix = format!("n{n}r{rep}k{k}-");
+                let warm_prefix = format!("w{prefix}");
+                let warm_opts = RunOptions {
+                    concurrency: conc,
+                    duration: cfg.timing.warmup,
+                    prefix: &warm_prefix,
+                    keep_starts: false,
+                };
+                let opts = RunOptions {
+                    concurrency: conc,
+                    duration: cfg.timing.duration,
+                    prefix: &prefix,
+                    keep_starts: false,
+                };
+                let stats = if which == 0 {
+                    harness::run(&c, warm, warm_opts).await;
+                    harness::run(&c, &plan, opts).await
+                } else {
+                    harness::run(&d, warm, warm_opts).await;
+                    harness::run(&d, &plan, opts).await
+                };
+                eprintln!(
+                    "  size {n:>9} {}: {}/s p99 {} ms",
+                    if which == 0 { "(c)" } else { "(d)" },
+                    report::fmt_rate(stats.rate()),
+                    report::fmt_ms(stats.percentile(99.0))
+                );
+                if which == 0 { &mut cc } else { &mut dc }.add(&stats);
+            }
+        }
+        let size = pg::relation_size(&env.pool, &t.markers).await;
+        let _ = writeln!(
+            text,
+            "| {} | {:.1} s | {:.0} MB | {} | {} | {} | {} / {} |",
+            fmt_count(n),
+            fill.as_secs_f64(),
+            size as f64 / 1e6,
+            report::fmt_rate(cc.rate()),
+            report::fmt_rate(dc.rate()),
+            report::fmt_ratio(dc.rate(), cc.rate()),
+            report::fmt_ms(dc.p(50.0)),
+            report::fmt_ms(dc.p(99.0)),
+        );
+        env.cleanup().await; // free the disk before the next size
+    }
+    doc.section(&text);
+}
+
+async fn purge_section(cfg: &Config, doc: &mut Doc, env: &pg::PgEnv, plans: &Plans, warm: &Arc<Plan>) {
+    let expired: u64 = if cfg.quick { 200_000 } else { 2_000_000 };
+    let conc = 8;
+    let (t, _) = pg::prefilled(env, "purge", 0, false).await;
+    let store = t.store(); // default purge batch: 1000 markers per statement
+    let d = Arc::new(pg::Macro::new(t.clone(), t.store()));
+    let plan = plans.get(20);
+
+    // 1. purge alone
+    let fill = pg::add_expired(&t, expired, "x1").await;
+    let started = Instant::now();
+    let deleted = store.purge_expired().await.unwrap();
+    let alone = started.elapsed();
+    eprintln!(
+        "  purge alone: {deleted} in {:.2} s (fill {:.2} s)",
+        alone.as_secs_f64(),
+        fill.as_secs_f64()
+    );
+
+    // 2. claims without a purge
+    pg::add_expired(&t, expired, "x2").await;
+    let warm_opts = |p: &'static str| RunOptions {
+        concurrency: conc,
+        duration: cfg.timing.warmup,
+        prefix: p,
+        keep_starts: false,
+    };
+    harness::run(&d, warm, warm_opts("wbase-")).await;
+    let opts = RunOptions {
+        concurrency: conc,
+        duration: cfg.timing.duration.max(Duration::from_secs(1)),
+        prefix: "base-",
+        keep_starts: true,
+    };
+    let base = harness::run(&d, &plan, opts).await;
+
+    // 3. claims with a purge of the same size running
+    let lead = Duration::from_millis(300);
+    let duration = (alone * 3 + Duration::from_secs(1)).min(Duration::from_secs(90));
+    let purge_store = store.clone();
+    let purge = tokio::spawn(async move {
+        tokio::time::sleep(lead).await;
+        let started = Instant::now();
+        let deleted = purge_store.purge_expired().await.unwrap();
+        (deleted, started.elapsed())
+    });
+    let opts = RunOptions {
+        concurrency: conc,
+        duration,
+        prefix: "during-",
+        keep_starts: true,
+    };
+    let during = harness::run(&d, &plan, opts).await;
+    let (deleted_during, purge_took) = purge.await.unwrap();
+    let window = (lead, lead + purge_took);
+    let finished_in_run = lead + purge_took <= during.elapsed;
+
+    let base_w = window_stats(&base, (Duration::ZERO, base.elapsed));
+    let during_w = window_stats(&during, window);
+    let text = format!(
+        "## Purging expired markers\n\n`PgStore::purge_expired()` (batches of 1000: `DELETE .. WHERE (scope, \
+         message_id) IN (SELECT .. WHERE expires_at <= now() LIMIT 1000 FOR UPDATE SKIP LOCKED)`, each its own \
+         statement) on a table of {} expired markers.\n\n\
+         | | markers deleted | time | markers/s |\n| --- | --- | --- | --- |\n\
+         | purge alone | {} | {:.2} s | {} |\n\
+         | purge while claims run (c={conc}) | {} | {:.2} s | {} |\n\n\
+         Claims (`#[idempotent]` + `PgStore`, concurrency {conc}, 20 % duplicates) on the same table:\n\n\
+         | | claims/s | p50 ms | p99 ms | max ms |\n| --- | --- | --- | --- | --- |\n\
+         | without purge | {} | {} | {} | {} |\n\
+         | during the purge | {} | {} | {} | {} |\n\n{}\n",
+        fmt_count(expired),
+        fmt_count(deleted),
+        alone.as_secs_f64(),
+        report::fmt_rate(deleted as f64 / alone.as_secs_f64()),
+        fmt_count(deleted_during),
+        purge_took.as_secs_f64(),
+        report::fmt_rate(deleted_during as f64 / purge_took.as_secs_f64()),
+        report::fmt_rate(base_w.0),
+        report::fmt_ms(base_w.1),
+        report::fmt_ms(base_w.2),
+        report::fmt_ms(base_w.3),
+        report::fmt_rate(during_w.0),
+        report::fmt_ms(during_w.1),
+        report::fmt_ms(during_w.2),
+        report::fmt_ms(during_w.3),
+        if finished_in_run {
+            ""
+        } else {
+            "(The purge outlasted the claim run: the window covers only its first part.)"
+        },
+    );
+    doc.section(&text);
+}
+
+/// Rate, p50, p99 and max latency of the deliveries started inside `window`.
+fn window_stats(stats: &RunStats, window: (Duration, Duration)) -> (f64, f64, f64, f64) {
+    let (from, to) = (window.0.as_micros() as u32, window.1.as_micros() as u32);
+    let mut lat: Vec<u32> = stats
+        .starts_us
+        .iter()
+        .zip(&stats.latencies_us)
+        .filter(|(s, _)| **s >= from && **s < to)
+        .map(|(_, l)| *l)
+        .collect();
+    lat.sort_unstable();
+    let secs = (window.1.min(stats.elapsed) - window.0).as_secs_f64().max(1e-9);
+    (
+        lat.len() as f64 / secs,
+        harness::percentile(&lat, 50.0),
+        harness::percentile(&lat, 99.0),
+        lat.last().map_or(f64::NAN, |v| f64::from(*v)),
+    )
+}
+
+fn fmt_count(n: u64) -> String {
+    match n {
+        0 => "0".into(),
+        n if n % 1_000_000 == 0 => format!("{} M", n / 1_000_000),
+        n if n % 1_000 == 0 => format!("{} k", n / 1_000),
+        n => n.to_string(),
+    }
+}
+
+// ---- the machine -----------------------------------------------------------------------
+
+fn machine_line() -> String {
+    let cpu = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|s| {
+            s.lines().find_map(|l| {
+                l.strip_prefix("model name")
+                    .map(|v| v.trim_start_matches([' ', '\t', ':']).to_owned())
+            })
+        })
+        .unwrap_or_else(|| "unknown CPU".into());
+    let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
+    let mem = std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("MemTotal:").map(|v| v.trim().to_owned()))
+        })
+        .unwrap_or_default();
+    let date = std::process::Command::new("date")
+        .arg("-u")
+        .arg("+%Y-%m-%d %H:%M UTC")
+        .output()
+        .ok()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
+        .unwrap_or_default();
+    format!("Machine: {cpu}, {cores} cores (`nproc`), {mem} RAM; the databases run on the same machine. Date: {date}.")
+}
+
+fn loadavg() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+        .unwrap_or_default()
+}
+
+async fn pg_version(env: &pg::PgEnv) -> String {
+    idempotent_runtime::sqlx::query_scalar::<_, String>("SELECT version()")
+        .fetch_one(&env.pool)
+        .await
+        .map(|v| v.split(" on ").next().unwrap_or(&v).to_owned())
+        .unwrap_or_default()
+}
+
+async fn redis_version(conn: &mut idempotent_runtime::redis::aio::ConnectionManager) -> String {
+    let info: String = idempotent_runtime::redis::cmd("INFO")
+        .arg("server")
+        .query_async(conn)
+        .await
+        .unwrap_or_default();
+    info.lines()
+        .find_map(|l| l.strip_prefix("redis_version:"))
+        .unwrap_or("?")
+        .trim()
+        .to_owned()
+}

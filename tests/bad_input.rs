@@ -7,7 +7,7 @@ mod common;
 use std::sync::atomic::{AtomicU32, Ordering};
 
 use idempotent_runtime::sqlx::{self, AssertSqlSafe};
-use idempotent_runtime::{Error, MemoryStore, PgStore, RedisStore, SqliteStore, Store, idempotent};
+use idempotent_runtime::{Error, MemoryStore, MySqlStore, PgStore, RedisStore, SqliteStore, Store, idempotent};
 
 #[derive(Debug, serde::Deserialize)]
 struct Payment {
@@ -46,6 +46,9 @@ where
     let pg_table = common::unique("bad_input");
     let pg = PgStore::builder(common::pg_pool(2).await).table(&pg_table).build().unwrap();
     pg.migrate().await.unwrap();
+    let my_table = common::unique("bad_input");
+    let my = MySqlStore::builder(common::mysql_pool(2).await).table(&my_table).build().unwrap();
+    my.migrate().await.unwrap();
     let dir = tempfile::tempdir().unwrap();
     let lite = SqliteStore::open(dir.path().join("bad.db")).await.unwrap();
     lite.migrate().await.unwrap();
@@ -56,6 +59,7 @@ where
 
     check("postgres", Box::new(pg.clone())).await;
     check("sqlite", Box::new(lite.clone())).await;
+    check("mysql", Box::new(my.clone())).await;
     check("redis", Box::new(redis)).await;
     check("memory", Box::new(MemoryStore::new())).await;
 
@@ -63,7 +67,10 @@ where
     let pg_markers: i64 = sqlx::query_scalar(AssertSqlSafe(markers(&pg_table))).fetch_one(pg.pool()).await.unwrap();
     let lite_markers: i64 =
         sqlx::query_scalar(AssertSqlSafe(markers("processed_messages"))).fetch_one(lite.pool()).await.unwrap();
+    let my_markers: i64 =
+        sqlx::query_scalar(AssertSqlSafe(format!("SELECT count(*) FROM `{my_table}`"))).fetch_one(my.pool()).await.unwrap();
     common::drop_pg_table(pg.pool(), &pg_table).await;
+    common::drop_mysql_table(my.pool(), &my_table).await;
     let redis_keys: Vec<String> =
         idempotent_runtime::redis::cmd("KEYS").arg(format!("{prefix}*")).query_async(&mut conn).await.unwrap();
     if !redis_keys.is_empty() {
@@ -71,7 +78,7 @@ where
     }
     if refused {
         assert!(redis_keys.is_empty(), "bad input left no Redis marker: {redis_keys:?}");
-        assert_eq!((pg_markers, lite_markers), (0, 0), "bad input committed no marker");
+        assert_eq!((pg_markers, lite_markers, my_markers), (0, 0, 0), "bad input committed no marker");
     }
 }
 

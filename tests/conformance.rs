@@ -3,7 +3,8 @@
 //! The same tests (exactly once under concurrent duplicates, replay,
 //! failure/panic/cancellation release the claim, fingerprints, missing and
 //! invalid keys, expiry, scopes, purge) are instantiated for each store by
-//! `conformance!` at the bottom. Where transactional stores (Postgres,
+//! `conformance!` at the bottom: memory, Postgres, SQLite, MySQL (MariaDB)
+//! and Redis. Where transactional stores (Postgres,
 //! SQLite, MySQL) and lease stores (Redis, memory) differ, the test says so
 //! through `Fixture::TRANSACTIONAL` rather than hiding it:
 //! - a concurrent duplicate *waits* for the first call on a transactional
@@ -383,6 +384,32 @@ impl Fixture for Postgres {
     }
 }
 
+struct MySql {
+    store: idempotent_runtime::MySqlStore,
+    table: String,
+}
+
+impl Fixture for MySql {
+    type S = idempotent_runtime::MySqlStore;
+    const TRANSACTIONAL: bool = true;
+    async fn setup() -> Self {
+        let table = common::unique("conf");
+        let pool = common::mysql_pool(20).await;
+        let store = idempotent_runtime::MySqlStore::builder(pool).table(&table).build().unwrap();
+        store.migrate().await.unwrap();
+        MySql { store, table }
+    }
+    fn store(&self) -> &Self::S {
+        &self.store
+    }
+    async fn purge(&self) -> u64 {
+        self.store.purge_expired().await.unwrap()
+    }
+    async fn teardown(self) {
+        common::drop_mysql_table(self.store.pool(), &self.table).await;
+    }
+}
+
 struct Sqlite {
     store: idempotent_runtime::SqliteStore,
     _dir: tempfile::TempDir,
@@ -444,6 +471,7 @@ impl Fixture for Redis {
 }
 
 conformance!(memory, Memory);
+conformance!(mysql, MySql);
 conformance!(redis, Redis);
 conformance!(postgres, Postgres);
 conformance!(sqlite, Sqlite);

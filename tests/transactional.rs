@@ -1,4 +1,4 @@
-//! Transactional stores (Postgres, SQLite): the handler's effect and the
+//! Transactional stores (Postgres, SQLite, MySQL/MariaDB): the handler's effect and the
 //! marker commit or roll back together. Each test writes a real effect row
 //! through the handler's transaction parameter and then counts rows.
 
@@ -181,6 +181,60 @@ impl Backend for Lite {
     }
 }
 
+// ---- MySQL / MariaDB ------------------------------------------------------
+
+pub struct My {
+    store: idempotent_runtime::MySqlStore,
+    markers: String,
+    payments: String,
+}
+
+impl My {
+    #[idempotent(key = "msg.message_id", store = self.store, fingerprint = "(&msg.order_id, msg.amount)")]
+    async fn process(&self, msg: &Payment, signals: &Signals, tx: &mut sqlx::MySqlConnection) -> Result<i64, AppError> {
+        let insert = format!("INSERT INTO `{}` (message_id, order_id, amount) VALUES (?, ?, ?)", self.payments);
+        sqlx::query(AssertSqlSafe(insert))
+            .bind(&msg.message_id)
+            .bind(&msg.order_id)
+            .bind(msg.amount)
+            .execute(&mut *tx)
+            .await?;
+        after_effect(msg, signals).await
+    }
+
+    async fn count(&self, sql: String, id: &str) -> i64 {
+        sqlx::query_scalar(AssertSqlSafe(sql)).bind(id).fetch_one(self.store.pool()).await.unwrap()
+    }
+}
+
+impl Backend for My {
+    async fn setup() -> Self {
+        let pool = common::mysql_pool(24).await;
+        let (markers, payments) = (common::unique("markers"), common::unique("payments"));
+        let store = idempotent_runtime::MySqlStore::builder(pool.clone()).table(&markers).build().unwrap();
+        store.migrate().await.unwrap();
+        let ddl = format!(
+            "CREATE TABLE `{payments}` (id BIGINT AUTO_INCREMENT PRIMARY KEY, message_id VARBINARY(255), \
+             order_id VARCHAR(300), amount BIGINT)"
+        );
+        sqlx::query(AssertSqlSafe(ddl)).execute(&pool).await.unwrap();
+        My { store, markers, payments }
+    }
+    fn pay(&self, msg: &Payment, signals: &Signals) -> impl Future<Output = Result<i64, AppError>> + Send {
+        self.process(msg, signals)
+    }
+    async fn payments(&self, id: &str) -> i64 {
+        self.count(format!("SELECT count(*) FROM `{}` WHERE message_id = ?", self.payments), id).await
+    }
+    async fn markers(&self, id: &str) -> i64 {
+        self.count(format!("SELECT count(*) FROM `{}` WHERE message_id = ?", self.markers), id).await
+    }
+    async fn teardown(self) {
+        common::drop_mysql_table(self.store.pool(), &self.markers).await;
+        common::drop_mysql_table(self.store.pool(), &self.payments).await;
+    }
+}
+
 // ---- the tests ------------------------------------------------------------
 
 pub async fn sixteen_concurrent_deliveries_apply_the_effect_once<B: Backend>() {
@@ -328,6 +382,7 @@ macro_rules! transactional_suite {
 
 transactional_suite!(postgres, super::Pg);
 transactional_suite!(sqlite, super::Lite);
+transactional_suite!(mysql, super::My);
 
 #[tokio::test]
 async fn invalid_table_names_are_refused_at_configuration() {

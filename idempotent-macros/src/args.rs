@@ -49,6 +49,9 @@ pub fn parse(cx: &Ctxt, tokens: TokenStream) -> Args {
         krate: syn::parse_quote!(::idempotent_runtime),
     };
     let mut seen: Vec<String> = Vec::new();
+    // Names that a misspelled argument was taken for: not reported missing too.
+    let mut suggested: Vec<&str> = Vec::new();
+    let whole = tokens.clone();
     let parser = |input: ParseStream| -> syn::Result<()> {
         while !input.is_empty() {
             let name = Ident::parse_any(input)?;
@@ -58,6 +61,9 @@ pub fn parse(cx: &Ctxt, tokens: TokenStream) -> Args {
             if seen.contains(&text) {
                 cx.error_spanned_by(&name, format!("expected only a single `{text}` argument"));
             } else {
+                if !NAMES.contains(&text.as_str()) {
+                    suggested.extend(closest(&text, NAMES));
+                }
                 seen.push(text.clone());
                 apply(cx, &mut args, &name, value);
             }
@@ -72,12 +78,21 @@ pub fn parse(cx: &Ctxt, tokens: TokenStream) -> Args {
         cx.syn_error(error);
         return args;
     }
-    for (required, example) in [("key", "key = \"msg.message_id\""), ("store", "store = self.store")] {
-        if !seen.iter().any(|s| s == required) {
-            cx.error_at(
-                Span::call_site(),
-                format!("missing `{required}` argument: #[idempotent] needs `{example}`"),
-            );
+    for (required, example, meaning) in [
+        (
+            "key",
+            "key = \"msg.message_id\"",
+            "an expression over the handler's parameters that identifies the message",
+        ),
+        ("store", "store = self.store", "an expression giving the store that keeps the processed markers"),
+    ] {
+        if !seen.iter().any(|s| s == required) && !suggested.contains(&required) {
+            let message = format!("missing `{required}` argument: add `{example}`, {meaning}");
+            if whole.is_empty() {
+                cx.error_at(Span::call_site(), message);
+            } else {
+                cx.error_spanned_by(&whole, message);
+            }
         }
     }
     args

@@ -7,8 +7,8 @@
 //! A "fake return edge" typed with the declared return type keeps inference
 //! and type errors on the user's code (the tracing-attributes technique).
 
-use proc_macro2::{Span, TokenStream};
-use quote::{format_ident, quote, quote_spanned};
+use proc_macro2::{Delimiter, Group, Ident, Span, TokenStream, TokenTree};
+use quote::{ToTokens, format_ident, quote, quote_spanned};
 use syn::punctuated::Punctuated;
 use syn::spanned::Spanned;
 use syn::{Block, FnArg, ItemFn, LitStr, ReturnType};
@@ -54,8 +54,13 @@ fn expand(handler: &Handler, args: &Args) -> TokenStream {
     let (ttl, lease) = (args.ttl_ms, args.lease_ms);
 
     let mixed = Span::mixed_site();
-    let store_ref = format_ident!("__idem_store", span = mixed);
-    let key_source = format_ident!("__idem_key_source", span = mixed);
+    // These two are spanned on the user's `store` and `key` tokens: rustc
+    // points at the argument that fails a bound, and these are the
+    // arguments of the store and key checks.
+    let store_ref = format_ident!("__idem_store", span = ends(&store.to_token_stream()).1);
+    let key_source = format_ident!("__idem_key_source", span = ends(&key.to_token_stream()).1);
+    let store_arg = borrowed(&store_ref, store);
+    let key_arg = borrowed(&key_source, key);
     let key_text = format_ident!("__idem_key", span = mixed);
     let request = format_ident!("__idem_request", span = mixed);
     let span = format_ident!("__idem_span", span = mixed);
@@ -65,29 +70,58 @@ fn expand(handler: &Handler, args: &Args) -> TokenStream {
     let fake = format_ident!("__idem_fake_return", span = mixed);
     let error = format_ident!("__idem_error", span = mixed);
     let replay = format_ident!("__idem_replay", span = mixed);
+    let codec = format_ident!("__idem_codec", span = mixed);
+    let into_error = format_ident!("__idem_into_error", span = mixed);
+    let binder = format_ident!("__idem_binder", span = mixed);
+    let finished = format_ident!("__idem_finished", span = mixed);
 
-    let result_span = handler::result_span(handler);
-    let error_span = handler.err_type.as_ref().map_or(result_span, Spanned::span);
-    let into_error = quote_spanned!(error_span=> #rt::error);
+    // Each requirement on a type is named once, on the user's tokens it is
+    // about, so rustc reports it there (and only there) with the runtime
+    // trait's `on_unimplemented` explanation.
+    let return_type = match &sig.output {
+        ReturnType::Type(_, ty) => ty.to_token_stream(),
+        ReturnType::Default => quote!(()),
+    };
+    let ok_type = handler.ok_type.as_ref().map_or_else(|| quote!(_), ToTokens::to_token_stream);
+    let err_type = handler.err_type.as_ref().map_or_else(|| quote!(_), ToTokens::to_token_stream);
+    let ok_at = handler.ok_type.as_ref().map_or_else(|| return_type.clone(), ToTokens::to_token_stream);
+    let err_at = handler.err_type.as_ref().map_or_else(|| return_type.clone(), ToTokens::to_token_stream);
+    let codec_of = qualified(&rt, &ok_type, "StoredResult", "codec", &ok_at);
+    let from_store = qualified(&rt, &err_type, "HandlerError", "from_store", &err_at);
+    let key_call = call(&rt, "key", quote!(#scope, #key_arg), key);
+
     let fingerprint = match &args.fingerprint {
-        Some(expr) => quote_spanned!(expr.span()=> #rt::fingerprint(&(#expr))),
+        Some(expr) => {
+            let first = ends(&expr.to_token_stream()).0;
+            let mut value = Group::new(Delimiter::Parenthesis, expr.to_token_stream());
+            value.set_span(first);
+            call(&rt, "fingerprint", quote_spanned!(first=> &#value), expr)
+        }
         None => quote!(::core::result::Result::Ok(::core::option::Option::None)),
     };
     let bail = quote! {
-        Err(#error) => return ::core::result::Result::Err(#into_error(#error)),
+        ::core::result::Result::Err(#error) => return ::core::result::Result::Err(#into_error(#error)),
     };
 
-    let claim_call = match &handler.tx {
-        Some(tx) => {
-            let at = tx.ty.span();
-            quote_spanned!(at=> #rt::claim_transactional(#store_ref, &#request, &#span))
-        }
-        None => quote_spanned!(store.span()=> #rt::claim(#store_ref, &#request, &#span)),
+    // The store is checked on the `store = ..` expression: `Store`, or
+    // `TransactionalStore` when the handler takes a transaction parameter.
+    let (claim_call, binder_let, binder_out) = match &handler.tx {
+        Some(_) => (
+            call(&rt, "claim_transactional", quote!(#store_arg, &#request, &#span), store),
+            Some({
+                let binder_call = call(&rt, "binder", store_arg.clone(), store);
+                quote!(let #binder = #binder_call;)
+            }),
+            quote!(#binder),
+        ),
+        None => (call(&rt, "claim", quote!(#store_arg, &#request, &#span), store), None, quote!(())),
     };
+    let claim_await = awaited(claim_call, store);
     let bind_tx = handler.tx.as_ref().map(|tx| {
         let pat = &tx.pat;
         let ty = &tx.ty;
-        quote_spanned!(ty.span()=> let #pat: #ty = #rt::bind_transaction(&mut #guard);)
+        let bind_call = call(&rt, "bind_transaction", quote!(#binder, &mut #guard), ty);
+        quote!(let #pat: #ty = #bind_call;)
     });
     let guard_binding = if handler.tx.is_some() {
         quote!(mut #guard)
@@ -95,10 +129,6 @@ fn expand(handler: &Handler, args: &Args) -> TokenStream {
         quote!(#guard)
     };
 
-    let return_type = match &sig.output {
-        ReturnType::Type(_, ty) => quote!(#ty),
-        ReturnType::Default => quote!(()),
-    };
     let stmts = &func.block.stmts;
     let body = quote_spanned! {func.block.span()=>
         async move {
@@ -118,35 +148,42 @@ fn expand(handler: &Handler, args: &Args) -> TokenStream {
             #(#stmts)*
         }
     };
-    let replay_call = quote_spanned!(result_span=> #rt::replay(#replay));
-    let finish_call = quote_spanned!(result_span=> #rt::finish(#guard, #outcome, #span));
 
     let new_block: Block = syn::parse_quote! {{
-        let (#claim, #span) = {
+        let #codec = #codec_of();
+        let #into_error = #from_store;
+        let (#claim, #span, #binder) = {
             #[allow(unused_parens, clippy::needless_borrow)]
             let #store_ref = &(#store);
+            #binder_let
             #[allow(unused_parens, clippy::needless_borrow)]
             let #key_source = &(#key);
-            let #key_text = match #rt::key(#scope, #key_source) {
-                Ok(key) => key,
+            let #key_text = match #key_call {
+                ::core::result::Result::Ok(key) => key,
                 #bail
             };
             let #request = match #rt::request(#scope, &#key_text, #ttl, #lease, #fingerprint) {
-                Ok(request) => request,
+                ::core::result::Result::Ok(request) => request,
                 #bail
             };
             let #span = #rt::span(&#request);
-            (#claim_call.await, #span)
+            (#claim_await, #span, #binder_out)
         };
         match #claim {
             ::core::result::Result::Err(#error) => ::core::result::Result::Err(#into_error(#error)),
-            ::core::result::Result::Ok(#krate::Claim::Done(#replay)) => #replay_call,
+            ::core::result::Result::Ok(#krate::Claim::Done(#replay)) => match #codec.replay(&#replay) {
+                ::core::result::Result::Ok(value) => ::core::result::Result::Ok(value),
+                #bail
+            },
             ::core::result::Result::Ok(#krate::Claim::Fresh(#guard_binding)) => {
                 let #outcome = {
                     #bind_tx
                     #rt::Instrument::instrument(#body, ::core::clone::Clone::clone(&#span)).await
                 };
-                #finish_call.await
+                match #rt::finish(#guard, #codec, #outcome, #span).await {
+                    ::core::result::Result::Ok(#finished) => #finished,
+                    #bail
+                }
             }
         }
     }};
@@ -155,6 +192,66 @@ fn expand(handler: &Handler, args: &Args) -> TokenStream {
     out.sig.inputs = without_tx(handler);
     out.block = Box::new(new_block);
     quote!(#out)
+}
+
+/// The first and last spans of `tokens`: rustc reports an expression whose
+/// first token has the first span and whose last token has the last span
+/// on the whole range (without `Span::join`, which is unstable).
+fn ends(tokens: &TokenStream) -> (Span, Span) {
+    let mut iter = tokens.clone().into_iter();
+    let first = iter.next().map_or_else(Span::call_site, |token| token.span());
+    let last = iter.last().map_or(first, |token| token.span());
+    (first, last)
+}
+
+/// `tokens` with every span set to `span`.
+fn respan(tokens: &TokenStream, span: Span) -> TokenStream {
+    tokens
+        .clone()
+        .into_iter()
+        .map(|mut token| {
+            if let TokenTree::Group(group) = &token {
+                let mut inner = Group::new(group.delimiter(), respan(&group.stream(), span));
+                inner.set_span(span);
+                token = TokenTree::Group(inner);
+            } else {
+                token.set_span(span);
+            }
+            token
+        })
+        .collect()
+}
+
+/// `#rt::name(args)`, spanned on the tokens of `at`: a bound of `name` that
+/// fails is reported on them.
+fn call(rt: &TokenStream, name: &str, args: TokenStream, at: &dyn ToTokens) -> TokenStream {
+    let (first, last) = ends(&at.to_token_stream());
+    let path = respan(rt, first);
+    let name = Ident::new(name, last);
+    let mut args = Group::new(Delimiter::Parenthesis, args);
+    args.set_span(last);
+    quote_spanned!(first=> #path :: #name #args)
+}
+
+/// `<#ty as #rt::Trait>::item`, spanned on the tokens of `at`.
+fn qualified(rt: &TokenStream, ty: &TokenStream, trait_name: &str, item: &str, at: &TokenStream) -> TokenStream {
+    let (first, last) = ends(at);
+    let path = respan(rt, first);
+    let trait_name = Ident::new(trait_name, first);
+    let item = Ident::new(item, last);
+    quote_spanned!(first=> <#ty as #path :: #trait_name>:: #item)
+}
+
+/// `&*#binding`, spanned from the first to the last token of `at`.
+fn borrowed(binding: &Ident, at: &dyn ToTokens) -> TokenStream {
+    let (first, _) = ends(&at.to_token_stream());
+    quote_spanned!(first=> &*#binding)
+}
+
+/// `#future.await`, spanned on the tokens of `at`.
+fn awaited(future: TokenStream, at: &dyn ToTokens) -> TokenStream {
+    let (_, last) = ends(&at.to_token_stream());
+    quote_spanned!(last=> #future.await)
 }
 
 /// The signature's parameters without the transaction parameter.
@@ -176,7 +273,16 @@ fn fallback(handler: Handler, errors: TokenStream) -> TokenStream {
     let mut stub = handler.func.clone();
     stub.sig.inputs = without_tx(&handler);
     stub.sig.asyncness = Some(Default::default());
-    stub.block = Box::new(syn::parse_quote!({ ::core::unreachable!() }));
+    // The transaction parameter's type stays named, so its imports are not
+    // reported unused on top of the real errors.
+    let tx_type = handler.tx.as_ref().map(|tx| {
+        let ty = &tx.ty;
+        quote!(let _: ::core::option::Option<#ty> = ::core::option::Option::None;)
+    });
+    stub.block = Box::new(syn::parse_quote!({
+        #tx_type
+        ::core::unreachable!()
+    }));
     stub.attrs
         .push(syn::parse_quote!(#[allow(unused_variables, clippy::unused_async)]));
     quote!(#errors #stub)

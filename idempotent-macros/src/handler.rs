@@ -2,8 +2,6 @@
 //! transaction parameter, the `Result` it returns), checked against the
 //! rules of `#[idempotent]`.
 
-use proc_macro2::Span;
-use syn::spanned::Spanned;
 use syn::visit::Visit;
 use syn::{Expr, FnArg, GenericArgument, Ident, ItemFn, Pat, PathArguments, ReturnType, Type};
 
@@ -60,7 +58,11 @@ pub fn analyze(cx: &Ctxt, func: ItemFn, args: &Args) -> Handler {
             .is_some_and(|tx| matches!(&*typed.pat, Pat::Ident(p) if p.ident == *tx));
         let looks_tx = args.tx.is_none() && is_transaction_type(&typed.ty);
         if named_tx || looks_tx {
-            if named_tx && !matches!(&*typed.ty, Type::Reference(r) if r.mutability.is_some()) {
+            // An alias (`type Db<'a> = &'a mut PgConnection`) is checked by
+            // the type system; a shared reference cannot be right.
+            if let Type::Reference(reference) = &*typed.ty
+                && reference.mutability.is_none()
+            {
                 cx.error_spanned_by(
                     &typed.ty,
                     "the transaction parameter must be a `&mut` reference to a transaction or connection",
@@ -261,13 +263,4 @@ fn list(names: &[Ident]) -> String {
         return "none".to_owned();
     }
     names.iter().map(|n| format!("`{n}`")).collect::<Vec<_>>().join(", ")
-}
-
-/// The span to report type errors about the handler's result on.
-pub fn result_span(handler: &Handler) -> Span {
-    match (&handler.ok_type, &handler.func.sig.output) {
-        (Some(ok), _) => ok.span(),
-        (None, ReturnType::Type(_, ty)) => ty.span(),
-        (None, ReturnType::Default) => handler.func.sig.ident.span(),
-    }
 }

@@ -15,10 +15,28 @@ pub fn key<'k, K: IdempotencyKey + ?Sized>(scope: &str, key: &'k K) -> Result<Co
     crate::key::require(scope, key.key_text())
 }
 
+/// A value the `fingerprint = ..` expression can give.
+#[diagnostic::on_unimplemented(
+    message = "the fingerprint `{Self}` cannot be hashed",
+    label = "the `fingerprint = ..` expression must be `serde::Serialize`",
+    note = "the fingerprint is the hash of the value's JSON encoding: fingerprint the message (derive `Serialize` for it) or a tuple of its fields"
+)]
+pub trait FingerprintSource {
+    /// The fingerprint of the value.
+    fn fingerprint(&self) -> Result<Option<Fingerprint>, Error>;
+}
+
+impl<T: serde::Serialize + ?Sized> FingerprintSource for T {
+    #[inline]
+    fn fingerprint(&self) -> Result<Option<Fingerprint>, Error> {
+        Fingerprint::of(self).map(Some)
+    }
+}
+
 /// The fingerprint of the `fingerprint = ..` expression.
 #[inline]
-pub fn fingerprint<T: serde::Serialize + ?Sized>(value: &T) -> Result<Option<Fingerprint>, Error> {
-    Fingerprint::of(value).map(Some)
+pub fn fingerprint<T: FingerprintSource + ?Sized>(value: &T) -> Result<Option<Fingerprint>, Error> {
+    value.fingerprint()
 }
 
 /// The validated request of one call.
@@ -61,15 +79,28 @@ pub async fn claim_transactional<S: crate::store::TransactionalStore + ?Sized>(
     claim(store, req, span).await
 }
 
+/// How a transactional store's claim lends its transaction to the handler.
+#[cfg(feature = "sqlx")]
+pub type Binder<G, DB> = for<'a> fn(&'a mut G) -> &'a mut sqlx::Transaction<'static, DB>;
+
+/// The [`Binder`] of `store`'s claims. Requires the same bound as
+/// [`claim_transactional`] (reported once, on the `store = ..` expression),
+/// so that [`bind_transaction`] needs none on the guard.
+#[cfg(feature = "sqlx")]
+#[inline]
+pub fn binder<S: crate::store::TransactionalStore + ?Sized>(_store: &S) -> Binder<S::Guard, S::Database> {
+    <S::Guard as crate::store::TransactionGuard>::transaction
+}
+
 /// Borrows the claim's transaction as the handler's parameter type.
 #[cfg(feature = "sqlx")]
 #[inline]
-pub fn bind_transaction<'a, G, P>(guard: &'a mut G) -> P
+pub fn bind_transaction<'a, G, DB, P>(binder: Binder<G, DB>, guard: &'a mut G) -> P
 where
-    G: crate::store::TransactionGuard,
-    P: crate::store::FromTransaction<'a, G::Database>,
+    DB: sqlx::Database,
+    P: crate::store::FromTransaction<'a, DB>,
 {
-    P::from_transaction(guard.transaction())
+    P::from_transaction(binder(guard))
 }
 
 fn log_claim<G>(claim: &Result<Claim<G>, Error>, span: &Span) {
@@ -84,62 +115,106 @@ fn log_claim<G>(claim: &Result<Claim<G>, Error>, span: &Span) {
 
 /// A result type a handler can return: stored after the first run and
 /// replayed to duplicates.
+///
+/// The expansion names `<T as StoredResult>::codec` once, spanned on the
+/// handler's declared `T`, so a type that cannot be stored is reported there
+/// and only there; [`finish`] and the replay use the [`Codec`] and need no
+/// bound of their own.
 #[diagnostic::on_unimplemented(
     message = "the result type `{Self}` cannot be stored for replay to duplicates",
-    label = "`{Self}` must implement `serde::Serialize` and `serde::de::DeserializeOwned`",
+    label = "`{Self}` must implement `serde::Serialize` and `serde::Deserialize`",
     note = "duplicates answer with the first run's result, so it is stored as JSON: derive `Serialize` and `Deserialize` for it, or return `()`"
 )]
-pub trait StoredResult: serde::Serialize + serde::de::DeserializeOwned {}
-impl<T: serde::Serialize + serde::de::DeserializeOwned> StoredResult for T {}
+// No supertraits: rustc then reports `T: StoredResult` (with this
+// explanation) rather than the bare serde bound.
+pub trait StoredResult: Sized {
+    /// How values of this type are stored and replayed.
+    fn codec() -> Codec<Self>;
+}
+
+impl<T: serde::Serialize + serde::de::DeserializeOwned> StoredResult for T {
+    #[inline]
+    fn codec() -> Codec<Self> {
+        Codec {
+            encode: encode_result::<Self>,
+            decode: Replay::decode::<Self>,
+        }
+    }
+}
+
+/// Stores and replays a handler's `T` (see [`StoredResult::codec`]).
+pub struct Codec<T> {
+    encode: fn(&T) -> Result<Option<String>, Error>,
+    decode: fn(&Replay) -> Result<T, Error>,
+}
+
+impl<T> Clone for Codec<T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<T> Copy for Codec<T> {}
+
+impl<T> Codec<T> {
+    /// Answers a duplicate with the first run's result.
+    #[inline]
+    pub fn replay(&self, replay: &Replay) -> Result<T, Error> {
+        (self.decode)(replay)
+    }
+}
 
 /// An error type a handler can return.
+///
+/// The expansion names `<E as HandlerError>::from_store` once, spanned on the
+/// handler's declared `E`, and converts every store error through it.
 #[diagnostic::on_unimplemented(
     message = "the handler's error type `{Self}` cannot hold an `idempotent_runtime::Error`",
     label = "`{Self}` must implement `From<idempotent_runtime::Error>`",
     note = "the store can fail (missing key, key reused, database down): add a variant with `#[from] idempotent_runtime::Error`, or return `anyhow::Error`"
 )]
-pub trait HandlerError: From<Error> {}
-impl<E: From<Error>> HandlerError for E {}
-
-/// Converts a store error into the handler's error type.
-#[inline]
-pub fn error<E: HandlerError>(error: Error) -> E {
-    E::from(error)
+// No supertrait, for the same reason as `StoredResult`.
+pub trait HandlerError: Sized {
+    /// Converts a store error into the handler's error type.
+    fn from_store(error: Error) -> Self;
 }
 
-/// Answers a duplicate with the first run's result.
-#[inline]
-pub fn replay<T: StoredResult, E: HandlerError>(replay: Replay) -> Result<T, E> {
-    replay.decode().map_err(E::from)
+impl<E: From<Error>> HandlerError for E {
+    #[inline]
+    fn from_store(error: Error) -> Self {
+        E::from(error)
+    }
 }
 
 /// Ends a claim with the body's outcome: `Ok` stores the result and commits,
-/// `Err` rolls back (or releases the lease).
-pub async fn finish<G: Guard, T: StoredResult, E: HandlerError>(
+/// `Err` rolls back (or releases the lease) and is handed back as it is.
+/// The outer `Err` is the store's error, for the caller to convert.
+pub async fn finish<G: Guard, T, E>(
     guard: G,
+    codec: Codec<T>,
     outcome: Result<T, E>,
     span: Span,
-) -> Result<T, E> {
+) -> Result<Result<T, E>, Error> {
     match outcome {
         Ok(value) => {
-            let stored = match encode_result(&value) {
+            let stored = match (codec.encode)(&value) {
                 Ok(stored) => stored,
                 Err(error) => {
                     guard.abort().await;
                     span.in_scope(
                         || tracing::warn!(target: "idempotent", outcome = "failed", %error, "result not stored"),
                     );
-                    return Err(E::from(error));
+                    return Err(error);
                 }
             };
             match guard.complete(stored).await {
                 Ok(()) => {
                     span.in_scope(|| tracing::debug!(target: "idempotent", outcome = "processed", "message processed"));
-                    Ok(value)
+                    Ok(Ok(value))
                 }
                 Err(error) => {
                     span.in_scope(|| tracing::warn!(target: "idempotent", outcome = "failed", %error, "commit failed"));
-                    Err(E::from(error))
+                    Err(error)
                 }
             }
         }
@@ -148,7 +223,7 @@ pub async fn finish<G: Guard, T: StoredResult, E: HandlerError>(
             span.in_scope(
                 || tracing::debug!(target: "idempotent", outcome = "failed", "handler failed; claim released"),
             );
-            Err(error)
+            Ok(Err(error))
         }
     }
 }

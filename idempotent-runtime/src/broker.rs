@@ -17,9 +17,6 @@ use serde::de::DeserializeOwned;
 /// `tracing` target of the adapters' spans and events.
 pub const TRACING_TARGET: &str = "idempotent::broker";
 
-/// Header holding the attempt number of a retried copy (RabbitMQ), starting
-/// at 1 for the original message.
-pub const HEADER_ATTEMPT: &str = "x-idempotent-attempt";
 /// Dead-letter header: why the message was dead-lettered, human readable
 /// (the decoding error or the handler's last error).
 pub const HEADER_REASON: &str = "x-idempotent-reason";
@@ -122,7 +119,10 @@ pub struct Backoff {
 impl Backoff {
     /// A backoff from `initial` doubling up to `max`.
     pub fn new(initial: Duration, max: Duration) -> Self {
-        Backoff { initial, max: max.max(initial) }
+        Backoff {
+            initial,
+            max: max.max(initial),
+        }
     }
 
     /// The delay after failed attempt number `attempt` (1-based).
@@ -267,14 +267,20 @@ impl DeadKind {
 /// Records outcomes into the counters, the current span and `metrics`.
 #[derive(Debug, Clone)]
 pub(crate) struct Recorder {
+    #[cfg_attr(not(feature = "metrics"), allow(dead_code))]
     broker: &'static str,
+    #[cfg_attr(not(feature = "metrics"), allow(dead_code))]
     source: Arc<str>,
     stats: ConsumerStats,
 }
 
 impl Recorder {
     pub(crate) fn new(broker: &'static str, source: &str, stats: ConsumerStats) -> Self {
-        Recorder { broker, source: Arc::from(source), stats }
+        Recorder {
+            broker,
+            source: Arc::from(source),
+            stats,
+        }
     }
 
     pub(crate) fn received(&self) {
@@ -324,8 +330,6 @@ impl Recorder {
             "outcome" => outcome.as_str()
         )
         .increment(1);
-        #[cfg(not(feature = "metrics"))]
-        let _ = self.broker;
     }
 }
 
@@ -379,8 +383,65 @@ pub(crate) async fn sleep_unless_cancelled(delay: Duration, shutdown: &tokio_uti
     }
 }
 
+/// A cancellation token that is cancelled on Ctrl-C (SIGINT) or, on Unix,
+/// SIGTERM: pass it to `run` for a graceful shutdown when the service is
+/// stopped. Spawns a task, so call it inside a Tokio runtime.
+///
+/// Cancel the token yourself (or a parent of it) to stop for other reasons.
+pub fn shutdown_on_signal() -> tokio_util::sync::CancellationToken {
+    let token = tokio_util::sync::CancellationToken::new();
+    let cancel = token.clone();
+    tokio::spawn(async move {
+        tokio::select! {
+            signal = wait_for_signal() => {
+                tracing::info!(target: TRACING_TARGET, signal, "shutdown signal received");
+                cancel.cancel();
+            }
+            _ = cancel.cancelled() => {}
+        }
+    });
+    token
+}
+
+/// Waits for SIGINT or SIGTERM; never returns when no handler can be
+/// installed (the token can still be cancelled by hand).
+async fn wait_for_signal() -> &'static str {
+    let ctrl_c = async {
+        match tokio::signal::ctrl_c().await {
+            Ok(()) => "SIGINT",
+            Err(err) => {
+                tracing::warn!(target: TRACING_TARGET, error = %err, "cannot listen for Ctrl-C");
+                std::future::pending().await
+            }
+        }
+    };
+    #[cfg(unix)]
+    let terminate = async {
+        use tokio::signal::unix::{SignalKind, signal};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => {
+                term.recv().await;
+                "SIGTERM"
+            }
+            Err(err) => {
+                tracing::warn!(target: TRACING_TARGET, error = %err, "cannot listen for SIGTERM");
+                std::future::pending().await
+            }
+        }
+    };
+    #[cfg(not(unix))]
+    let terminate = std::future::pending::<&'static str>();
+    tokio::select! {
+        signal = ctrl_c => signal,
+        signal = terminate => signal,
+    }
+}
+
 /// Notes the end of a delivery task: keeps the first fatal error.
-pub(crate) fn note_task(done: Result<Result<(), ConsumerError>, tokio::task::JoinError>, fatal: &mut Option<ConsumerError>) {
+pub(crate) fn note_task(
+    done: Result<Result<(), ConsumerError>, tokio::task::JoinError>,
+    fatal: &mut Option<ConsumerError>,
+) {
     match done {
         Ok(Ok(())) => {}
         Ok(Err(err)) => {

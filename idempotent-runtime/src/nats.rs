@@ -29,7 +29,7 @@
 //!
 //! ```no_run
 //! use idempotent_runtime::async_nats::jetstream::{self, consumer::PullConsumer};
-//! use idempotent_runtime::nats::{CancellationToken, JetStreamConsumer};
+//! use idempotent_runtime::nats::{shutdown_on_signal, JetStreamConsumer};
 //!
 //! #[derive(serde::Deserialize)]
 //! struct PaymentMessage { message_id: String, order_id: String, amount: i64 }
@@ -44,7 +44,7 @@
 //!     .max_attempts(5)
 //!     .build()?;
 //!
-//! let shutdown = CancellationToken::new();
+//! let shutdown = shutdown_on_signal(); // cancelled on Ctrl-C or SIGTERM
 //! let stats = consumer
 //!     .run(|msg: PaymentMessage| async move { process_payment(&msg).await }, shutdown)
 //!     .await?;
@@ -69,7 +69,7 @@ use crate::broker::{
 };
 pub use crate::broker::{
     Backoff, ConsumerError, ConsumerStats, Decoder, DeliveryInfo, HEADER_ATTEMPTS, HEADER_KIND, HEADER_REASON,
-    HEADER_SOURCE, Json, RetryAll, RetryPolicy, RunStats,
+    HEADER_SOURCE, Json, RetryAll, RetryPolicy, RunStats, shutdown_on_signal,
 };
 /// The cancellation token [`JetStreamConsumer::run`] stops on (re-exported
 /// from `tokio-util`).
@@ -229,7 +229,9 @@ impl<D, R> JetStreamConsumerBuilder<D, R> {
             )));
         }
         if self.concurrency == 0 || self.prefetch == Some(0) {
-            return Err(ConsumerError::Config("concurrency and prefetch must be at least 1".into()));
+            return Err(ConsumerError::Config(
+                "concurrency and prefetch must be at least 1".into(),
+            ));
         }
         if self.max_attempts == 0 {
             return Err(ConsumerError::Config("max_attempts must be at least 1".into()));
@@ -339,13 +341,18 @@ impl<D, R> JetStreamConsumer<D, R> {
     /// decoded message; returns the run's counters.
     ///
     /// On shutdown it stops pulling, `nak`s (without delay) the messages
-    /// that arrive for the last pull request so another consumer gets them
-    /// at once, and waits for the handlers in flight to finish and settle
+    /// that arrive for the last pull request until it expires (at most the
+    /// [fetch expiry](JetStreamConsumerBuilder::fetch_expiry)) so another
+    /// consumer gets them at once, and waits for the handlers in flight to finish and settle
     /// their messages (up to the
     /// [shutdown timeout](JetStreamConsumerBuilder::shutdown_timeout)).
     ///
     /// Pull failures (server unavailable, the client reconnecting) are
     /// logged and retried with backoff until shutdown.
+    ///
+    /// Dropping the returned future instead of cancelling `shutdown` aborts
+    /// the handlers in flight: nothing more is acknowledged, and the server
+    /// redelivers their messages after `ack_wait`.
     pub async fn run<M, H, Fut, T, E>(self, handler: H, shutdown: CancellationToken) -> Result<RunStats, ConsumerError>
     where
         M: Send + 'static,
@@ -512,7 +519,10 @@ struct Worker<D, R, H> {
     recorder: Recorder,
 }
 
-async fn handle<M, D, R, H, Fut, T, E>(worker: Arc<Worker<D, R, H>>, msg: jetstream::Message) -> Result<(), ConsumerError>
+async fn handle<M, D, R, H, Fut, T, E>(
+    worker: Arc<Worker<D, R, H>>,
+    msg: jetstream::Message,
+) -> Result<(), ConsumerError>
 where
     D: Decoder<M>,
     R: RetryPolicy<E>,
@@ -562,11 +572,16 @@ impl<D, R, H> Worker<D, R, H> {
             Ok(decoded) => decoded,
             Err(reason) => {
                 tracing::error!(target: TRACING_TARGET, %reason, "undecodable (poison) message: dead-lettering it");
-                self.dead_letter(&msg, DeadKind::Poison, &reason, 0, Outcome::Poison).await;
+                self.dead_letter(&msg, DeadKind::Poison, &reason, 0, Outcome::Poison)
+                    .await;
                 return;
             }
         };
-        let info = DeliveryInfo { message_id, attempt, redelivered: attempt > 1 };
+        let info = DeliveryInfo {
+            message_id,
+            attempt,
+            redelivered: attempt > 1,
+        };
         let call = broker::call((self.handler)(decoded, info), &self.recorder);
         let called = match self.progress {
             None => call.await,
@@ -626,7 +641,11 @@ impl<D, R, H> Worker<D, R, H> {
             }
             self.recorder.outcome(Outcome::Retried);
         } else {
-            let kind = if retryable { DeadKind::Exhausted } else { DeadKind::Rejected };
+            let kind = if retryable {
+                DeadKind::Exhausted
+            } else {
+                DeadKind::Rejected
+            };
             tracing::error!(
                 target: TRACING_TARGET,
                 error = %reason,
@@ -635,13 +654,21 @@ impl<D, R, H> Worker<D, R, H> {
                 kind = kind.as_str(),
                 "handler failed: dead-lettering the message"
             );
-            self.dead_letter(&msg, kind, &reason, attempt, Outcome::DeadLettered).await;
+            self.dead_letter(&msg, kind, &reason, attempt, Outcome::DeadLettered)
+                .await;
         }
     }
 
     /// Publishes the payload to the dead-letter subject and terminates the
     /// message; `nak`s it instead when the publish fails.
-    async fn dead_letter(&self, msg: &jetstream::Message, kind: DeadKind, reason: &str, attempts: u32, outcome: Outcome) {
+    async fn dead_letter(
+        &self,
+        msg: &jetstream::Message,
+        kind: DeadKind,
+        reason: &str,
+        attempts: u32,
+        outcome: Outcome,
+    ) {
         let mut headers = HeaderMap::new();
         if let Some(original) = &msg.headers {
             for (name, values) in original.iter() {
@@ -701,7 +728,9 @@ impl<D, R, H> Worker<D, R, H> {
 /// A concrete subject: non-empty tokens, no wildcards, no whitespace.
 fn valid_publish_subject(subject: &str) -> bool {
     !subject.is_empty()
-        && subject.split('.').all(|token| !token.is_empty() && token != "*" && token != ">")
+        && subject
+            .split('.')
+            .all(|token| !token.is_empty() && token != "*" && token != ">")
         && !subject.contains(char::is_whitespace)
 }
 

@@ -28,8 +28,8 @@
 //!
 //! ```no_run
 //! use idempotent_runtime::lapin::{Connection, ConnectionProperties};
-//! use idempotent_runtime::rabbitmq::{CancellationToken, RabbitConsumer};
-//! //!
+//! use idempotent_runtime::rabbitmq::{shutdown_on_signal, RabbitConsumer};
+//!
 //! #[derive(serde::Deserialize)]
 //! struct PaymentMessage { message_id: String, order_id: String, amount: i64 }
 //!
@@ -44,8 +44,7 @@
 //!     .retry_if(|err: &idempotent_runtime::Error| err.is_transient())
 //!     .build()?;
 //!
-//! let shutdown = CancellationToken::new();
-//! // e.g. cancel `shutdown` on SIGTERM
+//! let shutdown = shutdown_on_signal(); // cancelled on Ctrl-C or SIGTERM
 //! let stats = consumer
 //!     .run(|msg: PaymentMessage| async move { process_payment(&msg).await }, shutdown)
 //!     .await?;
@@ -74,13 +73,16 @@ use crate::broker::{
     self, Called, DeadKind, Outcome, Recorder, TRACING_TARGET, sleep_unless_cancelled, truncate_reason,
 };
 pub use crate::broker::{
-    Backoff, ConsumerError, ConsumerStats, Decoder, DeliveryInfo, HEADER_ATTEMPT, HEADER_ATTEMPTS, HEADER_KIND,
-    HEADER_REASON, HEADER_SOURCE, Json, RetryAll, RetryPolicy, RunStats,
+    Backoff, ConsumerError, ConsumerStats, Decoder, DeliveryInfo, HEADER_ATTEMPTS, HEADER_KIND, HEADER_REASON,
+    HEADER_SOURCE, Json, RetryAll, RetryPolicy, RunStats, shutdown_on_signal,
 };
 /// The cancellation token [`RabbitConsumer::run`] stops on (re-exported from
 /// `tokio-util`).
 pub use tokio_util::sync::CancellationToken;
 
+/// Header holding the attempt number of a retried copy (RabbitMQ), starting
+/// at 1 for the original message.
+pub const HEADER_ATTEMPT: &str = "x-idempotent-attempt";
 /// Header RabbitMQ quorum queues set to the number of earlier deliveries.
 const DELIVERY_COUNT: &str = "x-delivery-count";
 
@@ -99,7 +101,10 @@ enum DeadLetter {
     /// A queue, through the default exchange.
     Queue(ShortString),
     /// An exchange and routing key (declared by the user).
-    Exchange { exchange: ShortString, routing_key: ShortString },
+    Exchange {
+        exchange: ShortString,
+        routing_key: ShortString,
+    },
 }
 
 /// Configures a [`RabbitConsumer`]; from [`RabbitConsumer::builder`].
@@ -261,6 +266,15 @@ impl<D, R> RabbitConsumerBuilder<D, R> {
         if self.max_attempts == 0 {
             return Err(ConsumerError::Config("max_attempts must be at least 1".into()));
         }
+        if self.prefetch != 0 && usize::from(self.prefetch) < self.concurrency {
+            tracing::warn!(
+                target: TRACING_TARGET,
+                queue = %self.queue,
+                prefetch = self.prefetch,
+                concurrency = self.concurrency,
+                "prefetch below concurrency: at most `prefetch` handlers will run at once"
+            );
+        }
         let queue = short("queue", &self.queue)?;
         let consumer_tag = short("consumer tag", &self.consumer_tag)?;
         let (dead_letter, declare) = match (self.dead_letter_exchange, self.dead_letter_queue) {
@@ -274,9 +288,14 @@ impl<D, R> RabbitConsumerBuilder<D, R> {
             (None, name) => {
                 let name = name.unwrap_or_else(|| format!("{}.dlq", self.queue));
                 if name == self.queue {
-                    return Err(ConsumerError::Config("the dead-letter queue is the consumed queue".into()));
+                    return Err(ConsumerError::Config(
+                        "the dead-letter queue is the consumed queue".into(),
+                    ));
                 }
-                (DeadLetter::Queue(short("dead-letter queue", &name)?), self.declare_dead_letter_queue)
+                (
+                    DeadLetter::Queue(short("dead-letter queue", &name)?),
+                    self.declare_dead_letter_queue,
+                )
             }
         };
         Ok(RabbitConsumer {
@@ -374,6 +393,10 @@ impl<D, R> RabbitConsumer<D, R> {
     /// in flight are still given their chance to finish); restart the
     /// consumer on a new channel then. Unacknowledged deliveries are
     /// redelivered by the broker.
+    ///
+    /// Dropping the returned future instead of cancelling `shutdown` aborts
+    /// the handlers in flight: nothing more is acknowledged, and the broker
+    /// redelivers their messages once the channel is gone.
     pub async fn run<M, H, Fut, T, E>(self, handler: H, shutdown: CancellationToken) -> Result<RunStats, ConsumerError>
     where
         M: Send + 'static,
@@ -424,10 +447,17 @@ impl<D, R> RabbitConsumer<D, R> {
         channel.confirm_select(ConfirmSelectOptions::default()).await?;
         channel.basic_qos(prefetch, BasicQosOptions::default()).await?;
         if let (DeadLetter::Queue(dlq), true) = (&dead_letter, declare_dead_letter_queue) {
-            channel.queue_declare(dlq.clone(), QueueDeclareOptions::durable(), FieldTable::default()).await?;
+            channel
+                .queue_declare(dlq.clone(), QueueDeclareOptions::durable(), FieldTable::default())
+                .await?;
         }
         let mut consumer = channel
-            .basic_consume(queue.clone(), consumer_tag, BasicConsumeOptions::default(), FieldTable::default())
+            .basic_consume(
+                queue.clone(),
+                consumer_tag,
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
             .await?;
         let tag = consumer.tag();
         tracing::info!(
@@ -511,7 +541,9 @@ impl<D, R> RabbitConsumer<D, R> {
         broker::drain(&mut tasks, shutdown_timeout, &mut fatal, queue.as_str()).await;
         drop(worker);
         if channel.status().connected()
-            && let Err(err) = channel.close(200, ShortString::from("idempotent consumer stopped")).await
+            && let Err(err) = channel
+                .close(200, ShortString::from("idempotent consumer stopped"))
+                .await
         {
             tracing::warn!(target: TRACING_TARGET, queue = %queue, error = %err, "closing the channel failed");
         }
@@ -591,7 +623,11 @@ impl<D, R, H> Worker<D, R, H> {
                 return self.settle(&delivery, published, Outcome::Poison).await;
             }
         };
-        let info = DeliveryInfo { message_id, attempt, redelivered: delivery.redelivered };
+        let info = DeliveryInfo {
+            message_id,
+            attempt,
+            redelivered: delivery.redelivered,
+        };
         let (reason, retryable) = match broker::call((self.handler)(msg, info), &self.recorder).await {
             Called::Ok => {
                 self.ack(&delivery, Outcome::Processed).await?;
@@ -619,12 +655,21 @@ impl<D, R, H> Worker<D, R, H> {
             sleep_unless_cancelled(delay, &self.shutdown).await;
             let props = edit_headers(&delivery.properties, |headers| {
                 headers.remove(DELIVERY_COUNT);
-                headers.insert(ShortString::from(HEADER_ATTEMPT), AMQPValue::LongLongInt(i64::from(attempt) + 1));
+                headers.insert(
+                    ShortString::from(HEADER_ATTEMPT),
+                    AMQPValue::LongLongInt(i64::from(attempt) + 1),
+                );
             });
-            let published = self.publish(&ShortString::default(), &self.queue, &delivery.data, props).await;
+            let published = self
+                .publish(&ShortString::default(), &self.queue, &delivery.data, props)
+                .await;
             self.settle(&delivery, published, Outcome::Retried).await
         } else {
-            let kind = if retryable { DeadKind::Exhausted } else { DeadKind::Rejected };
+            let kind = if retryable {
+                DeadKind::Exhausted
+            } else {
+                DeadKind::Rejected
+            };
             tracing::error!(
                 target: TRACING_TARGET,
                 error = %reason,
@@ -646,11 +691,17 @@ impl<D, R, H> Worker<D, R, H> {
             let text = |s: &str| AMQPValue::LongString(LongString::from(s.as_bytes()));
             headers.insert(ShortString::from(HEADER_REASON), text(&truncate_reason(reason)));
             headers.insert(ShortString::from(HEADER_KIND), text(kind.as_str()));
-            headers.insert(ShortString::from(HEADER_ATTEMPTS), AMQPValue::LongLongInt(i64::from(attempts)));
+            headers.insert(
+                ShortString::from(HEADER_ATTEMPTS),
+                AMQPValue::LongLongInt(i64::from(attempts)),
+            );
             headers.insert(ShortString::from(HEADER_SOURCE), text(self.queue.as_str()));
         });
         match &self.dead_letter {
-            DeadLetter::Queue(queue) => self.publish(&ShortString::default(), queue, &delivery.data, props).await,
+            DeadLetter::Queue(queue) => {
+                self.publish(&ShortString::default(), queue, &delivery.data, props)
+                    .await
+            }
             DeadLetter::Exchange { exchange, routing_key } => {
                 self.publish(exchange, routing_key, &delivery.data, props).await
             }
@@ -665,7 +716,10 @@ impl<D, R, H> Worker<D, R, H> {
         body: &[u8],
         props: BasicProperties,
     ) -> Published {
-        let options = BasicPublishOptions { mandatory: true, immediate: false };
+        let options = BasicPublishOptions {
+            mandatory: true,
+            immediate: false,
+        };
         let confirm = self
             .channel
             .basic_publish(exchange.clone(), routing_key.clone(), options, body, props)
@@ -693,7 +747,10 @@ impl<D, R, H> Worker<D, R, H> {
                     "could not publish the message's next step: returning it to the queue"
                 );
                 sleep_unless_cancelled(self.backoff.initial, &self.shutdown).await;
-                let options = BasicNackOptions { multiple: false, requeue: true };
+                let options = BasicNackOptions {
+                    multiple: false,
+                    requeue: true,
+                };
                 self.recorder.outcome(Outcome::Released);
                 match delivery.acker.nack(options).await {
                     Ok(true) => Ok(()),
@@ -742,7 +799,10 @@ impl<D, R, H> Worker<D, R, H> {
 fn attempt_of(props: &BasicProperties) -> u32 {
     let headers = props.headers().as_ref().map(FieldTable::inner);
     let header = |name: &str| headers.and_then(|h| h.get(name)).and_then(as_u64);
-    let attempt = header(HEADER_ATTEMPT).unwrap_or(1).max(1).saturating_add(header(DELIVERY_COUNT).unwrap_or(0));
+    let attempt = header(HEADER_ATTEMPT)
+        .unwrap_or(1)
+        .max(1)
+        .saturating_add(header(DELIVERY_COUNT).unwrap_or(0));
     u32::try_from(attempt).unwrap_or(u32::MAX)
 }
 

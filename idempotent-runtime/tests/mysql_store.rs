@@ -515,7 +515,8 @@ async fn a_deadlocked_claim_is_retried_not_reported() {
             }
         }
     });
-    // Wait until the claim is blocked (`innodb_trx` is refreshed every 100 ms).
+    // Wait until the claim is blocked. `innodb_trx` is a cache that is not
+    // refreshed while it was read in the last 100 ms: poll more slowly.
     let waiting = format!(
         "SELECT COUNT(*) FROM information_schema.innodb_trx WHERE trx_state = 'LOCK WAIT' AND trx_query LIKE '%{t}%'"
     );
@@ -528,11 +529,18 @@ async fn a_deadlocked_claim_is_retried_not_reported() {
         if n > 0 {
             break;
         }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "the claim never waited for the index lock"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
+        if tokio::time::Instant::now() >= deadline {
+            let trx: Vec<(String, Option<String>, String)> =
+                sqlx::query_as("SELECT trx_state, trx_query, trx_isolation_level FROM information_schema.innodb_trx")
+                    .fetch_all(&fx.pool)
+                    .await
+                    .expect("trx");
+            panic!(
+                "the claim never waited for the index lock; finished: {}; {trx:?}",
+                claim.is_finished()
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(150)).await;
     }
     let before = retries::SEEN.load(Ordering::SeqCst);
     // ...and the other transaction now wants the claim's row: a deadlock.
@@ -717,7 +725,7 @@ async fn expired_markers_are_taken_over_and_purged() {
 
     // Eight consumers race for one expired marker: exactly one takes it.
     let guard = fresh(fx.store.claim(&short("k-race")).await);
-    guard.complete(Some("0".to_owned())).await.expect("complete");
+    guard.complete(Some(r#""old""#.to_owned())).await.expect("complete");
     tokio::time::sleep(Duration::from_millis(120)).await;
     let start = Arc::new(tokio::sync::Barrier::new(8));
     let mut tasks = tokio::task::JoinSet::new();
@@ -745,7 +753,9 @@ async fn expired_markers_are_taken_over_and_purged() {
         .expect("claims");
     assert_eq!(fx.effects("o-race").await, 1);
     assert!(
-        results.iter().all(|r| *r == results[0] && r.as_deref() != Some("0")),
+        results
+            .iter()
+            .all(|r| *r == results[0] && r.as_deref() != Some(r#""old""#)),
         "{results:?}"
     );
 
@@ -886,4 +896,140 @@ async fn invalid_configuration_is_refused_by_build() {
     assert!(matches!(err, Error::Config(_)), "{err}");
     let store = MySqlStore::new(pool.clone());
     assert_eq!(store.table().to_string(), "processed_messages");
+}
+
+/// The same store behind `#[idempotent]`: the handler's transaction
+/// parameter is a MySQL connection or transaction.
+mod with_the_macro {
+    use super::*;
+    use idempotent_runtime::idempotent;
+
+    #[derive(Debug)]
+    enum AppError {
+        Idem(Error),
+        Db(sqlx::Error),
+        Failed,
+    }
+
+    impl std::fmt::Display for AppError {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            match self {
+                AppError::Idem(e) => write!(f, "{e}"),
+                AppError::Db(e) => write!(f, "{e}"),
+                AppError::Failed => f.write_str("failed after writing the effect"),
+            }
+        }
+    }
+
+    impl From<Error> for AppError {
+        fn from(e: Error) -> Self {
+            AppError::Idem(e)
+        }
+    }
+
+    impl From<sqlx::Error> for AppError {
+        fn from(e: sqlx::Error) -> Self {
+            AppError::Db(e)
+        }
+    }
+
+    struct Msg {
+        id: String,
+        order: String,
+        amount: i64,
+        fail: bool,
+    }
+
+    struct Consumer {
+        store: MySqlStore,
+        pay: String,
+    }
+
+    impl Consumer {
+        #[idempotent(key = "msg.id", store = self.store, fingerprint = "(&msg.order, msg.amount)")]
+        async fn on_conn(&self, msg: &Msg, tx: &mut sqlx::MySqlConnection) -> Result<i64, AppError> {
+            sqlx::query(AssertSqlSafe(format!(
+                "INSERT INTO `{}` (order_id, amount) VALUES (?, ?)",
+                self.pay
+            )))
+            .bind(&msg.order)
+            .bind(msg.amount)
+            .execute(&mut *tx)
+            .await?;
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            if msg.fail {
+                return Err(AppError::Failed);
+            }
+            Ok(msg.amount * 100)
+        }
+
+        #[idempotent(key = "msg.id", store = self.store, scope = "on_tx")]
+        async fn on_tx(&self, msg: &Msg, tx: &mut sqlx::Transaction<'_, sqlx::MySql>) -> Result<(), AppError> {
+            sqlx::query(AssertSqlSafe(format!(
+                "INSERT INTO `{}` (order_id, amount) VALUES (?, ?)",
+                self.pay
+            )))
+            .bind(&msg.order)
+            .bind(msg.amount)
+            .execute(&mut **tx)
+            .await?;
+            Ok(())
+        }
+    }
+
+    fn msg(id: &str, amount: i64, fail: bool) -> Msg {
+        Msg {
+            id: id.into(),
+            order: format!("order-{id}"),
+            amount,
+            fail,
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn handlers_run_once_and_replay_their_result() {
+        let fx = Fixture::new("macro", 12).await;
+        let consumer = Arc::new(Consumer {
+            store: fx.store.clone(),
+            pay: fx.pay.clone(),
+        });
+
+        // Eight concurrent deliveries of one message.
+        let mut tasks = tokio::task::JoinSet::new();
+        for _ in 0..8 {
+            let consumer = Arc::clone(&consumer);
+            tasks.spawn(async move { consumer.on_conn(&msg("m-1", 7, false)).await });
+        }
+        for result in tasks.join_all().await {
+            assert_eq!(result.expect("delivery"), 700);
+        }
+        assert_eq!(fx.effects("order-m-1").await, 1);
+
+        // A failed run commits nothing; the redelivery runs again.
+        assert!(matches!(
+            consumer.on_conn(&msg("m-2", 3, true)).await,
+            Err(AppError::Failed)
+        ));
+        assert_eq!(fx.effects("order-m-2").await, 0);
+        assert_eq!(consumer.on_conn(&msg("m-2", 3, false)).await.expect("redelivery"), 300);
+        assert_eq!(consumer.on_conn(&msg("m-2", 3, false)).await.expect("duplicate"), 300);
+        assert_eq!(fx.effects("order-m-2").await, 1);
+
+        // The same id with another amount is a reused key.
+        let reused = consumer.on_conn(&msg("m-2", 4, false)).await;
+        assert!(
+            matches!(reused, Err(AppError::Idem(Error::KeyReused { .. }))),
+            "{reused:?}"
+        );
+        assert_eq!(fx.effects("order-m-2").await, 1);
+
+        // A `Transaction` parameter, unit result, its own scope.
+        consumer.on_tx(&msg("m-1", 1, false)).await.expect("first");
+        consumer.on_tx(&msg("m-1", 1, false)).await.expect("duplicate");
+        assert_eq!(fx.effects("order-m-1").await, 2);
+        assert_eq!(fx.markers().await, 3);
+
+        drop(consumer);
+        fx.drop_tables().await;
+    }
 }

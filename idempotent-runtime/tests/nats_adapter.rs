@@ -35,7 +35,12 @@ struct Payment {
 
 fn suffix() -> String {
     let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
-    hasher.write_u128(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos());
+    hasher.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_nanos(),
+    );
     format!("{:016x}", hasher.finish())
 }
 
@@ -96,7 +101,13 @@ impl Fixture {
             .await
             .unwrap();
         }
-        Fixture { js, stream, dlq_stream, subject, dlq_subject }
+        Fixture {
+            js,
+            stream,
+            dlq_stream,
+            subject,
+            dlq_subject,
+        }
     }
 
     /// A durable explicit-ack pull consumer on the stream.
@@ -115,11 +126,20 @@ impl Fixture {
     async fn publish(&self, body: &[u8], message_id: &str) {
         let mut headers = HeaderMap::new();
         headers.insert("Nats-Msg-Id", message_id);
-        self.js.publish_with_headers(self.subject.clone(), headers, body.to_vec().into()).await.unwrap().await.unwrap();
+        self.js
+            .publish_with_headers(self.subject.clone(), headers, body.to_vec().into())
+            .await
+            .unwrap()
+            .await
+            .unwrap();
     }
 
     async fn publish_payment(&self, id: &str, amount: i64) {
-        let body = serde_json::to_vec(&Payment { message_id: id.to_owned(), amount }).unwrap();
+        let body = serde_json::to_vec(&Payment {
+            message_id: id.to_owned(),
+            amount,
+        })
+        .unwrap();
         self.publish(&body, id).await;
     }
 
@@ -160,7 +180,11 @@ async fn wait_until(what: &str, mut cond: impl FnMut() -> bool) {
 }
 
 fn header(msg: &StreamMessage, name: &str) -> String {
-    msg.headers.get(name).unwrap_or_else(|| panic!("header {name} missing")).as_str().to_owned()
+    msg.headers
+        .get(name)
+        .unwrap_or_else(|| panic!("header {name} missing"))
+        .as_str()
+        .to_owned()
 }
 
 fn fast_retries() -> Backoff {
@@ -194,7 +218,10 @@ async fn ok_handler_acks_and_nothing_is_pending() {
     shutdown.cancel();
     let stats = run.await.unwrap().unwrap();
 
-    assert_eq!((stats.received, stats.acked, stats.failed, stats.dead_lettered), (3, 3, 0, 0));
+    assert_eq!(
+        (stats.received, stats.acked, stats.failed, stats.dead_lettered),
+        (3, 3, 0, 0)
+    );
     assert_eq!(ledger.effects().len(), 3);
     assert_eq!(fx.backlog().await, (0, 0), "nothing pending, nothing awaiting an ack");
     assert!(fx.dead_letters().await.is_empty());
@@ -229,7 +256,9 @@ async fn consumer_dying_after_commit_before_ack_gets_redelivery_acked_once() {
         },
         CancellationToken::new(),
     ));
-    tokio::time::timeout(WAIT, committed.notified()).await.expect("A committed");
+    tokio::time::timeout(WAIT, committed.notified())
+        .await
+        .expect("A committed");
     run_a.abort(); // the process dies: its tasks stop, nothing is acked
     assert!(run_a.await.unwrap_err().is_cancelled());
     drop(js_a);
@@ -304,14 +333,27 @@ async fn failing_handler_ends_in_dead_letter_subject_after_max_deliver() {
     let stats = run.await.unwrap().unwrap();
 
     assert_eq!(calls.load(Ordering::SeqCst), 3);
-    assert_eq!((stats.received, stats.failed, stats.retried, stats.dead_lettered, stats.acked), (3, 3, 2, 1, 0));
+    assert_eq!(
+        (
+            stats.received,
+            stats.failed,
+            stats.retried,
+            stats.dead_lettered,
+            stats.acked
+        ),
+        (3, 3, 2, 1, 0)
+    );
     assert_eq!(fx.backlog().await, (0, 0), "terminated, not pending");
     let dead = fx.dead_letters().await;
     assert_eq!(dead.len(), 1);
     let dead = &dead[0];
     assert_eq!(&dead.payload[..], body, "body intact");
     assert_eq!(header(dead, "Nats-Msg-Id"), "fail-1");
-    assert_eq!(header(dead, HEADER_REASON), "payment gateway down (attempt 3)", "newlines flattened");
+    assert_eq!(
+        header(dead, HEADER_REASON),
+        "payment gateway down (attempt 3)",
+        "newlines flattened"
+    );
     assert_eq!(header(dead, HEADER_KIND), "exhausted");
     assert_eq!(header(dead, HEADER_ATTEMPTS), "3");
     assert_eq!(header(dead, HEADER_SOURCE), format!("{}/worker", fx.stream));
@@ -337,7 +379,11 @@ async fn permanent_errors_are_dead_lettered_at_once() {
     let run = tokio::spawn(consumer.run(
         move |_: Payment| {
             handler_calls.fetch_add(1, Ordering::SeqCst);
-            async { Err::<(), _>(idempotent_runtime::Error::MissingKey { scope: "payments".into() }) }
+            async {
+                Err::<(), _>(idempotent_runtime::Error::MissingKey {
+                    scope: "payments".into(),
+                })
+            }
         },
         shutdown.clone(),
     ));
@@ -443,15 +489,22 @@ async fn graceful_shutdown_loses_nothing_and_applies_nothing_twice() {
     })
     .await;
     shutdown_a.cancel();
-    let stats_a = tokio::time::timeout(WAIT, run_a).await.expect("A stops promptly").unwrap().unwrap();
-    assert_eq!(in_flight.load(Ordering::SeqCst), 0, "in-flight handlers finished before run returned");
+    let stats_a = tokio::time::timeout(WAIT, run_a)
+        .await
+        .expect("A stops promptly")
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        in_flight.load(Ordering::SeqCst),
+        0,
+        "in-flight handlers finished before run returned"
+    );
     let calls_a: u32 = ledger.calls().values().sum();
     assert_eq!(stats_a.acked, u64::from(calls_a), "every handler A started was acked");
     assert!(stats_a.acked < N as u64, "stopped mid-way");
     assert_eq!(fx.backlog().await.1, 0, "A left nothing awaiting an ack");
 
-    let (stats_b, shutdown_b, run_b) =
-        start(ledger.clone(), Arc::clone(&in_flight), fx.consumer(ack_wait, -1).await);
+    let (stats_b, shutdown_b, run_b) = start(ledger.clone(), Arc::clone(&in_flight), fx.consumer(ack_wait, -1).await);
     wait_until("all effects", || ledger.effects().len() == N).await;
     wait_until("all acks", || stats_a.acked + stats_b.snapshot().acked == N as u64).await;
     shutdown_b.cancel();

@@ -36,7 +36,12 @@ struct Payment {
 
 fn unique(prefix: &str) -> String {
     let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
-    hasher.write_u128(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos());
+    hasher.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_nanos(),
+    );
     format!("idem.test.{prefix}.{:016x}", hasher.finish())
 }
 
@@ -89,9 +94,17 @@ impl Fixture {
         let queue = unique(name);
         let dlq = format!("{queue}.dlq");
         for q in [&queue, &dlq] {
-            admin.queue_declare(q.as_str().into(), QueueDeclareOptions::durable(), FieldTable::default()).await.unwrap();
+            admin
+                .queue_declare(q.as_str().into(), QueueDeclareOptions::durable(), FieldTable::default())
+                .await
+                .unwrap();
         }
-        Fixture { conn, admin, queue, dlq }
+        Fixture {
+            conn,
+            admin,
+            queue,
+            dlq,
+        }
     }
 
     async fn channel(&self) -> Channel {
@@ -105,7 +118,13 @@ impl Fixture {
             .with_delivery_mode(2);
         let confirm = self
             .admin
-            .basic_publish("".into(), self.queue.as_str().into(), BasicPublishOptions::default(), body, props)
+            .basic_publish(
+                "".into(),
+                self.queue.as_str().into(),
+                BasicPublishOptions::default(),
+                body,
+                props,
+            )
             .await
             .unwrap()
             .await
@@ -114,21 +133,35 @@ impl Fixture {
     }
 
     async fn publish_payment(&self, id: &str, amount: i64) {
-        let body = serde_json::to_vec(&Payment { message_id: id.to_owned(), amount }).unwrap();
+        let body = serde_json::to_vec(&Payment {
+            message_id: id.to_owned(),
+            amount,
+        })
+        .unwrap();
         self.publish(&body, id).await;
     }
 
     /// Ready messages in `queue`.
     async fn ready(&self, queue: &str) -> u32 {
-        let options = QueueDeclareOptions { passive: true, ..QueueDeclareOptions::default() };
-        self.admin.queue_declare(queue.into(), options, FieldTable::default()).await.unwrap().message_count()
+        let options = QueueDeclareOptions {
+            passive: true,
+            ..QueueDeclareOptions::default()
+        };
+        self.admin
+            .queue_declare(queue.into(), options, FieldTable::default())
+            .await
+            .unwrap()
+            .message_count()
     }
 
     /// Takes every message of `queue`.
     async fn drain(&self, queue: &str) -> Vec<BasicGetMessage> {
         let mut out = Vec::new();
-        while let Some(msg) =
-            self.admin.basic_get(queue.into(), BasicGetOptions { no_ack: true }).await.unwrap()
+        while let Some(msg) = self
+            .admin
+            .basic_get(queue.into(), BasicGetOptions { no_ack: true })
+            .await
+            .unwrap()
         {
             out.push(msg);
         }
@@ -137,14 +170,19 @@ impl Fixture {
 
     async fn cleanup(self) {
         for q in [&self.queue, &self.dlq] {
-            self.admin.queue_delete(q.as_str().into(), QueueDeleteOptions::default()).await.unwrap();
+            self.admin
+                .queue_delete(q.as_str().into(), QueueDeleteOptions::default())
+                .await
+                .unwrap();
         }
         let _ = self.conn.close(200, "test done".into()).await;
     }
 }
 
 async fn connect() -> Connection {
-    Connection::connect(AMQP_URL, ConnectionProperties::default()).await.expect("RabbitMQ at 127.0.0.1:5672")
+    Connection::connect(AMQP_URL, ConnectionProperties::default())
+        .await
+        .expect("RabbitMQ at 127.0.0.1:5672")
 }
 
 async fn wait_until(what: &str, mut cond: impl FnMut() -> bool) {
@@ -185,7 +223,11 @@ async fn ok_handler_acks_and_queue_is_empty() {
         fx.publish_payment(&format!("ok-{i}"), 10).await;
     }
     let ledger = Ledger::default();
-    let consumer = RabbitConsumer::builder(fx.channel().await, &fx.queue).concurrency(2).prefetch(4).build().unwrap();
+    let consumer = RabbitConsumer::builder(fx.channel().await, &fx.queue)
+        .concurrency(2)
+        .prefetch(4)
+        .build()
+        .unwrap();
     let stats = consumer.stats();
     let shutdown = CancellationToken::new();
     let handler_ledger = ledger.clone();
@@ -200,7 +242,10 @@ async fn ok_handler_acks_and_queue_is_empty() {
     shutdown.cancel();
     let stats = run.await.unwrap().unwrap();
 
-    assert_eq!((stats.received, stats.acked, stats.failed, stats.dead_lettered), (3, 3, 0, 0));
+    assert_eq!(
+        (stats.received, stats.acked, stats.failed, stats.dead_lettered),
+        (3, 3, 0, 0)
+    );
     assert_eq!(ledger.effects().len(), 3);
     assert_eq!(fx.ready(&fx.queue).await, 0, "nothing left or requeued");
     assert_eq!(fx.ready(&fx.dlq).await, 0);
@@ -216,8 +261,10 @@ async fn consumer_dying_after_commit_before_ack_gets_redelivery_acked_once() {
     // Consumer A on its own connection: the handler commits its marker and
     // effect, then the connection dies before the adapter can ack.
     let conn_a = Arc::new(connect().await);
-    let consumer_a =
-        RabbitConsumer::builder(conn_a.create_channel().await.unwrap(), &fx.queue).concurrency(1).build().unwrap();
+    let consumer_a = RabbitConsumer::builder(conn_a.create_channel().await.unwrap(), &fx.queue)
+        .concurrency(1)
+        .build()
+        .unwrap();
     let (ledger_a, conn_kill) = (ledger.clone(), Arc::clone(&conn_a));
     let result_a = tokio::time::timeout(
         WAIT,
@@ -237,7 +284,10 @@ async fn consumer_dying_after_commit_before_ack_gets_redelivery_acked_once() {
     )
     .await
     .expect("consumer A stops when its connection dies");
-    assert!(result_a.is_err(), "consumer A reports the lost connection: {result_a:?}");
+    assert!(
+        result_a.is_err(),
+        "consumer A reports the lost connection: {result_a:?}"
+    );
     assert_eq!(ledger.effects().get("crash-1"), Some(&1));
 
     // Consumer B gets the redelivery; the store recognises the duplicate.
@@ -267,7 +317,11 @@ async fn consumer_dying_after_commit_before_ack_gets_redelivery_acked_once() {
     assert!(info.redelivered, "the broker flags the redelivery");
     assert_eq!(info.message_id.as_deref(), Some("crash-1"));
     assert!(!fresh, "the redelivery is a duplicate for the store");
-    assert_eq!(ledger.calls().get("crash-1"), Some(&2), "the handler saw the message twice");
+    assert_eq!(
+        ledger.calls().get("crash-1"),
+        Some(&2),
+        "the handler saw the message twice"
+    );
     assert_eq!(ledger.effects().get("crash-1"), Some(&1), "the effect stayed single");
     assert_eq!(stats_b.acked, 1);
     assert_eq!(fx.ready(&fx.queue).await, 0);
@@ -293,7 +347,10 @@ async fn failing_handler_ends_in_dead_letter_queue_after_max_attempts() {
         move |_: Payment, info: DeliveryInfo| {
             let n = handler_calls.fetch_add(1, Ordering::SeqCst) + 1;
             async move {
-                assert_eq!(info.attempt as usize, n, "attempts are counted across the republished copies");
+                assert_eq!(
+                    info.attempt as usize, n,
+                    "attempts are counted across the republished copies"
+                );
                 Err::<(), _>(format!("payment gateway down (attempt {})", info.attempt))
             }
         },
@@ -304,13 +361,25 @@ async fn failing_handler_ends_in_dead_letter_queue_after_max_attempts() {
     let stats = run.await.unwrap().unwrap();
 
     assert_eq!(calls.load(Ordering::SeqCst), 3);
-    assert_eq!((stats.received, stats.failed, stats.retried, stats.dead_lettered, stats.acked), (3, 3, 2, 1, 0));
+    assert_eq!(
+        (
+            stats.received,
+            stats.failed,
+            stats.retried,
+            stats.dead_lettered,
+            stats.acked
+        ),
+        (3, 3, 2, 1, 0)
+    );
     assert_eq!(fx.ready(&fx.queue).await, 0);
     let dead = fx.drain(&fx.dlq).await;
     assert_eq!(dead.len(), 1);
     let dead = &dead[0];
     assert_eq!(dead.delivery.data, body, "body intact");
-    assert_eq!(dead.delivery.properties.message_id().as_ref().map(ShortString::as_str), Some("fail-1"));
+    assert_eq!(
+        dead.delivery.properties.message_id().as_ref().map(ShortString::as_str),
+        Some("fail-1")
+    );
     assert_eq!(header_text(dead, HEADER_REASON), "payment gateway down (attempt 3)");
     assert_eq!(header_text(dead, HEADER_KIND), "exhausted");
     assert_eq!(header_int(dead, HEADER_ATTEMPTS), 3);
@@ -341,7 +410,9 @@ async fn permanent_errors_and_panics() {
                     panic!("handler bug");
                 }
                 // A key error never succeeds on a retry.
-                Err::<(), _>(idempotent_runtime::Error::MissingKey { scope: "payments".into() })
+                Err::<(), _>(idempotent_runtime::Error::MissingKey {
+                    scope: "payments".into(),
+                })
             }
         },
         shutdown.clone(),
@@ -371,7 +442,10 @@ async fn poison_messages_are_dead_lettered_and_consumer_keeps_going() {
     fx.publish(br#"{"amount":5}"#, "no-key").await;
     fx.publish_payment("good-1", 5).await;
     let ledger = Ledger::default();
-    let consumer = RabbitConsumer::builder(fx.channel().await, &fx.queue).concurrency(1).build().unwrap();
+    let consumer = RabbitConsumer::builder(fx.channel().await, &fx.queue)
+        .concurrency(1)
+        .build()
+        .unwrap();
     let stats = consumer.stats();
     let shutdown = CancellationToken::new();
     let handler_ledger = ledger.clone();
@@ -421,7 +495,11 @@ async fn graceful_shutdown_loses_nothing_and_applies_nothing_twice() {
     let in_flight = Arc::new(AtomicUsize::new(0));
 
     let start = |ledger: Ledger, in_flight: Arc<AtomicUsize>, channel: Channel| {
-        let consumer = RabbitConsumer::builder(channel, &fx.queue).concurrency(4).prefetch(8).build().unwrap();
+        let consumer = RabbitConsumer::builder(channel, &fx.queue)
+            .concurrency(4)
+            .prefetch(8)
+            .build()
+            .unwrap();
         let stats: ConsumerStats = consumer.stats();
         let shutdown = CancellationToken::new();
         let run = tokio::spawn(consumer.run(
@@ -446,8 +524,16 @@ async fn graceful_shutdown_loses_nothing_and_applies_nothing_twice() {
     })
     .await;
     shutdown_a.cancel();
-    let stats_a = tokio::time::timeout(WAIT, run_a).await.expect("A stops promptly").unwrap().unwrap();
-    assert_eq!(in_flight.load(Ordering::SeqCst), 0, "in-flight handlers finished before run returned");
+    let stats_a = tokio::time::timeout(WAIT, run_a)
+        .await
+        .expect("A stops promptly")
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        in_flight.load(Ordering::SeqCst),
+        0,
+        "in-flight handlers finished before run returned"
+    );
     let calls_a: u32 = ledger.calls().values().sum();
     assert_eq!(stats_a.acked, u64::from(calls_a), "every handler A started was acked");
     assert!(stats_a.acked < N as u64, "stopped mid-way");
@@ -465,5 +551,39 @@ async fn graceful_shutdown_loses_nothing_and_applies_nothing_twice() {
     assert!(calls.values().all(|&n| n == 1), "no acked message came back: {calls:?}");
     assert_eq!(stats_a.acked + stats_b.acked, N as u64);
     assert_eq!(fx.ready(&fx.queue).await, 0);
+    fx.cleanup().await;
+}
+
+#[cfg(unix)]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_stops_the_consumer_gracefully() {
+    let fx = Fixture::new("signal").await;
+    fx.publish_payment("signal-1", 1).await;
+    let ledger = Ledger::default();
+    let consumer = RabbitConsumer::builder(fx.channel().await, &fx.queue).build().unwrap();
+    let stats = consumer.stats();
+    let shutdown = idempotent_runtime::rabbitmq::shutdown_on_signal();
+    let handler_ledger = ledger.clone();
+    let run = tokio::spawn(consumer.run(
+        move |msg: Payment| {
+            let ledger = handler_ledger.clone();
+            async move { ledger.process(&msg.message_id).await }
+        },
+        shutdown.clone(),
+    ));
+    wait_until("the ack", || stats.snapshot().acked == 1).await;
+    // The signal handler is installed by now (the listener task ran long ago).
+    let status = std::process::Command::new("kill")
+        .args(["-TERM", &std::process::id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let stats = tokio::time::timeout(WAIT, run)
+        .await
+        .expect("stopped on SIGTERM")
+        .unwrap()
+        .unwrap();
+    assert!(shutdown.is_cancelled());
+    assert_eq!(stats.acked, 1);
     fx.cleanup().await;
 }

@@ -17,7 +17,10 @@ pub const REDIS_URL: &str = "redis://127.0.0.1:6379/";
 /// A name no other test (or test run) uses: `prefix_<pid>_<time>_<n>`.
 pub fn unique(prefix: &str) -> String {
     static COUNTER: AtomicU64 = AtomicU64::new(0);
-    let nanos = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or(0);
     format!(
         "{prefix}_{}_{}_{}",
         std::process::id(),
@@ -35,5 +38,23 @@ pub async fn pg_pool(max_connections: u32) -> PgPool {
 }
 
 pub async fn drop_pg_table(pool: &PgPool, table: &str) {
-    sqlx::query(sqlx::AssertSqlSafe(format!("DROP TABLE IF EXISTS {table}"))).execute(pool).await.expect("drop table");
+    sqlx::query(sqlx::AssertSqlSafe(format!("DROP TABLE IF EXISTS {table}")))
+        .execute(pool)
+        .await
+        .expect("drop table");
+}
+
+pub async fn mysql_pool(max_connections: u32) -> sqlx::MySqlPool {
+    sqlx::mysql::MySqlPoolOptions::new()
+        .max_connections(max_connections)
+        .connect(MYSQL_URL)
+        .await
+        .expect("MariaDB at 127.0.0.1:3306 (run .ci/run to start it)")
+}
+
+pub async fn drop_mysql_table(pool: &sqlx::MySqlPool, table: &str) {
+    sqlx::query(sqlx::AssertSqlSafe(format!("DROP TABLE IF EXISTS `{table}`")))
+        .execute(pool)
+        .await
+        .expect("drop table");
 }

@@ -266,22 +266,20 @@ impl TransactionalStore for SqliteStore {
 }
 
 impl SqlBackend for Sqlite {
-    fn write_result<'a>(
+    async fn write_result<'a>(
         conn: &'a mut sqlx::SqliteConnection,
         sql: Arc<str>,
         result: String,
         scope: &'a str,
         key: &'a str,
-    ) -> impl Future<Output = Result<(), sqlx::Error>> + Send + 'a {
-        async move {
-            sqlx::query(AssertSqlSafe(sql))
-                .bind(result)
-                .bind(scope)
-                .bind(key)
-                .execute(conn)
-                .await?;
-            Ok(())
-        }
+    ) -> Result<(), sqlx::Error> {
+        sqlx::query(AssertSqlSafe(sql))
+            .bind(result)
+            .bind(scope)
+            .bind(key)
+            .execute(conn)
+            .await?;
+        Ok(())
     }
 }
 

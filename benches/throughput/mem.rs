@@ -1,0 +1,63 @@
+//! The in-process `MemoryStore`: what the macro and a store cost when no I/O
+//! hides them. The effect is an atomic counter.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use idempotent_runtime::{Error, Store, idempotent};
+
+use crate::harness::{BoxError, Outcome, Variant};
+use crate::pg::Msg;
+
+/// No idempotency: the effect only.
+#[derive(Default)]
+pub struct Bare {
+    effects: AtomicU64,
+}
+
+impl Bare {
+    async fn handle(&self, msg: &Msg) -> Result<(), Error> {
+        msg.ran.store(true, Ordering::Relaxed);
+        self.effects.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+}
+
+impl Variant for Bare {
+    async fn deliver(&self, key: String) -> Result<Outcome, BoxError> {
+        let msg = Msg::new(key);
+        self.handle(&msg).await?;
+        Ok(msg.outcome())
+    }
+}
+
+pub struct Macro<S> {
+    pub store: S,
+    effects: AtomicU64,
+}
+
+impl<S: Store + 'static> Macro<S> {
+    pub fn new(store: S) -> Self {
+        Macro {
+            store,
+            effects: AtomicU64::new(0),
+        }
+    }
+
+    #[idempotent(key = "msg.key", store = self.store)]
+    async fn handle(&self, msg: &Msg) -> Result<(), Error> {
+        msg.ran.store(true, Ordering::Relaxed);
+        self.effects.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+}
+
+impl<S: Store + 'static> Variant for Macro<S> {
+    async fn deliver(&self, key: String) -> Result<Outcome, BoxError> {
+        let msg = Msg::new(key);
+        match self.handle(&msg).await {
+            Ok(()) => Ok(msg.outcome()),
+            Err(Error::InProgress { .. }) => Ok(Outcome::Busy),
+            Err(e) => Err(e.into()),
+        }
+    }
+}

@@ -1,0 +1,541 @@
+//! PostgreSQL variants: (a) bare transaction, (b) the article's check then
+//! transaction, (c) hand-written claim-first, (d) `#[idempotent]` with
+//! `PgStore`, (d+cache) with `CachedStore<PgStore>`, and (e) the macro with a
+//! prototype of the store change this benchmark recommends.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use idempotent_runtime::sqlx::postgres::PgPoolOptions;
+use idempotent_runtime::sqlx::{self, AssertSqlSafe, PgConnection, PgPool, Postgres, Row, Transaction};
+use idempotent_runtime::{
+    CachedStore, Claim, Error, Guard, PgStore, Replay, Request, Store, TransactionGuard, TransactionalStore, idempotent,
+};
+
+use crate::harness::{BoxError, Outcome, Variant};
+
+pub const PG_URL: &str = "postgres://postgres@127.0.0.1:5432/test";
+/// The scope every hand-written variant writes (the macro's is the
+/// handler's name); same table layout as `PgStore`'s.
+const SCOPE: &str = "handle";
+
+/// A pool and the tables this run created (dropped at the end).
+pub struct PgEnv {
+    pub pool: PgPool,
+    tables: Mutex<Vec<String>>,
+}
+
+impl PgEnv {
+    pub async fn connect(max_connections: u32) -> Result<PgEnv, BoxError> {
+        let pool = PgPoolOptions::new()
+            .max_connections(max_connections)
+            .min_connections(max_connections)
+            .acquire_timeout(Duration::from_secs(60))
+            .connect(PG_URL)
+            .await?;
+        Ok(PgEnv {
+            pool,
+            tables: Mutex::new(Vec::new()),
+        })
+    }
+
+    /// A fresh, unique table name (registered for cleanup).
+    pub fn table(&self, what: &str) -> String {
+        let name = crate::unique(&format!("bench_{what}"));
+        self.tables.lock().unwrap().push(name.clone());
+        name
+    }
+
+    /// A marker table made by `PgStore::migrate` and an effect table.
+    pub async fn tables(&self, what: &str) -> Tables {
+        let markers = self.table(&format!("{what}_m"));
+        let payments = self.table(&format!("{what}_p"));
+        let store = PgStore::builder(self.pool.clone()).table(&markers).build().unwrap();
+        store.migrate().await.unwrap();
+        let ddl = format!(
+            "CREATE TABLE {payments} (id BIGSERIAL PRIMARY KEY, message_id TEXT NOT NULL, amount BIGINT NOT NULL)"
+        );
+        sqlx::query(AssertSqlSafe(ddl)).execute(&self.pool).await.unwrap();
+        Tables {
+            pool: self.pool.clone(),
+            markers,
+            payments,
+        }
+    }
+
+    pub async fn cleanup(&self) {
+        let tables = std::mem::take(&mut *self.tables.lock().unwrap());
+        for table in tables {
+            let _ = sqlx::query(AssertSqlSafe(format!("DROP TABLE IF EXISTS {table}")))
+                .execute(&self.pool)
+                .await;
+        }
+    }
+}
+
+#[derive(Clone)]
+pub struct Tables {
+    pub pool: PgPool,
+    pub markers: String,
+    pub payments: String,
+}
+
+impl Tables {
+    fn effect_sql(&self) -> Arc<str> {
+        format!("INSERT INTO {} (message_id, amount) VALUES ($1, $2)", self.payments).into()
+    }
+
+    pub async fn truncate(&self) {
+        let sql = format!("TRUNCATE {}, {}", self.markers, self.payments);
+        sqlx::query(AssertSqlSafe(sql)).execute(&self.pool).await.unwrap();
+    }
+
+    pub fn store(&self) -> PgStore {
+        PgStore::builder(self.pool.clone())
+            .table(&self.markers)
+            .build()
+            .unwrap()
+    }
+}
+
+async fn effect(conn: &mut PgConnection, sql: &Arc<str>, key: &str) -> Result<(), sqlx::Error> {
+    sqlx::query(AssertSqlSafe(Arc::clone(sql)))
+        .bind(key)
+        .bind(100_i64)
+        .execute(conn)
+        .await?;
+    Ok(())
+}
+
+// ---- (a) bare ------------------------------------------------------------
+
+pub struct Bare {
+    t: Tables,
+    effect: Arc<str>,
+}
+
+impl Bare {
+    pub fn new(t: Tables) -> Self {
+        Bare {
+            effect: t.effect_sql(),
+            t,
+        }
+    }
+}
+
+impl Variant for Bare {
+    async fn deliver(&self, key: String) -> Result<Outcome, BoxError> {
+        let mut tx = self.t.pool.begin().await?;
+        effect(&mut tx, &self.effect, &key).await?;
+        tx.commit().await?;
+        Ok(Outcome::Fresh)
+    }
+    async fn reset(&self) {
+        self.t.truncate().await;
+    }
+}
+
+// ---- (b) the article: check, then effect + marker ---------------------------
+
+pub struct Article {
+    t: Tables,
+    effect: Arc<str>,
+    check: Arc<str>,
+    mark: Arc<str>,
+}
+
+impl Article {
+    pub fn new(t: Tables) -> Self {
+        Article {
+            effect: t.effect_sql(),
+            check: format!("SELECT 1 FROM {} WHERE scope = $1 AND message_id = $2", t.markers).into(),
+            mark: format!(
+                "INSERT INTO {} (scope, message_id, processed_at, expires_at) \
+                 VALUES ($1, $2, now(), now() + interval '7 days')",
+                t.markers
+            )
+            .into(),
+            t,
+        }
+    }
+}
+
+impl Variant for Article {
+    async fn deliver(&self, key: String) -> Result<Outcome, BoxError> {
+        let seen: Option<i32> = sqlx::query_scalar(AssertSqlSafe(Arc::clone(&self.check)))
+            .bind(SCOPE)
+            .bind(&key)
+            .fetch_optional(&self.t.pool)
+            .await?;
+        if seen.is_some() {
+            return Ok(Outcome::Duplicate);
+        }
+        let mut tx = self.t.pool.begin().await?;
+        effect(&mut tx, &self.effect, &key).await?;
+        let marked = sqlx::query(AssertSqlSafe(Arc::clone(&self.mark)))
+            .bind(SCOPE)
+            .bind(&key)
+            .execute(&mut *tx)
+            .await;
+        match marked {
+            Ok(_) => {}
+            // A concurrent duplicate passed the check too: it loses here.
+            Err(sqlx::Error::Database(e)) if e.is_unique_violation() => return Ok(Outcome::Duplicate),
+            Err(e) => return Err(e.into()),
+        }
+        tx.commit().await?;
+        Ok(Outcome::Fresh)
+    }
+    async fn reset(&self) {
+        self.t.truncate().await;
+    }
+}
+
+// ---- (c) hand-written claim-first ---------------------------------------------
+
+pub struct ClaimFirst {
+    t: Tables,
+    effect: Arc<str>,
+    claim: Arc<str>,
+    /// `tx.rollback().await` on a duplicate instead of dropping the
+    /// transaction (sqlx then queues the ROLLBACK with the connection's
+    /// release).
+    explicit_rollback: bool,
+}
+
+impl ClaimFirst {
+    pub fn new(t: Tables, explicit_rollback: bool) -> Self {
+        ClaimFirst {
+            effect: t.effect_sql(),
+            claim: format!(
+                "INSERT INTO {} (scope, message_id, processed_at, expires_at) \
+                 VALUES ($1, $2, now(), now() + interval '7 days') \
+                 ON CONFLICT (scope, message_id) DO NOTHING RETURNING 1",
+                t.markers
+            )
+            .into(),
+            t,
+            explicit_rollback,
+        }
+    }
+}
+
+impl Variant for ClaimFirst {
+    async fn deliver(&self, key: String) -> Result<Outcome, BoxError> {
+        let mut tx = self.t.pool.begin().await?;
+        let claimed: Option<i32> = sqlx::query_scalar(AssertSqlSafe(Arc::clone(&self.claim)))
+            .bind(SCOPE)
+            .bind(&key)
+            .fetch_optional(&mut *tx)
+            .await?;
+        if claimed.is_none() {
+            if self.explicit_rollback {
+                tx.rollback().await?;
+            }
+            return Ok(Outcome::Duplicate);
+        }
+        effect(&mut tx, &self.effect, &key).await?;
+        tx.commit().await?;
+        Ok(Outcome::Fresh)
+    }
+    async fn reset(&self) {
+        self.t.truncate().await;
+    }
+}
+
+// ---- (d) the macro, with any transactional Postgres store ----------------------
+
+#[derive(Debug, thiserror::Error)]
+pub enum BenchError {
+    #[error(transparent)]
+    Idem(#[from] Error),
+    #[error(transparent)]
+    Db(#[from] sqlx::Error),
+}
+
+pub struct Msg {
+    pub key: String,
+    pub ran: AtomicBool,
+}
+
+impl Msg {
+    pub fn new(key: String) -> Msg {
+        Msg {
+            key,
+            ran: AtomicBool::new(false),
+        }
+    }
+
+    pub fn outcome(&self) -> Outcome {
+        if self.ran.load(Ordering::Relaxed) {
+            Outcome::Fresh
+        } else {
+            Outcome::Duplicate
+        }
+    }
+}
+
+pub struct Macro<S> {
+    t: Tables,
+    effect: Arc<str>,
+    pub store: S,
+}
+
+impl<S> Macro<S>
+where
+    S: TransactionalStore<Database = Postgres> + 'static,
+{
+    pub fn new(t: Tables, store: S) -> Self {
+        Macro {
+            effect: t.effect_sql(),
+            t,
+            store,
+        }
+    }
+
+    #[idempotent(key = "msg.key", store = self.store)]
+    async fn handle(&self, msg: &Msg, tx: &mut PgConnection) -> Result<(), BenchError> {
+        msg.ran.store(true, Ordering::Relaxed);
+        effect(tx, &self.effect, &msg.key).await?;
+        Ok(())
+    }
+}
+
+impl<S> Variant for Macro<S>
+where
+    S: TransactionalStore<Database = Postgres> + 'static,
+{
+    async fn deliver(&self, key: String) -> Result<Outcome, BoxError> {
+        let msg = Msg::new(key);
+        self.handle(&msg).await?;
+        Ok(msg.outcome())
+    }
+    async fn reset(&self) {
+        self.t.truncate().await;
+    }
+}
+
+pub fn cached(t: &Tables, capacity: usize) -> CachedStore<PgStore> {
+    CachedStore::new(t.store(), capacity)
+}
+
+// ---- (e) prototype: one statement claims or reads, duplicates do not wait
+// for their ROLLBACK -------------------------------------------------------
+
+/// What `PgStore` would do with the recommended change: the claim statement
+/// also returns the live marker's fingerprint and result (no second
+/// statement for a duplicate), and a duplicate's transaction is dropped
+/// rather than rolled back with a round trip of its own (sqlx sends the
+/// queued `ROLLBACK` together with the ping it does when the connection goes
+/// back to the pool).
+#[derive(Clone)]
+pub struct ProposedPgStore {
+    pool: PgPool,
+    claim: Arc<str>,
+    read: Arc<str>,
+    write_result: Arc<str>,
+}
+
+impl ProposedPgStore {
+    pub fn new(t: &Tables) -> Self {
+        let m = &t.markers;
+        ProposedPgStore {
+            pool: t.pool.clone(),
+            claim: format!(
+                "WITH claimed AS (\
+                   INSERT INTO {m} AS m (scope, message_id, processed_at, expires_at, fingerprint) \
+                   VALUES ($1, $2, now(), now() + $3 * interval '1 millisecond', $4) \
+                   ON CONFLICT (scope, message_id) DO UPDATE \
+                   SET processed_at = EXCLUDED.processed_at, expires_at = EXCLUDED.expires_at, \
+                       fingerprint = EXCLUDED.fingerprint, result = NULL \
+                   WHERE m.expires_at <= now() \
+                   RETURNING true AS claimed) \
+                 SELECT true AS claimed, NULL::text AS fingerprint, NULL::text AS result FROM claimed \
+                 UNION ALL \
+                 SELECT false, fingerprint, result FROM {m} \
+                 WHERE scope = $1 AND message_id = $2 AND NOT EXISTS (SELECT 1 FROM claimed)"
+            )
+            .into(),
+            read: format!("SELECT fingerprint, result FROM {m} WHERE scope = $1 AND message_id = $2").into(),
+            write_result: format!("UPDATE {m} SET result = $1 WHERE scope = $2 AND message_id = $3").into(),
+        }
+    }
+}
+
+pub struct ProposedGuard {
+    tx: Transaction<'static, Postgres>,
+    write_result: Arc<str>,
+    scope: String,
+    key: String,
+}
+
+impl Store for ProposedPgStore {
+    type Guard = ProposedGuard;
+
+    async fn claim(&self, req: &Request<'_>) -> Result<Claim<ProposedGuard>, Error> {
+        let mut tx = self.pool.begin().await.map_err(Error::store)?;
+        let row = sqlx::query(AssertSqlSafe(Arc::clone(&self.claim)))
+            .bind(req.scope_name())
+            .bind(req.key())
+            .bind(req.ttl_millis())
+            .bind(req.fingerprint_value().map(|f| f.as_str()))
+            .fetch_optional(&mut *tx)
+            .await
+            .map_err(Error::store)?;
+        let row = match row {
+            Some(row) if row.try_get::<bool, _>("claimed").map_err(Error::store)? => {
+                return Ok(Claim::Fresh(ProposedGuard {
+                    tx,
+                    write_result: Arc::clone(&self.write_result),
+                    scope: req.scope_name().to_owned(),
+                    key: req.key().to_owned(),
+                }));
+            }
+            Some(row) => row,
+            // The marker was committed by a concurrent claim after this
+            // statement's snapshot: read it with a new one.
+            None => sqlx::query(AssertSqlSafe(Arc::clone(&self.read)))
+                .bind(req.scope_name())
+                .bind(req.key())
+                .fetch_one(&mut *tx)
+                .await
+                .map_err(Error::store)?,
+        };
+        drop(tx); // ROLLBACK queued, sent with the pool's release ping
+        let fingerprint: Option<String> = row.try_get("fingerprint").map_err(Error::store)?;
+        req.check_fingerprint(fingerprint.as_deref())?;
+        Ok(Claim::Done(Replay::new(row.try_get("result").map_err(Error::store)?)))
+    }
+}
+
+impl TransactionalStore for ProposedPgStore {
+    type Database = Postgres;
+}
+
+impl Guard for ProposedGuard {
+    async fn complete(mut self, result: Option<String>) -> Result<(), Error> {
+        if let Some(result) = result {
+            sqlx::query(AssertSqlSafe(Arc::clone(&self.write_result)))
+                .bind(result)
+                .bind(&self.scope)
+                .bind(&self.key)
+                .execute(&mut *self.tx)
+                .await
+                .map_err(Error::store)?;
+        }
+        self.tx.commit().await.map_err(Error::store)
+    }
+
+    async fn abort(self) {
+        drop(self.tx);
+    }
+}
+
+impl TransactionGuard for ProposedGuard {
+    type Database = Postgres;
+
+    fn transaction(&mut self) -> &mut Transaction<'static, Postgres> {
+        &mut self.tx
+    }
+}
+
+// ---- the marker table as it grows -------------------------------------------------
+
+/// A `PgStore` marker table already holding `rows` live markers (of another
+/// scope), filled with one `INSERT .. SELECT generate_series` before the
+/// primary key and the expiry index are built. Returns the tables and the
+/// fill time.
+pub async fn prefilled(env: &PgEnv, what: &str, rows: u64, expired: bool) -> (Tables, Duration) {
+    let markers = env.table(&format!("{what}_m"));
+    let payments = env.table(&format!("{what}_p"));
+    let pool = &env.pool;
+    let exec = |sql: String| async move {
+        sqlx::query(AssertSqlSafe(sql)).execute(pool).await.unwrap();
+    };
+    exec(format!(
+        "CREATE TABLE {markers} (scope TEXT NOT NULL, message_id TEXT NOT NULL, \
+         processed_at TIMESTAMPTZ NOT NULL DEFAULT now(), expires_at TIMESTAMPTZ NOT NULL, \
+         fingerprint TEXT, result TEXT)"
+    ))
+    .await;
+    let started = Instant::now();
+    if rows > 0 {
+        let expires = if expired {
+            "now() - interval '1 day'"
+        } else {
+            "now() + interval '7 days'"
+        };
+        exec(format!(
+            "INSERT INTO {markers} (scope, message_id, processed_at, expires_at) \
+             SELECT 'fill', 'fill-' || g, now(), {expires} FROM generate_series(1, {rows}) g"
+        ))
+        .await;
+    }
+    let mut conn = pool.acquire().await.unwrap();
+    sqlx::query("SET maintenance_work_mem = '256MB'")
+        .execute(&mut *conn)
+        .await
+        .unwrap();
+    sqlx::query(AssertSqlSafe(format!(
+        "ALTER TABLE {markers} ADD PRIMARY KEY (scope, message_id)"
+    )))
+    .execute(&mut *conn)
+    .await
+    .unwrap();
+    sqlx::query(AssertSqlSafe(format!(
+        "CREATE INDEX {markers}_expires_at_idx ON {markers} (expires_at)"
+    )))
+    .execute(&mut *conn)
+    .await
+    .unwrap();
+    sqlx::query("RESET maintenance_work_mem")
+        .execute(&mut *conn)
+        .await
+        .unwrap();
+    drop(conn);
+    exec(format!("VACUUM ANALYZE {markers}")).await;
+    let fill = started.elapsed();
+    exec(format!(
+        "CREATE TABLE {payments} (id BIGSERIAL PRIMARY KEY, message_id TEXT NOT NULL, amount BIGINT NOT NULL)"
+    ))
+    .await;
+    (
+        Tables {
+            pool: pool.clone(),
+            markers,
+            payments,
+        },
+        fill,
+    )
+}
+
+/// Adds `rows` expired markers to an existing table (with its indexes).
+pub async fn add_expired(t: &Tables, rows: u64, tag: &str) -> Duration {
+    let started = Instant::now();
+    let sql = format!(
+        "INSERT INTO {} (scope, message_id, processed_at, expires_at) \
+         SELECT 'old', '{tag}-' || g, now() - interval '8 days', now() - interval '1 day' FROM generate_series(1, {rows}) g",
+        t.markers
+    );
+    sqlx::query(AssertSqlSafe(sql)).execute(&t.pool).await.unwrap();
+    sqlx::query(AssertSqlSafe(format!("ANALYZE {}", t.markers)))
+        .execute(&t.pool)
+        .await
+        .unwrap();
+    started.elapsed()
+}
+
+pub async fn relation_size(pool: &PgPool, table: &str) -> i64 {
+    sqlx::query_scalar(AssertSqlSafe(format!("SELECT pg_total_relation_size('{table}')")))
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
+pub async fn count(pool: &PgPool, table: &str) -> i64 {
+    sqlx::query_scalar(AssertSqlSafe(format!("SELECT count(*) FROM {table}")))
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}

@@ -1,0 +1,201 @@
+//! Redis: the article's `EXISTS` + `SETEX` against `RedisStore` (a lease
+//! claim and a completion), with the effect an in-process counter so that
+//! every Redis command counted is one of the idempotency layer's.
+
+use std::collections::HashMap;
+use std::net::TcpListener;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use idempotent_runtime::redis::{self, AsyncCommands, aio::ConnectionManager};
+use idempotent_runtime::{CachedStore, Error, RedisStore, idempotent};
+
+use crate::harness::{BoxError, Outcome, Variant};
+use crate::pg::Msg;
+
+pub const REDIS_URL: &str = "redis://127.0.0.1:6379/";
+const WEEK_S: u64 = 7 * 24 * 3600;
+
+pub async fn connect(url: &str) -> Result<ConnectionManager, BoxError> {
+    let client = redis::Client::open(url)?;
+    Ok(client.get_connection_manager().await?)
+}
+
+/// Deletes every key under `prefix` (the runs' keys live 7 days otherwise).
+pub async fn delete_prefix(conn: &mut ConnectionManager, prefix: &str) -> u64 {
+    let mut cursor: u64 = 0;
+    let mut deleted = 0;
+    loop {
+        let (next, keys): (u64, Vec<String>) = redis::cmd("SCAN")
+            .arg(cursor)
+            .arg("MATCH")
+            .arg(format!("{prefix}*"))
+            .arg("COUNT")
+            .arg(10_000)
+            .query_async(conn)
+            .await
+            .unwrap();
+        if !keys.is_empty() {
+            let n: u64 = redis::cmd("UNLINK").arg(&keys).query_async(conn).await.unwrap();
+            deleted += n;
+        }
+        if next == 0 {
+            return deleted;
+        }
+        cursor = next;
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum LeaseError {
+    #[error(transparent)]
+    Idem(#[from] Error),
+}
+
+/// The article: `EXISTS`, the effect, `SETEX`.
+pub struct Article {
+    pub conn: ConnectionManager,
+    pub prefix: String,
+    pub effects: AtomicU64,
+}
+
+impl Variant for Article {
+    async fn deliver(&self, key: String) -> Result<Outcome, BoxError> {
+        let mut conn = self.conn.clone();
+        let redis_key = format!("{}{key}", self.prefix);
+        let seen: bool = conn.exists(&redis_key).await?;
+        if seen {
+            return Ok(Outcome::Duplicate);
+        }
+        self.effects.fetch_add(1, Ordering::Relaxed);
+        let () = conn.set_ex(&redis_key, 1, WEEK_S).await?;
+        Ok(Outcome::Fresh)
+    }
+}
+
+/// `#[idempotent]` with a `RedisStore` (or a cached one).
+pub struct Macro<S> {
+    pub store: S,
+    pub effects: AtomicU64,
+}
+
+impl<S: idempotent_runtime::Store + 'static> Macro<S> {
+    #[idempotent(key = "msg.key", store = self.store)]
+    async fn handle(&self, msg: &Msg) -> Result<(), LeaseError> {
+        msg.ran.store(true, Ordering::Relaxed);
+        self.effects.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+}
+
+impl<S: idempotent_runtime::Store + 'static> Variant for Macro<S> {
+    async fn deliver(&self, key: String) -> Result<Outcome, BoxError> {
+        let msg = Msg::new(key);
+        match self.handle(&msg).await {
+            Ok(()) => Ok(msg.outcome()),
+            Err(LeaseError::Idem(Error::InProgress { .. })) => Ok(Outcome::Busy),
+            Err(e) => Err(e.into()),
+        }
+    }
+}
+
+pub fn store(conn: ConnectionManager, prefix: &str) -> RedisStore {
+    RedisStore::builder(conn).prefix(prefix).build().unwrap()
+}
+
+pub fn cached(conn: ConnectionManager, prefix: &str, capacity: usize) -> CachedStore<RedisStore> {
+    CachedStore::new(store(conn, prefix), capacity)
+}
+
+// ---- counting round trips on a private server --------------------------------------
+
+/// A `redis-server` of our own on a free port, so that `INFO commandstats`
+/// counts only this benchmark's commands.
+pub struct PrivateRedis {
+    pub url: String,
+    child: Child,
+    _dir: tempfile::TempDir,
+}
+
+impl PrivateRedis {
+    pub fn start() -> Option<PrivateRedis> {
+        let port = TcpListener::bind("127.0.0.1:0").ok()?.local_addr().ok()?.port();
+        let dir = tempfile::tempdir().ok()?;
+        let child = Command::new("redis-server")
+            .args([
+                "--port",
+                &port.to_string(),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+            ])
+            .arg("--dir")
+            .arg(dir.path())
+            .stdout(Stdio::null())
+            .spawn()
+            .ok()?;
+        for _ in 0..100 {
+            if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
+                return Some(PrivateRedis {
+                    url: format!("redis://127.0.0.1:{port}/"),
+                    child,
+                    _dir: dir,
+                });
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        None
+    }
+}
+
+impl Drop for PrivateRedis {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// `calls` per command from `INFO commandstats`.
+pub async fn command_stats(conn: &mut ConnectionManager) -> HashMap<String, u64> {
+    let info: String = redis::cmd("INFO").arg("commandstats").query_async(conn).await.unwrap();
+    let mut out = HashMap::new();
+    for line in info.lines() {
+        let Some(rest) = line.strip_prefix("cmdstat_") else {
+            continue;
+        };
+        let Some((name, fields)) = rest.split_once(':') else {
+            continue;
+        };
+        let calls = fields
+            .split(',')
+            .find_map(|f| f.strip_prefix("calls="))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0);
+        out.insert(name.to_owned(), calls);
+    }
+    out
+}
+
+/// Commands sent by clients between two snapshots: every command except
+/// those a script runs inside the server (`SET`/`GET`/... under
+/// `EVALSHA`), and except our own `INFO`.
+pub fn client_commands(before: &HashMap<String, u64>, after: &HashMap<String, u64>, top_level: &[&str]) -> u64 {
+    top_level
+        .iter()
+        .map(|name| after.get(*name).copied().unwrap_or(0) - before.get(*name).copied().unwrap_or(0))
+        .sum()
+}
+
+pub fn delta(before: &HashMap<String, u64>, after: &HashMap<String, u64>) -> Vec<(String, u64)> {
+    let mut out: Vec<(String, u64)> = after
+        .iter()
+        .map(|(k, v)| (k.clone(), v - before.get(k).copied().unwrap_or(0)))
+        .filter(|(k, v)| *v > 0 && k != "info")
+        .collect();
+    out.sort();
+    out
+}
