@@ -5,13 +5,36 @@
 //! `consumer_process race <markers_table> <payments_table> <message_id> <start_at_unix_ms>`
 //! waits until the given instant, then handles the message once against
 //! PostgreSQL and prints `processed` or `duplicate`.
+//!
+//! `consumer_process chaos <queue> <markers_table> <payments_table> <log_table> <fail_percent> <crash_percent>`
+//! consumes payments from a RabbitMQ queue with `RabbitConsumer` into
+//! PostgreSQL; the body fails on purpose `fail_percent` of the time (and
+//! always for messages marked `always_fail`), and the process aborts right
+//! after a commit, before the ack, `crash_percent` of the time. Every
+//! delivery, injected failure and crash is logged in `log_table` (outside
+//! the handler's transaction) for the chaos test's figures.
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use idempotent_runtime::sqlx::{self, AssertSqlSafe, PgConnection};
+use std::sync::Arc;
+
+use idempotent_runtime::lapin::{Connection, ConnectionProperties};
+use idempotent_runtime::rabbitmq::{Backoff, RabbitConsumer, shutdown_on_signal};
+use idempotent_runtime::sqlx::{self, AssertSqlSafe, PgConnection, PgPool};
 use idempotent_runtime::{PgStore, idempotent};
+use rand::Rng;
 
 const PG_URL: &str = "postgres://postgres@127.0.0.1:5432/test";
+const AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
+
+/// A payment message of the chaos test.
+#[derive(Debug, serde::Deserialize)]
+struct ChaosPayment {
+    message_id: String,
+    amount: i64,
+    #[serde(default)]
+    always_fail: bool,
+}
 
 #[derive(Debug, thiserror::Error)]
 enum AppError {
@@ -19,6 +42,8 @@ enum AppError {
     Idem(#[from] idempotent_runtime::Error),
     #[error(transparent)]
     Db(#[from] sqlx::Error),
+    #[error("injected failure")]
+    Injected,
 }
 
 struct Consumer {
@@ -40,6 +65,79 @@ impl Consumer {
     }
 }
 
+struct ChaosConsumer {
+    store: PgStore,
+    pool: PgPool,
+    payments: String,
+    log: String,
+    fail_percent: u32,
+}
+
+impl ChaosConsumer {
+    #[idempotent(key = "msg.message_id", store = self.store)]
+    async fn pay(&self, msg: &ChaosPayment, tx: &mut PgConnection) -> Result<(), AppError> {
+        let insert = format!("INSERT INTO {} (message_id, amount, pid) VALUES ($1, $2, $3)", self.payments);
+        sqlx::query(AssertSqlSafe(insert))
+            .bind(&msg.message_id)
+            .bind(msg.amount)
+            .bind(i64::from(std::process::id()))
+            .execute(&mut *tx)
+            .await?;
+        // Widen the window in which a SIGKILL lands mid-transaction.
+        let pause = rand::rng().random_range(0..4);
+        tokio::time::sleep(Duration::from_millis(pause)).await;
+        if msg.always_fail || rand::rng().random_ratio(self.fail_percent, 100) {
+            self.log(&msg.message_id, "failure").await;
+            return Err(AppError::Injected);
+        }
+        Ok(())
+    }
+
+    /// Logs an event outside the handler's transaction (best effort).
+    async fn log(&self, message_id: &str, event: &str) {
+        let insert = format!("INSERT INTO {} (message_id, event) VALUES ($1, $2)", self.log);
+        let _ = sqlx::query(AssertSqlSafe(insert)).bind(message_id).bind(event).execute(&self.pool).await;
+    }
+}
+
+async fn chaos(args: &[&str]) -> Result<(), Box<dyn std::error::Error>> {
+    let [queue, markers, payments, log, fail_percent, crash_percent] = args else {
+        return Err("usage: consumer_process chaos <queue> <markers> <payments> <log> <fail%> <crash%>".into());
+    };
+    let crash_percent: u32 = crash_percent.parse()?;
+    let pool = sqlx::postgres::PgPoolOptions::new().max_connections(6).connect(PG_URL).await?;
+    let store = PgStore::builder(pool.clone()).table(markers).build()?;
+    let consumer = Arc::new(ChaosConsumer {
+        store,
+        pool,
+        payments: (*payments).to_owned(),
+        log: (*log).to_owned(),
+        fail_percent: fail_percent.parse()?,
+    });
+    let connection = Connection::connect(AMQP_URL, ConnectionProperties::default()).await?;
+    let rabbit = RabbitConsumer::builder(connection.create_channel().await?, *queue)
+        .prefetch(8)
+        .concurrency(4)
+        .max_attempts(5)
+        .retry_backoff(Backoff::new(Duration::from_millis(5), Duration::from_millis(20)))
+        .build()?;
+    let handler = move |msg: ChaosPayment| {
+        let consumer = Arc::clone(&consumer);
+        async move {
+            consumer.log(&msg.message_id, "delivery").await;
+            consumer.pay(&msg).await?;
+            if rand::rng().random_ratio(crash_percent, 100) {
+                // Committed, never acked: the broker must redeliver.
+                consumer.log(&msg.message_id, "crash").await;
+                std::process::abort();
+            }
+            Ok::<_, AppError>(())
+        }
+    };
+    rabbit.run(handler, shutdown_on_signal()).await?;
+    Ok(())
+}
+
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -55,6 +153,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             println!("{}", if winner == std::process::id() { "processed" } else { "duplicate" });
             Ok(())
         }
-        _ => Err("usage: consumer_process race <markers> <payments> <message_id> <start_at_unix_ms>".into()),
+        ["chaos", rest @ ..] => chaos(rest).await,
+        _ => Err("usage: consumer_process race|chaos ... (see the module docs)".into()),
     }
 }
