@@ -130,6 +130,12 @@ pub struct MemoryGuard {
     open: bool,
 }
 
+impl std::fmt::Debug for MemoryGuard {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MemoryGuard").field("scope", &self.id.0).field("key", &self.id.1).finish_non_exhaustive()
+    }
+}
+
 impl Guard for MemoryGuard {
     async fn complete(mut self, result: Option<String>) -> Result<(), Error> {
         self.open = false;
