@@ -162,6 +162,7 @@ fn row<V: Variant>(name: &'static str, variant: V, timing: Timing, warm: &Arc<Pl
                     duration: timing.warmup,
                     prefix: &warm_prefix,
                     keep_starts: false,
+                    stop: None,
                 };
                 harness::run(&variant, &warm, opts).await;
                 let opts = RunOptions {
@@ -169,6 +170,7 @@ fn row<V: Variant>(name: &'static str, variant: V, timing: Timing, warm: &Arc<Pl
                     duration: timing.duration,
                     prefix: &prefix,
                     keep_starts: false,
+                    stop: None,
                 };
                 harness::run(&variant, &plan, opts).await
             })
@@ -854,12 +856,14 @@ async fn table_size_section(cfg: &Config, doc: &mut Doc, env: &pg::PgEnv, plans:
                     duration: cfg.timing.warmup,
                     prefix: &warm_prefix,
                     keep_starts: false,
+                    stop: None,
                 };
                 let opts = RunOptions {
                     concurrency: conc,
                     duration: cfg.timing.duration,
                     prefix: &prefix,
                     keep_starts: false,
+                    stop: None,
                 };
                 let stats = if which == 0 {
                     harness::run(&c, warm, warm_opts).await;
@@ -921,6 +925,7 @@ async fn purge_section(cfg: &Config, doc: &mut Doc, env: &pg::PgEnv, plans: &Pla
         duration: cfg.timing.warmup,
         prefix: p,
         keep_starts: false,
+        stop: None,
     };
     harness::run(&d, warm, warm_opts("wbase-")).await;
     let opts = RunOptions {
@@ -928,6 +933,7 @@ async fn purge_section(cfg: &Config, doc: &mut Doc, env: &pg::PgEnv, plans: &Pla
         duration: cfg.timing.duration.max(Duration::from_secs(1)),
         prefix: "base-",
         keep_starts: true,
+        stop: None,
     };
     let base = harness::run(&d, &plan, opts).await;
 
@@ -946,6 +952,7 @@ async fn purge_section(cfg: &Config, doc: &mut Doc, env: &pg::PgEnv, plans: &Pla
         duration,
         prefix: "during-",
         keep_starts: true,
+        stop: None,
     };
     let during = harness::run(&d, &plan, opts).await;
     let (deleted_during, purge_took) = purge.await.unwrap();

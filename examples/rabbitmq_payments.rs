@@ -25,7 +25,9 @@ use idempotent_runtime::lapin::options::{
 };
 use idempotent_runtime::lapin::types::{AMQPValue, FieldTable};
 use idempotent_runtime::lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
-use idempotent_runtime::rabbitmq::{CancellationToken, ConsumerError, ConsumerStats, DeliveryInfo, RabbitConsumer};
+use idempotent_runtime::rabbitmq::{
+    CancellationToken, ConsumerError, ConsumerStats, DeliveryInfo, RabbitConsumer, RunStats,
+};
 use idempotent_runtime::sqlx::postgres::PgPoolOptions;
 use idempotent_runtime::sqlx::{self, AssertSqlSafe, PgConnection, PgPool};
 use idempotent_runtime::{PgStore, idempotent};
@@ -40,7 +42,7 @@ const PAYMENTS: usize = 200;
 /// Competing consumers (service instances), each on its own connection.
 const CONSUMERS: usize = 3;
 /// Consumer 1 dies after committing this many payments of its own.
-const KILL_AFTER: usize = 10;
+const KILL_AFTER: usize = 5;
 /// Longest the whole run may take before it is called a failure.
 const DEADLINE: Duration = Duration::from_secs(20);
 
@@ -98,7 +100,12 @@ struct Tally {
 }
 
 /// The handler every consumer runs: the idempotent call, plus bookkeeping.
-async fn handle(service: &PaymentService, tally: &Tally, msg: &PaymentMessage, info: &DeliveryInfo) -> Result<bool, AppError> {
+async fn handle(
+    service: &PaymentService,
+    tally: &Tally,
+    msg: &PaymentMessage,
+    info: &DeliveryInfo,
+) -> Result<bool, AppError> {
     tally.deliveries.fetch_add(1, Ordering::Relaxed);
     if info.redelivered {
         tally.redeliveries.fetch_add(1, Ordering::Relaxed);
@@ -142,6 +149,7 @@ struct Proof {
     deliveries: usize,
     redeliveries: usize,
     killed: usize,
+    acks_lost: u64,
     charged: usize,
     duplicates: usize,
     redelivered_duplicates: usize,
@@ -162,20 +170,24 @@ impl Proof {
 
     fn print(&self, names: &Names) {
         let row = |label: &str, value: String| println!("  {label:<40} {value:>5}");
+        println!("idempotent on RabbitMQ: the article's payment consumer, {CONSUMERS} competing consumers");
         println!(
-            "idempotent on RabbitMQ: the article's payment consumer, {CONSUMERS} consumers on queue `{}`, \
-             payments in PostgreSQL table `{}`",
+            "  queue `{}`, payments in PostgreSQL table `{}`",
             names.queue, names.payments
         );
         println!();
         row("payment messages", PAYMENTS.to_string());
         row("messages published (with duplicates)", self.published.to_string());
         row("deliveries seen by the handlers", self.deliveries.to_string());
-        row("redeliveries (flagged by RabbitMQ)", self.redeliveries.to_string());
         row("consumers killed before ack", self.killed.to_string());
+        row("  acks lost with it", self.acks_lost.to_string());
+        row("redeliveries (flagged by RabbitMQ)", self.redeliveries.to_string());
         row("processed (body ran and committed)", self.charged.to_string());
         row("duplicates skipped", self.duplicates.to_string());
-        row("  of them redeliveries after the kill", self.redelivered_duplicates.to_string());
+        row(
+            "  of them redeliveries after the kill",
+            self.redelivered_duplicates.to_string(),
+        );
         row("payments in the table", self.payments.to_string());
         row("orders charged twice", self.charged_twice.to_string());
         row("messages left in the queues", self.left_over.to_string());
@@ -224,7 +236,10 @@ async fn demo(amqp_url: &str, pool: &PgPool, admin: &Channel, names: &Names) -> 
     sqlx::query(AssertSqlSafe(ddl)).execute(pool).await?;
     let service = Arc::new(PaymentService {
         store,
-        insert_payment: format!("INSERT INTO {} (order_id, amount_cents) VALUES ($1, $2)", names.payments),
+        insert_payment: format!(
+            "INSERT INTO {} (order_id, amount_cents) VALUES ($1, $2)",
+            names.payments
+        ),
     });
 
     // Fresh queues. `x-expires` removes them if this program dies before it
@@ -239,7 +254,7 @@ async fn demo(amqp_url: &str, pool: &PgPool, admin: &Channel, names: &Names) -> 
 
     let published = publish(admin, &names.queue).await?;
 
-    // Three consumers; consumer 1 dies after the commit of its 10th payment.
+    // Three consumers; consumer 1 dies after the commit of its 5th payment.
     let tally = Arc::new(Tally::default());
     let shutdown = CancellationToken::new();
     let (mut connections, mut consumers) = (Vec::new(), Vec::new());
@@ -251,21 +266,42 @@ async fn demo(amqp_url: &str, pool: &PgPool, admin: &Channel, names: &Names) -> 
         });
         consumers.push(spawn_consumer(&connection, names, &service, &tally, crash, &shutdown).await?);
         connections.push(connection);
+        if n == 1 {
+            wait_for_first_delivery(&consumers[0].0).await;
+        }
     }
 
-    // Every copy published must end acknowledged (by consumer 1 before it
-    // died, or by the survivors, redeliveries included).
+    // Done when every copy published has been acknowledged (by consumer 1
+    // before it died, or by the survivors, redeliveries included). An ack
+    // racing the kill may reach the broker without being counted, so also
+    // done when consumer 1 is gone, every payment is in, the queue is empty
+    // and the survivors have been idle for a while.
+    let mut quiet_polls = 0;
     loop {
+        tokio::time::sleep(Duration::from_millis(50)).await;
         let acked: u64 = consumers.iter().map(|(stats, _)| stats.snapshot().acked).sum();
         if acked >= published as u64 {
             break;
         }
+        let survivors_idle = consumers.iter().skip(1).all(|(stats, _)| idle(&stats.snapshot()));
+        if consumers[0].1.is_finished()
+            && survivors_idle
+            && tally.charged.load(Ordering::Relaxed) == PAYMENTS
+            && ready(admin, &names.queue).await? == 0
+        {
+            quiet_polls += 1;
+            if quiet_polls == 5 {
+                break;
+            }
+        } else {
+            quiet_polls = 0;
+        }
         if consumers.iter().skip(1).any(|(_, run)| run.is_finished()) {
             break; // a survivor stopped early: its error is reported below
         }
-        tokio::time::sleep(Duration::from_millis(50)).await;
     }
     shutdown.cancel();
+    let killed_stats = consumers[0].0.clone();
     let mut killed = 0;
     for (n, (_, run)) in consumers.into_iter().enumerate() {
         match run.await? {
@@ -276,6 +312,7 @@ async fn demo(amqp_url: &str, pool: &PgPool, admin: &Channel, names: &Names) -> 
             }
         }
     }
+    let acks_lost = killed_stats.snapshot().ack_failures;
     for connection in connections {
         if connection.status().connected() {
             connection.close(200, "demo done".into()).await?;
@@ -291,23 +328,15 @@ async fn demo(amqp_url: &str, pool: &PgPool, admin: &Channel, names: &Names) -> 
     )))
     .fetch_one(pool)
     .await?;
-    let mut left_over = 0;
-    for queue in [&names.queue, &names.dead_letters] {
-        let passive = QueueDeclareOptions {
-            passive: true,
-            ..QueueDeclareOptions::default()
-        };
-        left_over += admin
-            .queue_declare(queue.as_str().into(), passive, FieldTable::default())
-            .await?
-            .message_count();
-    }
+    // Every channel is closed now: anything unacknowledged is back in the queue.
+    let left_over = ready(admin, &names.queue).await? + ready(admin, &names.dead_letters).await?;
 
     Ok(Proof {
         published,
         deliveries: tally.deliveries.load(Ordering::Relaxed),
         redeliveries: tally.redeliveries.load(Ordering::Relaxed),
         killed,
+        acks_lost,
         charged: tally.charged.load(Ordering::Relaxed),
         duplicates: tally.duplicates.load(Ordering::Relaxed),
         redelivered_duplicates: tally.redelivered_duplicates.load(Ordering::Relaxed),
@@ -315,6 +344,32 @@ async fn demo(amqp_url: &str, pool: &PgPool, admin: &Channel, names: &Names) -> 
         charged_twice,
         left_over,
     })
+}
+
+/// A consumer with no delivery in flight: everything it took is settled.
+fn idle(stats: &RunStats) -> bool {
+    stats.received
+        == stats.acked + stats.retried + stats.dead_lettered + stats.poison + stats.released + stats.ack_failures
+}
+
+/// Messages ready in `queue` (not counting those delivered and unacked).
+async fn ready(admin: &Channel, queue: &str) -> Result<u32, BoxError> {
+    let passive = QueueDeclareOptions {
+        passive: true,
+        ..QueueDeclareOptions::default()
+    };
+    Ok(admin
+        .queue_declare(queue.into(), passive, FieldTable::default())
+        .await?
+        .message_count())
+}
+
+/// Consumer 1 starts first and gets its share before the others compete, so
+/// that it has payments to commit before it dies however the machine is loaded.
+async fn wait_for_first_delivery(stats: &ConsumerStats) {
+    while stats.snapshot().received == 0 {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
 }
 
 /// Publishes the payments, one in four twice, in random order, and waits for
@@ -342,7 +397,13 @@ async fn publish(admin: &Channel, queue: &str) -> Result<usize, BoxError> {
             .with_delivery_mode(2);
         let body = serde_json::to_vec(msg)?;
         let confirm = admin
-            .basic_publish("".into(), queue.into(), BasicPublishOptions::default(), &body, properties)
+            .basic_publish(
+                "".into(),
+                queue.into(),
+                BasicPublishOptions::default(),
+                &body,
+                properties,
+            )
             .await?;
         confirms.push(confirm);
     }
@@ -361,7 +422,7 @@ struct Crash {
     committed: AtomicUsize,
 }
 
-type Running = (ConsumerStats, JoinHandle<Result<idempotent_runtime::rabbitmq::RunStats, ConsumerError>>);
+type Running = (ConsumerStats, JoinHandle<Result<RunStats, ConsumerError>>);
 
 async fn spawn_consumer(
     connection: &Connection,

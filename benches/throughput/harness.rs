@@ -4,7 +4,7 @@
 
 use std::future::Future;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use rand::rngs::StdRng;
@@ -41,7 +41,6 @@ pub trait Variant: Send + Sync + 'static {
 /// redelivery of a processed message rather than a concurrent one), chosen
 /// uniformly among the `WINDOW` messages before that.
 pub struct Plan {
-    pub dup_pct: u32,
     messages: Vec<u32>,
 }
 
@@ -64,11 +63,7 @@ impl Plan {
                 fresh += 1;
             }
         }
-        Plan { dup_pct, messages }
-    }
-
-    pub fn len(&self) -> usize {
-        self.messages.len()
+        Plan { messages }
     }
 }
 
@@ -114,6 +109,8 @@ pub struct RunOptions<'a> {
     pub prefix: &'a str,
     /// Keep per-delivery start times (for the purge windows).
     pub keep_starts: bool,
+    /// Ends the run early when set.
+    pub stop: Option<Arc<AtomicBool>>,
 }
 
 /// Runs `variant` with `concurrency` workers over `plan` for `duration`
@@ -127,12 +124,13 @@ pub async fn run<V: Variant>(variant: &Arc<V>, plan: &Arc<Plan>, opts: RunOption
         let (variant, plan, next) = (Arc::clone(variant), Arc::clone(plan), Arc::clone(&next));
         let prefix = opts.prefix.to_owned();
         let keep_starts = opts.keep_starts;
+        let stop = opts.stop.clone();
         tasks.push(tokio::spawn(async move {
             let mut stats = RunStats::default();
             stats.latencies_us.reserve(4096);
             loop {
                 let now = Instant::now();
-                if now >= deadline {
+                if now >= deadline || stop.as_ref().is_some_and(|s| s.load(Ordering::Relaxed)) {
                     break;
                 }
                 let i = next.fetch_add(1, Ordering::Relaxed);
@@ -252,9 +250,5 @@ impl Cell {
 
     pub fn p(&self, p: f64) -> f64 {
         percentile(&self.latencies_us, p)
-    }
-
-    pub fn dup_share(&self) -> f64 {
-        self.duplicates as f64 / (self.deliveries.max(1)) as f64
     }
 }

@@ -19,8 +19,7 @@ const WEEK_MS: i64 = 7 * 24 * 3600 * 1000;
 
 pub struct LiteEnv {
     _dir: tempfile::TempDir,
-    pub store: SqliteStore,
-    pub pool: SqlitePool,
+    pool: SqlitePool,
     writer: Arc<Semaphore>,
 }
 
@@ -31,7 +30,6 @@ impl LiteEnv {
         let pool = store.pool().clone();
         LiteEnv {
             _dir: dir,
-            store,
             pool,
             writer: Arc::new(Semaphore::new(1)),
         }

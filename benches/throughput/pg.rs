@@ -532,10 +532,3 @@ pub async fn relation_size(pool: &PgPool, table: &str) -> i64 {
         .await
         .unwrap()
 }
-
-pub async fn count(pool: &PgPool, table: &str) -> i64 {
-    sqlx::query_scalar(AssertSqlSafe(format!("SELECT count(*) FROM {table}")))
-        .fetch_one(pool)
-        .await
-        .unwrap()
-}

@@ -125,13 +125,14 @@ fn apply(cx: &Ctxt, args: &mut Args, name: &Ident, value: Expr) {
         }
         "tx" => match &value {
             Expr::Path(path) if path.path.get_ident().is_some() => args.tx = path.path.get_ident().cloned(),
-            _ => match string(cx, "tx", &value, "tx = \"conn\"") {
-                Some(lit) => match lit.parse::<Ident>() {
-                    Ok(ident) => args.tx = Some(ident),
-                    Err(_) => cx.error_spanned_by(&lit, "`tx` names a parameter, like `tx = \"conn\"`"),
-                },
-                None => {}
-            },
+            _ => {
+                if let Some(lit) = string(cx, "tx", &value, "tx = \"conn\"") {
+                    match lit.parse::<Ident>() {
+                        Ok(ident) => args.tx = Some(ident),
+                        Err(_) => cx.error_spanned_by(&lit, "`tx` names a parameter, like `tx = \"conn\"`"),
+                    }
+                }
+            }
         },
         "crate" => {
             if let Some(lit) = string(cx, "crate", &value, "crate = \"my_reexport::idempotent_runtime\"") {

@@ -23,8 +23,8 @@ pub fn idempotent(attr: TokenStream, item: TokenStream) -> TokenStream {
     let func: ItemFn = match syn::parse2(item.clone()) {
         Ok(func) => func,
         Err(_) => {
-            cx.error_at(
-                item_span(&item),
+            cx.error_spanned_by(
+                item_head(&item),
                 "#[idempotent] applies to an `async fn` with a body (a free function or a method), not to this item",
             );
             let errors = cx.check().err().unwrap_or_default();
@@ -190,7 +190,7 @@ fn expand(handler: &Handler, args: &Args) -> TokenStream {
 
     let mut out = func.clone();
     out.sig.inputs = without_tx(handler);
-    out.block = Box::new(new_block);
+    *out.block = new_block;
     quote!(#out)
 }
 
@@ -279,27 +279,36 @@ fn fallback(handler: Handler, errors: TokenStream) -> TokenStream {
         let ty = &tx.ty;
         quote!(let _: ::core::option::Option<#ty> = ::core::option::Option::None;)
     });
-    stub.block = Box::new(syn::parse_quote!({
+    *stub.block = syn::parse_quote!({
         #tx_type
         ::core::unreachable!()
-    }));
+    });
     stub.attrs
         .push(syn::parse_quote!(#[allow(unused_variables, clippy::unused_async)]));
     quote!(#errors #stub)
 }
 
-/// Where to point "not a function": the item's keyword and name.
-fn item_span(item: &TokenStream) -> Span {
-    let mut tokens = item.clone().into_iter().skip_while(|token| {
-        // Skip outer attributes: `#` and its bracket group.
-        matches!(token, proc_macro2::TokenTree::Punct(p) if p.as_char() == '#')
-            || matches!(token, proc_macro2::TokenTree::Group(g) if g.delimiter() == proc_macro2::Delimiter::Bracket)
-    });
-    let first = tokens.next();
-    let second = tokens.next();
-    match (first, second) {
-        (Some(first), Some(second)) => first.span().join(second.span()).unwrap_or_else(|| first.span()),
-        (Some(first), None) => first.span(),
-        _ => Span::call_site(),
+/// Where to point "not a function": the item's keyword and name (after its
+/// attributes and visibility).
+fn item_head(item: &TokenStream) -> TokenStream {
+    let mut tokens = item.clone().into_iter().peekable();
+    let mut head = TokenStream::new();
+    while let Some(token) = tokens.next() {
+        match &token {
+            // Outer attributes: `#` and its bracket group.
+            TokenTree::Punct(p) if p.as_char() == '#' => {
+                tokens.next_if(|t| matches!(t, TokenTree::Group(g) if g.delimiter() == Delimiter::Bracket));
+            }
+            // Visibility: `pub` and its optional `(crate)`.
+            TokenTree::Ident(i) if i == "pub" => {
+                tokens.next_if(|t| matches!(t, TokenTree::Group(g) if g.delimiter() == Delimiter::Parenthesis));
+            }
+            _ => {
+                head.extend([token]);
+                head.extend(tokens.next());
+                break;
+            }
+        }
     }
+    head
 }

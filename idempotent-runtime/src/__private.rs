@@ -132,6 +132,9 @@ pub trait StoredResult: Sized {
     fn codec() -> Codec<Self>;
 }
 
+// `do_not_recommend`: one error on `T: StoredResult` (this explanation),
+// rather than one per missing serde trait.
+#[diagnostic::do_not_recommend]
 impl<T: serde::Serialize + serde::de::DeserializeOwned> StoredResult for T {
     #[inline]
     fn codec() -> Codec<Self> {

@@ -19,7 +19,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use std::sync::Arc;
 
 use idempotent_runtime::lapin::{Connection, ConnectionProperties};
-use idempotent_runtime::rabbitmq::{Backoff, RabbitConsumer, shutdown_on_signal};
+use idempotent_runtime::rabbitmq::{Backoff, DeliveryInfo, RabbitConsumer, shutdown_on_signal};
 use idempotent_runtime::sqlx::{self, AssertSqlSafe, PgConnection, PgPool};
 use idempotent_runtime::{PgStore, idempotent};
 use rand::Rng;
@@ -121,10 +121,11 @@ async fn chaos(args: &[&str]) -> Result<(), Box<dyn std::error::Error>> {
         .max_attempts(5)
         .retry_backoff(Backoff::new(Duration::from_millis(5), Duration::from_millis(20)))
         .build()?;
-    let handler = move |msg: ChaosPayment| {
+    let handler = move |msg: ChaosPayment, info: DeliveryInfo| {
         let consumer = Arc::clone(&consumer);
         async move {
-            consumer.log(&msg.message_id, "delivery").await;
+            let redelivered = if info.redelivered { " redelivered" } else { "" };
+            consumer.log(&msg.message_id, &format!("delivery {}{redelivered}", info.attempt)).await;
             consumer.pay(&msg).await?;
             if rand::rng().random_ratio(crash_percent, 100) {
                 // Committed, never acked: the broker must redeliver.
@@ -134,7 +135,7 @@ async fn chaos(args: &[&str]) -> Result<(), Box<dyn std::error::Error>> {
             Ok::<_, AppError>(())
         }
     };
-    rabbit.run(handler, shutdown_on_signal()).await?;
+    rabbit.run_with_info(handler, shutdown_on_signal()).await?;
     Ok(())
 }
 

@@ -1,0 +1,78 @@
+//! The broker examples of the README, `cargo run --example rabbitmq_payments`
+//! and `cargo run --example nats_payments`, against the real RabbitMQ, NATS
+//! JetStream and PostgreSQL of `.ci/run`: each must exit 0 and print the
+//! proof (every payment once, none twice, a consumer killed before its ack
+//! and its redelivery recognised as a duplicate).
+
+use std::path::PathBuf;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+/// `target/<profile>/examples/<name>`: cargo builds examples before it runs
+/// the tests.
+fn example(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().expect("test binary path");
+    let profile_dir = exe.parent().and_then(|deps| deps.parent()).expect("target/<profile>");
+    profile_dir
+        .join("examples")
+        .join(format!("{name}{}", std::env::consts::EXE_SUFFIX))
+}
+
+fn run(name: &str) -> String {
+    let start = Instant::now();
+    let output = Command::new(example(name))
+        .output()
+        .unwrap_or_else(|e| panic!("run example {name}: {e}"));
+    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+    assert!(
+        output.status.success(),
+        "{name} failed:\n{stdout}\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert!(
+        start.elapsed() < Duration::from_secs(30),
+        "{name} took {:?}",
+        start.elapsed()
+    );
+    stdout
+}
+
+/// The number at the end of the table row labelled `label`.
+fn value(out: &str, label: &str) -> u64 {
+    let line = out
+        .lines()
+        .find(|l| l.trim_start().starts_with(label))
+        .unwrap_or_else(|| panic!("no `{label}` row in:\n{out}"));
+    line.split_whitespace()
+        .last()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no number in `{line}`"))
+}
+
+fn assert_proof(out: &str) {
+    assert!(out.contains("each payment was applied exactly once."), "{out}");
+    assert_eq!(value(out, "payment messages"), 200, "{out}");
+    assert_eq!(value(out, "payments in the table"), 200, "{out}");
+    assert_eq!(value(out, "orders charged twice"), 0, "{out}");
+    assert!(value(out, "messages published (with duplicates)") > 200, "{out}");
+    assert!(value(out, "duplicates skipped") >= 50, "{out}");
+    assert!(value(out, "consumers killed before ack") >= 1, "{out}");
+    assert!(value(out, "of them redeliveries after the kill") >= 1, "{out}");
+    assert!(value(out, "redeliveries") >= 1, "{out}");
+}
+
+#[test]
+fn rabbitmq_payments_example_applies_each_payment_once() {
+    let out = run("rabbitmq_payments");
+    assert_proof(&out);
+    assert_eq!(value(&out, "processed (body ran and committed)"), 200, "{out}");
+    assert!(value(&out, "acks lost with it") >= 1, "{out}");
+    assert_eq!(value(&out, "messages left in the queues"), 0, "{out}");
+}
+
+#[test]
+fn nats_payments_example_applies_each_payment_once() {
+    let out = run("nats_payments");
+    assert_proof(&out);
+    assert_eq!(value(&out, "messages left unacked or dead-lettered"), 0, "{out}");
+}

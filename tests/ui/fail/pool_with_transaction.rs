@@ -1,0 +1,14 @@
+use idempotent_runtime::sqlx::{PgConnection, PgPool};
+use idempotent_runtime::idempotent;
+
+#[derive(Debug, thiserror::Error)]
+#[error(transparent)]
+struct AppError(#[from] idempotent_runtime::Error);
+
+#[idempotent(key = "id", store = pool)]
+async fn handle(pool: &PgPool, id: String, tx: &mut PgConnection) -> Result<(), AppError> {
+    let _ = (id, tx);
+    Ok(())
+}
+
+fn main() {}
