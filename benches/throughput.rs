@@ -900,34 +900,23 @@ async fn table_size_section(cfg: &Config, doc: &mut Doc, env: &pg::PgEnv, plans:
 }
 
 async fn purge_section(cfg: &Config, doc: &mut Doc, env: &pg::PgEnv, plans: &Plans, warm: &Arc<Plan>) {
-    let expired: u64 = if cfg.quick { 200_000 } else { 2_000_000 };
+    let expired: u64 = if cfg.quick { 50_000 } else { 500_000 };
     let conc = 8;
     let (t, _) = pg::prefilled(env, "purge", 0, false).await;
     let store = t.store(); // default purge batch: 1000 markers per statement
     let d = Arc::new(pg::Macro::new(t.clone(), t.store()));
     let plan = plans.get(20);
-
-    // 1. purge alone
-    let fill = pg::add_expired(&t, expired, "x1").await;
-    let started = Instant::now();
-    let deleted = store.purge_expired().await.unwrap();
-    let alone = started.elapsed();
-    eprintln!(
-        "  purge alone: {deleted} in {:.2} s (fill {:.2} s)",
-        alone.as_secs_f64(),
-        fill.as_secs_f64()
-    );
-
-    // 2. claims without a purge
-    pg::add_expired(&t, expired, "x2").await;
-    let warm_opts = |p: &'static str| RunOptions {
+    let warm_opts = RunOptions {
         concurrency: conc,
         duration: cfg.timing.warmup,
-        prefix: p,
+        prefix: "wbase-",
         keep_starts: false,
         stop: None,
     };
-    harness::run(&d, warm, warm_opts("wbase-")).await;
+    harness::run(&d, warm, warm_opts).await;
+
+    // Claims without a purge (with expired markers in the table).
+    pg::add_expired(&t, expired, "x0").await;
     let opts = RunOptions {
         concurrency: conc,
         duration: cfg.timing.duration.max(Duration::from_secs(1)),
@@ -936,62 +925,79 @@ async fn purge_section(cfg: &Config, doc: &mut Doc, env: &pg::PgEnv, plans: &Pla
         stop: None,
     };
     let base = harness::run(&d, &plan, opts).await;
-
-    // 3. claims with a purge of the same size running
-    let lead = Duration::from_millis(300);
-    let duration = (alone * 3 + Duration::from_secs(1)).min(Duration::from_secs(90));
-    let purge_store = store.clone();
-    let purge = tokio::spawn(async move {
-        tokio::time::sleep(lead).await;
-        let started = Instant::now();
-        let deleted = purge_store.purge_expired().await.unwrap();
-        (deleted, started.elapsed())
-    });
-    let opts = RunOptions {
-        concurrency: conc,
-        duration,
-        prefix: "during-",
-        keep_starts: true,
-        stop: None,
-    };
-    let during = harness::run(&d, &plan, opts).await;
-    let (deleted_during, purge_took) = purge.await.unwrap();
-    let window = (lead, lead + purge_took);
-    let finished_in_run = lead + purge_took <= during.elapsed;
-
     let base_w = window_stats(&base, (Duration::ZERO, base.elapsed));
-    let during_w = window_stats(&during, window);
-    let text = format!(
-        "## Purging expired markers\n\n`PgStore::purge_expired()` (batches of 1000: `DELETE .. WHERE (scope, \
-         message_id) IN (SELECT .. WHERE expires_at <= now() LIMIT 1000 FOR UPDATE SKIP LOCKED)`, each its own \
-         statement) on a table of {} expired markers.\n\n\
-         | | markers deleted | time | markers/s |\n| --- | --- | --- | --- |\n\
-         | purge alone | {} | {:.2} s | {} |\n\
-         | purge while claims run (c={conc}) | {} | {:.2} s | {} |\n\n\
-         Claims (`#[idempotent]` + `PgStore`, concurrency {conc}, 20 % duplicates) on the same table:\n\n\
-         | | claims/s | p50 ms | p99 ms | max ms |\n| --- | --- | --- | --- | --- |\n\
-         | without purge | {} | {} | {} | {} |\n\
-         | during the purge | {} | {} | {} | {} |\n\n{}\n",
-        fmt_count(expired),
-        fmt_count(deleted),
-        alone.as_secs_f64(),
-        report::fmt_rate(deleted as f64 / alone.as_secs_f64()),
-        fmt_count(deleted_during),
-        purge_took.as_secs_f64(),
-        report::fmt_rate(deleted_during as f64 / purge_took.as_secs_f64()),
+    pg::purge_ctid(&t, 1000).await;
+
+    let mut purges = String::new();
+    let mut claims = format!(
+        "| without purge | {} | {} | {} | {} |\n",
         report::fmt_rate(base_w.0),
         report::fmt_ms(base_w.1),
         report::fmt_ms(base_w.2),
-        report::fmt_ms(base_w.3),
-        report::fmt_rate(during_w.0),
-        report::fmt_ms(during_w.1),
-        report::fmt_ms(during_w.2),
-        report::fmt_ms(during_w.3),
-        if finished_in_run {
-            ""
-        } else {
-            "(The purge outlasted the claim run: the window covers only its first part.)"
-        },
+        report::fmt_ms(base_w.3)
+    );
+    for (name, ctid) in [("`PgStore::purge_expired` (current)", false), ("prototype: `ctid` batches", true)] {
+        // Alone.
+        pg::add_expired(&t, expired, &format!("a{ctid}")).await;
+        let started = Instant::now();
+        let deleted = if ctid { pg::purge_ctid(&t, 1000).await } else { store.purge_expired().await.unwrap() };
+        let alone = started.elapsed();
+        eprintln!("  purge alone, {name}: {deleted} in {:.2} s", alone.as_secs_f64());
+        // While claims run: the claims stop when the purge is done.
+        pg::add_expired(&t, expired, &format!("b{ctid}")).await;
+        let lead = Duration::from_millis(300);
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (purge_store, purge_t, purge_stop) = (store.clone(), t.clone(), Arc::clone(&stop));
+        let purge = tokio::spawn(async move {
+            tokio::time::sleep(lead).await;
+            let started = Instant::now();
+            let deleted = if ctid { pg::purge_ctid(&purge_t, 1000).await } else { purge_store.purge_expired().await.unwrap() };
+            let took = started.elapsed();
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            purge_stop.store(true, Ordering::Relaxed);
+            (deleted, took)
+        });
+        let opts = RunOptions {
+            concurrency: conc,
+            duration: Duration::from_secs(300),
+            prefix: if ctid { "during-ctid-" } else { "during-" },
+            keep_starts: true,
+            stop: Some(stop),
+        };
+        let during = harness::run(&d, &plan, opts).await;
+        let (deleted_during, took) = purge.await.unwrap();
+        let w = window_stats(&during, (lead, lead + took));
+        eprintln!("  purge during claims, {name}: {deleted_during} in {:.2} s; claims {}/s", took.as_secs_f64(), report::fmt_rate(w.0));
+        let _ = writeln!(
+            purges,
+            "| {name} | {} | {:.2} s | {} | {:.2} s | {} |",
+            fmt_count(deleted),
+            alone.as_secs_f64(),
+            report::fmt_rate(deleted as f64 / alone.as_secs_f64()),
+            took.as_secs_f64(),
+            report::fmt_rate(deleted_during as f64 / took.as_secs_f64()),
+        );
+        let _ = writeln!(
+            claims,
+            "| during {name} | {} | {} | {} | {} |",
+            report::fmt_rate(w.0),
+            report::fmt_ms(w.1),
+            report::fmt_ms(w.2),
+            report::fmt_ms(w.3)
+        );
+    }
+    let text = format!(
+        "## Purging expired markers\n\nA marker table with {} expired markers (plus the live ones the claims add). \
+         `PgStore::purge_expired()` deletes in batches of 1000, each its own statement: `DELETE FROM t WHERE (scope, \
+         message_id) IN (SELECT scope, message_id FROM t WHERE expires_at <= now() LIMIT 1000 FOR UPDATE SKIP \
+         LOCKED)`. The prototype deletes the same rows by `ctid`: `DELETE FROM t WHERE ctid = ANY(ARRAY(SELECT ctid \
+         FROM t WHERE expires_at <= now() LIMIT 1000 FOR UPDATE SKIP LOCKED))`.\n\n\
+         | purge | markers | alone | markers/s alone | while claims run (c={conc}) | markers/s then |\n\
+         | --- | --- | --- | --- | --- | --- |\n{purges}\n\
+         Claims (`#[idempotent]` + `PgStore`, concurrency {conc}, 20 % duplicates) on the same table, counting the \
+         deliveries started while the purge ran:\n\n\
+         | | claims/s | p50 ms | p99 ms | max ms |\n| --- | --- | --- | --- | --- |\n{claims}",
+        fmt_count(expired),
     );
     doc.section(&text);
 }

@@ -17,12 +17,13 @@ use idempotent_runtime::sqlx::{self, SqlitePool};
 
 /// Records a shipment once per order, whatever the number of deliveries.
 async fn record_shipment(pool: &SqlitePool, order_id: &str, carrier: &str) -> Result<bool, sqlx::Error> {
-    let inserted = sqlx::query("INSERT INTO shipments (order_id, carrier) VALUES (?1, ?2) ON CONFLICT (order_id) DO NOTHING")
-        .bind(order_id)
-        .bind(carrier)
-        .execute(pool)
-        .await?
-        .rows_affected();
+    let inserted =
+        sqlx::query("INSERT INTO shipments (order_id, carrier) VALUES (?1, ?2) ON CONFLICT (order_id) DO NOTHING")
+            .bind(order_id)
+            .bind(carrier)
+            .execute(pool)
+            .await?
+            .rows_affected();
     Ok(inserted == 1)
 }
 
@@ -48,7 +49,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let dir = tempfile::tempdir()?;
     let store = SqliteStore::open(dir.path().join("by_design.db")).await?;
     let pool = store.pool();
-    sqlx::query("CREATE TABLE shipments (order_id TEXT PRIMARY KEY, carrier TEXT NOT NULL)").execute(pool).await?;
+    sqlx::query("CREATE TABLE shipments (order_id TEXT PRIMARY KEY, carrier TEXT NOT NULL)")
+        .execute(pool)
+        .await?;
     sqlx::query("CREATE TABLE customers (id TEXT PRIMARY KEY, address TEXT NOT NULL, version INTEGER NOT NULL)")
         .execute(pool)
         .await?;
@@ -56,9 +59,15 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("1. ON CONFLICT DO NOTHING on a natural key (order_id)");
     for (n, order) in ["order-1", "order-2", "order-1", "order-1"].iter().enumerate() {
         let applied = record_shipment(pool, order, "correios").await?;
-        println!("   delivery {}: shipment for {order:<8} {}", n + 1, if applied { "recorded" } else { "already there, no-op" });
+        println!(
+            "   delivery {}: shipment for {order:<8} {}",
+            n + 1,
+            if applied { "recorded" } else { "already there, no-op" }
+        );
     }
-    let shipments: i64 = sqlx::query_scalar("SELECT count(*) FROM shipments").fetch_one(pool).await?;
+    let shipments: i64 = sqlx::query_scalar("SELECT count(*) FROM shipments")
+        .fetch_one(pool)
+        .await?;
     println!("   shipments in the table: {shipments} (2 orders)");
 
     println!();
@@ -68,11 +77,17 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         let applied = apply_address(pool, "customer-42", address, version).await?;
         println!(
             "   address v{version} ({address}) {}",
-            if applied { "applied" } else { "ignored: stored version is newer or equal" }
+            if applied {
+                "applied"
+            } else {
+                "ignored: stored version is newer or equal"
+            }
         );
     }
     let (address, version): (String, i64) =
-        sqlx::query_as("SELECT address, version FROM customers WHERE id = 'customer-42'").fetch_one(pool).await?;
+        sqlx::query_as("SELECT address, version FROM customers WHERE id = 'customer-42'")
+            .fetch_one(pool)
+            .await?;
     println!("   final: {address} (v{version}), whatever the delivery order");
 
     if shipments != 2 || version != 3 {

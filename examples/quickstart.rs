@@ -84,9 +84,11 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let path = dir.path().join("payments.db");
     let store = SqliteStore::open(&path).await?;
     store.migrate().await?;
-    sqlx::query("CREATE TABLE payments (id INTEGER PRIMARY KEY, order_id TEXT NOT NULL, amount_cents INTEGER NOT NULL)")
-        .execute(store.pool())
-        .await?;
+    sqlx::query(
+        "CREATE TABLE payments (id INTEGER PRIMARY KEY, order_id TEXT NOT NULL, amount_cents INTEGER NOT NULL)",
+    )
+    .execute(store.pool())
+    .await?;
 
     // 60 payments; one in three is published twice (a producer retry).
     let broker = Arc::new(Broker::default());
@@ -109,7 +111,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     // Four competing consumers; each "crashes" after the commit but before
     // the ack on about one delivery in ten.
-    let consumer = Arc::new(PaymentConsumer { store: store.clone(), charged: AtomicUsize::new(0) });
+    let consumer = Arc::new(PaymentConsumer {
+        store: store.clone(),
+        charged: AtomicUsize::new(0),
+    });
     let crashes = Arc::new(AtomicUsize::new(0));
     let workers: Vec<_> = (0..4)
         .map(|_| {
@@ -130,7 +135,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         worker.await??;
     }
 
-    let payments: i64 = sqlx::query_scalar("SELECT count(*) FROM payments").fetch_one(store.pool()).await?;
+    let payments: i64 = sqlx::query_scalar("SELECT count(*) FROM payments")
+        .fetch_one(store.pool())
+        .await?;
     let charged_twice: i64 = sqlx::query_scalar(
         "SELECT count(*) FROM (SELECT order_id FROM payments GROUP BY order_id HAVING count(*) > 1)",
     )
@@ -139,11 +146,18 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let deliveries = broker.deliveries.load(Ordering::Relaxed);
     let processed = consumer.charged.load(Ordering::Relaxed);
 
-    println!("idempotent quickstart: the article's payment consumer on SQLite ({})", path.display());
+    println!(
+        "idempotent quickstart: the article's payment consumer on SQLite ({})",
+        path.display()
+    );
     println!();
     println!("  {:<34} {:>5}", "payment messages", 60);
     println!("  {:<34} {:>5}", "deliveries (with duplicates)", deliveries);
-    println!("  {:<34} {:>5}", "crashes after commit, before ack", crashes.load(Ordering::Relaxed));
+    println!(
+        "  {:<34} {:>5}",
+        "crashes after commit, before ack",
+        crashes.load(Ordering::Relaxed)
+    );
     println!("  {:<34} {:>5}", "processed (body ran and committed)", processed);
     println!("  {:<34} {:>5}", "duplicates skipped", deliveries - processed);
     println!("  {:<34} {:>5}", "payments in the table", payments);

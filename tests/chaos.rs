@@ -99,7 +99,9 @@ impl Consumers {
 }
 
 async fn publish(channel: &Channel, queue: &str, body: Vec<u8>) {
-    let props = BasicProperties::default().with_delivery_mode(2).with_content_type("application/json".into());
+    let props = BasicProperties::default()
+        .with_delivery_mode(2)
+        .with_content_type("application/json".into());
     let confirm = channel
         .basic_publish("".into(), queue.into(), BasicPublishOptions::default(), &body, props)
         .await
@@ -110,14 +112,25 @@ async fn publish(channel: &Channel, queue: &str, body: Vec<u8>) {
 }
 
 async fn ready(channel: &Channel, queue: &str) -> u32 {
-    let passive = QueueDeclareOptions { passive: true, ..QueueDeclareOptions::default() };
-    channel.queue_declare(queue.into(), passive, FieldTable::default()).await.unwrap().message_count()
+    let passive = QueueDeclareOptions {
+        passive: true,
+        ..QueueDeclareOptions::default()
+    };
+    channel
+        .queue_declare(queue.into(), passive, FieldTable::default())
+        .await
+        .unwrap()
+        .message_count()
 }
 
 /// Takes what reached the dead-letter queue so far: message ids.
 async fn drain_ids(channel: &Channel, queue: &str, into: &mut HashSet<String>) -> usize {
     let mut taken = 0;
-    while let Some(msg) = channel.basic_get(queue.into(), BasicGetOptions { no_ack: true }).await.unwrap() {
+    while let Some(msg) = channel
+        .basic_get(queue.into(), BasicGetOptions { no_ack: true })
+        .await
+        .unwrap()
+    {
         let body: serde_json::Value = serde_json::from_slice(&msg.delivery.data).unwrap();
         into.insert(body["message_id"].as_str().unwrap().to_owned());
         taken += 1;
@@ -134,19 +147,34 @@ async fn run(plan: Plan) -> Figures {
     let pool = common::pg_pool(4).await;
     let queue = common::unique("idem.chaos");
     let dlq = format!("{queue}.dlq");
-    let (markers, payments, log) = (common::unique("chaos_m"), common::unique("chaos_p"), common::unique("chaos_log"));
-    PgStore::builder(pool.clone()).table(&markers).build().unwrap().migrate().await.unwrap();
+    let (markers, payments, log) = (
+        common::unique("chaos_m"),
+        common::unique("chaos_p"),
+        common::unique("chaos_log"),
+    );
+    PgStore::builder(pool.clone())
+        .table(&markers)
+        .build()
+        .unwrap()
+        .migrate()
+        .await
+        .unwrap();
     for ddl in [
         format!("CREATE TABLE {payments} (message_id TEXT NOT NULL, amount BIGINT NOT NULL, pid BIGINT NOT NULL)"),
         format!("CREATE TABLE {log} (message_id TEXT NOT NULL, event TEXT NOT NULL)"),
     ] {
         sqlx::query(AssertSqlSafe(ddl)).execute(&pool).await.unwrap();
     }
-    let connection = Connection::connect(AMQP_URL, ConnectionProperties::default()).await.expect("RabbitMQ");
+    let connection = Connection::connect(AMQP_URL, ConnectionProperties::default())
+        .await
+        .expect("RabbitMQ");
     let channel = connection.create_channel().await.unwrap();
     channel.confirm_select(ConfirmSelectOptions::default()).await.unwrap();
     for q in [&queue, &dlq] {
-        channel.queue_declare(q.as_str().into(), QueueDeclareOptions::durable(), FieldTable::default()).await.unwrap();
+        channel
+            .queue_declare(q.as_str().into(), QueueDeclareOptions::durable(), FieldTable::default())
+            .await
+            .unwrap();
     }
 
     // Messages, a share of them published twice, a few that always fail.
@@ -159,7 +187,8 @@ async fn run(plan: Plan) -> Figures {
         if fails {
             always_fail.insert(id.clone());
         }
-        let body = serde_json::to_vec(&serde_json::json!({"message_id": id, "amount": i, "always_fail": fails})).unwrap();
+        let body =
+            serde_json::to_vec(&serde_json::json!({"message_id": id, "amount": i, "always_fail": fails})).unwrap();
         if rng.random_ratio(plan.duplicate_percent, 100) {
             bodies.push(body.clone());
         }
@@ -171,10 +200,22 @@ async fn run(plan: Plan) -> Figures {
         publish(&channel, &queue, body).await;
     }
 
-    let args = ["chaos", &queue, &markers, &payments, &log, &plan.fail_percent.to_string(), &plan.crash_percent.to_string()]
-        .map(str::to_owned)
-        .to_vec();
-    let mut consumers = Consumers { args, children: Vec::new(), restarts: 0 };
+    let args = [
+        "chaos",
+        &queue,
+        &markers,
+        &payments,
+        &log,
+        &plan.fail_percent.to_string(),
+        &plan.crash_percent.to_string(),
+    ]
+    .map(str::to_owned)
+    .to_vec();
+    let mut consumers = Consumers {
+        args,
+        children: Vec::new(),
+        restarts: 0,
+    };
     consumers.children = (0..plan.consumers).map(|_| consumers.spawn()).collect();
 
     let expected_effects = (plan.messages - always_fail.len()) as i64;
@@ -210,19 +251,19 @@ async fn run(plan: Plan) -> Figures {
     consumers.stop();
     drain_ids(&channel, &dlq, &mut dead).await;
 
-    let rows: Vec<(String, i64)> =
-        sqlx::query_as(AssertSqlSafe(format!("SELECT message_id, count(*) FROM {payments} GROUP BY message_id")))
-            .fetch_all(&pool)
-            .await
-            .unwrap();
+    let rows: Vec<(String, i64)> = sqlx::query_as(AssertSqlSafe(format!(
+        "SELECT message_id, count(*) FROM {payments} GROUP BY message_id"
+    )))
+    .fetch_all(&pool)
+    .await
+    .unwrap();
     let effects: HashMap<String, i64> = rows.into_iter().collect();
     let ids = (0..plan.messages).map(|i| format!("pay-{i:06}"));
     let lost = ids.filter(|id| !effects.contains_key(id) && !dead.contains(id)).count();
     // A duplicate copy can exhaust its attempts while the other copy
     // succeeds: such a message is both applied (once) and dead-lettered.
     let dead_only = dead.iter().filter(|id| !effects.contains_key(*id)).count();
-    let events =
-        |event: &'static str| scalar(&pool, format!("SELECT count(*) FROM {log} WHERE event LIKE '{event}%'"));
+    let events = |event: &'static str| scalar(&pool, format!("SELECT count(*) FROM {log} WHERE event LIKE '{event}%'"));
     let figures = Figures {
         messages: plan.messages,
         published,
@@ -242,7 +283,10 @@ async fn run(plan: Plan) -> Figures {
     }
 
     for q in [&queue, &dlq] {
-        channel.queue_delete(q.as_str().into(), QueueDeleteOptions::default()).await.unwrap();
+        channel
+            .queue_delete(q.as_str().into(), QueueDeleteOptions::default())
+            .await
+            .unwrap();
     }
     if std::env::var("IDEMPOTENT_CHAOS_KEEP").is_ok() {
         println!("kept tables {markers} {payments} {log}");
@@ -259,7 +303,10 @@ fn report(name: &str, f: &Figures) {
     println!("chaos {name}: {:.1?}", f.elapsed);
     println!("  messages {} (published {} with duplicates)", f.messages, f.published);
     println!("  deliveries to handlers {}", f.deliveries);
-    println!("  SIGKILLs {}, aborts after commit before ack {}", f.kills, f.crashes_after_commit);
+    println!(
+        "  SIGKILLs {}, aborts after commit before ack {}",
+        f.kills, f.crashes_after_commit
+    );
     println!("  injected handler failures {}", f.injected_failures);
     println!(
         "  effects {} (= messages {} - dead-lettered only {}); dead-lettered {}",
@@ -271,8 +318,15 @@ fn report(name: &str, f: &Figures) {
 fn check(f: &Figures) {
     assert_eq!(f.lost, 0, "no message lost");
     assert_eq!(f.applied_twice, 0, "no effect applied twice");
-    assert_eq!(f.effects as usize + f.dead_only, f.messages, "every message applied once or dead-lettered");
-    assert!(f.kills > 0 && f.injected_failures > 0 && f.crashes_after_commit > 0, "the chaos happened: {f:?}");
+    assert_eq!(
+        f.effects as usize + f.dead_only,
+        f.messages,
+        "every message applied once or dead-lettered"
+    );
+    assert!(
+        f.kills > 0 && f.injected_failures > 0 && f.crashes_after_commit > 0,
+        "the chaos happened: {f:?}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -299,7 +353,10 @@ async fn soak() {
         println!("soak skipped: set IDEMPOTENT_SOAK=1 to run it");
         return;
     }
-    let messages: usize = std::env::var("IDEMPOTENT_SOAK_MESSAGES").ok().and_then(|n| n.parse().ok()).unwrap_or(20_000);
+    let messages: usize = std::env::var("IDEMPOTENT_SOAK_MESSAGES")
+        .ok()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(20_000);
     let figures = run(Plan {
         messages,
         duplicate_percent: 20,

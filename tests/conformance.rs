@@ -64,7 +64,11 @@ pub struct Msg {
 
 impl Msg {
     fn new(id: &str) -> Msg {
-        Msg { id: Some(id.to_owned()), body: "body".into(), behavior: Behavior::Succeed }
+        Msg {
+            id: Some(id.to_owned()),
+            body: "body".into(),
+            behavior: Behavior::Succeed,
+        }
     }
     fn with(mut self, behavior: Behavior) -> Msg {
         self.behavior = behavior;
@@ -97,7 +101,12 @@ impl Effects {
             }
             Behavior::Succeed => tokio::time::sleep(Duration::from_millis(5)).await,
         }
-        *self.runs.lock().unwrap().entry(msg.id.clone().unwrap_or_default()).or_default() += 1;
+        *self
+            .runs
+            .lock()
+            .unwrap()
+            .entry(msg.id.clone().unwrap_or_default())
+            .or_default() += 1;
         Ok(self.seq.fetch_add(1, Ordering::SeqCst) + 1)
     }
 }
@@ -145,11 +154,18 @@ pub async fn concurrent_duplicates_run_the_body_once<F: Fixture>() {
         let (store, effects, id) = (f.store().clone(), Arc::clone(&effects), id.clone());
         tokio::spawn(async move { handle(&store, &Msg::new(&id), &effects).await })
     });
-    let results: Vec<_> = futures_util::future::join_all(calls).await.into_iter().map(Result::unwrap).collect();
+    let results: Vec<_> = futures_util::future::join_all(calls)
+        .await
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
     assert_eq!(effects.runs(&id), 1, "the body ran once");
     let oks: Vec<u64> = results.iter().filter_map(|r| r.as_ref().ok().copied()).collect();
     assert!(!oks.is_empty());
-    assert!(oks.iter().all(|v| *v == oks[0]), "every Ok carries the first run's result: {oks:?}");
+    assert!(
+        oks.iter().all(|v| *v == oks[0]),
+        "every Ok carries the first run's result: {oks:?}"
+    );
     if F::TRANSACTIONAL {
         assert_eq!(oks.len(), 16, "transactional duplicates wait and replay: {results:?}");
     } else {
@@ -169,7 +185,9 @@ pub async fn failure_leaves_no_marker<F: Fixture>() {
     let f = F::setup().await;
     let effects = Effects::default();
     let id = key("fail");
-    let err = handle(f.store(), &Msg::new(&id).with(Behavior::Fail), &effects).await.unwrap_err();
+    let err = handle(f.store(), &Msg::new(&id).with(Behavior::Fail), &effects)
+        .await
+        .unwrap_err();
     assert!(matches!(err, TestError::Failed));
     handle(f.store(), &Msg::new(&id), &effects).await.unwrap();
     assert_eq!(effects.runs(&id), 1, "the redelivery was processed");
@@ -205,7 +223,10 @@ async fn redeliver<F: Fixture>(store: &F::S, msg: &Msg, effects: &Effects) {
             }
         }
     };
-    tokio::time::timeout(Duration::from_secs(10), attempt).await.expect("the redelivery was not blocked").unwrap();
+    tokio::time::timeout(Duration::from_secs(10), attempt)
+        .await
+        .expect("the redelivery was not blocked")
+        .unwrap();
 }
 
 pub async fn cancellation_leaves_no_marker<F: Fixture>() {
@@ -238,7 +259,11 @@ pub async fn different_fingerprint_is_key_reused<F: Fixture>() {
 pub async fn missing_and_invalid_keys_are_refused<F: Fixture>() {
     let f = F::setup().await;
     let effects = Effects::default();
-    let none = Msg { id: None, body: "b".into(), behavior: Behavior::Succeed };
+    let none = Msg {
+        id: None,
+        body: "b".into(),
+        behavior: Behavior::Succeed,
+    };
     let err = handle(f.store(), &none, &effects).await.unwrap_err();
     assert!(matches!(err, TestError::Idem(Error::MissingKey { .. })), "{err:?}");
     for bad in [String::new(), "k".repeat(256), "nul\0key".to_owned()] {
@@ -253,8 +278,12 @@ pub async fn missing_and_invalid_keys_are_refused<F: Fixture>() {
     assert_eq!(effects.runs(&hostile), 1);
     // Keys are never truncated: two long keys differing in the last byte differ.
     let base = "x".repeat(254);
-    handle(f.store(), &Msg::new(&format!("{base}a")), &effects).await.unwrap();
-    handle(f.store(), &Msg::new(&format!("{base}b")), &effects).await.unwrap();
+    handle(f.store(), &Msg::new(&format!("{base}a")), &effects)
+        .await
+        .unwrap();
+    handle(f.store(), &Msg::new(&format!("{base}b")), &effects)
+        .await
+        .unwrap();
     assert_eq!(effects.runs(&format!("{base}b")), 1);
     f.teardown().await;
 }
@@ -369,7 +398,10 @@ impl Fixture for Postgres {
     async fn setup() -> Self {
         let table = common::unique("conf");
         let pool = common::pg_pool(20).await;
-        let store = idempotent_runtime::PgStore::builder(pool).table(&table).build().unwrap();
+        let store = idempotent_runtime::PgStore::builder(pool)
+            .table(&table)
+            .build()
+            .unwrap();
         store.migrate().await.unwrap();
         Postgres { store, table }
     }
@@ -395,7 +427,10 @@ impl Fixture for MySql {
     async fn setup() -> Self {
         let table = common::unique("conf");
         let pool = common::mysql_pool(20).await;
-        let store = idempotent_runtime::MySqlStore::builder(pool).table(&table).build().unwrap();
+        let store = idempotent_runtime::MySqlStore::builder(pool)
+            .table(&table)
+            .build()
+            .unwrap();
         store.migrate().await.unwrap();
         MySql { store, table }
     }
@@ -420,7 +455,9 @@ impl Fixture for Sqlite {
     const TRANSACTIONAL: bool = true;
     async fn setup() -> Self {
         let dir = tempfile::tempdir().unwrap();
-        let store = idempotent_runtime::SqliteStore::open(dir.path().join("markers.db")).await.unwrap();
+        let store = idempotent_runtime::SqliteStore::open(dir.path().join("markers.db"))
+            .await
+            .unwrap();
         store.migrate().await.unwrap();
         Sqlite { store, _dir: dir }
     }
@@ -449,14 +486,19 @@ impl Fixture for Redis {
         let client = idempotent_runtime::redis::Client::open(common::REDIS_URL).unwrap();
         let conn = client.get_connection_manager().await.expect("Redis at 127.0.0.1:6379");
         let prefix = format!("{}:", common::unique("conformance"));
-        let store = idempotent_runtime::RedisStore::builder(conn.clone()).prefix(prefix.clone()).build().unwrap();
+        let store = idempotent_runtime::RedisStore::builder(conn.clone())
+            .prefix(prefix.clone())
+            .build()
+            .unwrap();
         Redis { store, conn, prefix }
     }
     fn store(&self) -> &Self::S {
         &self.store
     }
     async fn purge(&self) -> u64 {
-        idempotent_runtime::PurgeExpired::purge_expired(&self.store).await.unwrap()
+        idempotent_runtime::PurgeExpired::purge_expired(&self.store)
+            .await
+            .unwrap()
     }
     async fn teardown(mut self) {
         let keys: Vec<String> = idempotent_runtime::redis::cmd("KEYS")
@@ -465,7 +507,11 @@ impl Fixture for Redis {
             .await
             .unwrap();
         if !keys.is_empty() {
-            let () = idempotent_runtime::redis::cmd("DEL").arg(keys).query_async(&mut self.conn).await.unwrap();
+            let () = idempotent_runtime::redis::cmd("DEL")
+                .arg(keys)
+                .query_async(&mut self.conn)
+                .await
+                .unwrap();
         }
     }
 }

@@ -30,13 +30,21 @@ impl Consumer {
     #[idempotent(key = "message_id", store = self.store)]
     async fn pay(&self, message_id: &str, tx: &mut PgConnection) -> Result<(), AppError> {
         let insert = format!("INSERT INTO {} (message_id) VALUES ($1)", self.payments);
-        sqlx::query(AssertSqlSafe(insert.clone())).bind(message_id).execute(&mut *tx).await?;
+        sqlx::query(AssertSqlSafe(insert.clone()))
+            .bind(message_id)
+            .execute(&mut *tx)
+            .await?;
         if let Some((report, killed)) = self.killer.lock().await.take() {
-            let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()").fetch_one(&mut *tx).await?;
+            let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+                .fetch_one(&mut *tx)
+                .await?;
             report.send(pid).unwrap();
             killed.await.unwrap();
         }
-        sqlx::query(AssertSqlSafe(insert)).bind(format!("{message_id}/second-row")).execute(&mut *tx).await?;
+        sqlx::query(AssertSqlSafe(insert))
+            .bind(format!("{message_id}/second-row"))
+            .execute(&mut *tx)
+            .await?;
         Ok(())
     }
 }
@@ -52,13 +60,25 @@ async fn setup() -> (Arc<Consumer>, PgPool, String, String) {
         .unwrap();
     let store = PgStore::builder(pool.clone()).table(&markers).build().unwrap();
     store.migrate().await.unwrap();
-    sqlx::query(AssertSqlSafe(format!("CREATE TABLE {payments} (message_id TEXT NOT NULL)"))).execute(&pool).await.unwrap();
-    let consumer = Arc::new(Consumer { store, payments: payments.clone(), killer: Mutex::new(None) });
+    sqlx::query(AssertSqlSafe(format!(
+        "CREATE TABLE {payments} (message_id TEXT NOT NULL)"
+    )))
+    .execute(&pool)
+    .await
+    .unwrap();
+    let consumer = Arc::new(Consumer {
+        store,
+        payments: payments.clone(),
+        killer: Mutex::new(None),
+    });
     (consumer, pool, markers, payments)
 }
 
 async fn count(pool: &PgPool, table: &str) -> i64 {
-    sqlx::query_scalar(AssertSqlSafe(format!("SELECT count(*) FROM {table}"))).fetch_one(pool).await.unwrap()
+    sqlx::query_scalar(AssertSqlSafe(format!("SELECT count(*) FROM {table}")))
+        .fetch_one(pool)
+        .await
+        .unwrap()
 }
 
 #[tokio::test]
@@ -71,7 +91,11 @@ async fn connection_terminated_mid_transaction_leaves_nothing_and_the_redelivery
     let c = Arc::clone(&consumer);
     let call = tokio::spawn(async move { c.pay("m-1").await });
     let pid = pid.await.unwrap();
-    let terminated: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1)").bind(pid).fetch_one(&pool).await.unwrap();
+    let terminated: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1)")
+        .bind(pid)
+        .fetch_one(&pool)
+        .await
+        .unwrap();
     assert!(terminated);
     tokio::time::sleep(Duration::from_millis(100)).await;
     killed.send(()).unwrap();
@@ -81,10 +105,17 @@ async fn connection_terminated_mid_transaction_leaves_nothing_and_the_redelivery
     assert_eq!(count(&pool, &payments).await, 0, "no partial effect");
     assert_eq!(count(&pool, &markers).await, 0, "no marker");
 
-    consumer.pay("m-1").await.expect("the redelivery succeeds on a fresh connection");
+    consumer
+        .pay("m-1")
+        .await
+        .expect("the redelivery succeeds on a fresh connection");
     assert_eq!(count(&pool, &payments).await, 2, "both rows of the one effect");
     consumer.pay("m-1").await.unwrap();
-    assert_eq!(count(&pool, &payments).await, 2, "and the duplicate after it is skipped");
+    assert_eq!(
+        count(&pool, &payments).await,
+        2,
+        "and the duplicate after it is skipped"
+    );
     common::drop_pg_table(&pool, &markers).await;
     common::drop_pg_table(&pool, &payments).await;
 }
@@ -96,14 +127,15 @@ async fn store_keeps_working_when_the_server_drops_all_its_connections() {
         consumer.pay(&format!("before-{i}")).await.unwrap();
     }
     // Kill every connection of the store's pool from a separate connection.
-    let mut admin = <PgConnection as sqlx::Connection>::connect(common::PG_URL).await.unwrap();
-    let killed: i64 = sqlx::query_scalar(
-        "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE application_name = $1",
-    )
-    .bind(&markers)
-    .fetch_one(&mut admin)
-    .await
-    .unwrap();
+    let mut admin = <PgConnection as sqlx::Connection>::connect(common::PG_URL)
+        .await
+        .unwrap();
+    let killed: i64 =
+        sqlx::query_scalar("SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE application_name = $1")
+            .bind(&markers)
+            .fetch_one(&mut admin)
+            .await
+            .unwrap();
     assert!(killed >= 1, "the pool had open connections");
     tokio::time::sleep(Duration::from_millis(100)).await;
 

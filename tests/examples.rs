@@ -9,7 +9,9 @@ use std::process::Command;
 fn example(name: &str) -> PathBuf {
     let exe = std::env::current_exe().expect("test binary path");
     let profile_dir = exe.parent().and_then(|deps| deps.parent()).expect("target/<profile>");
-    profile_dir.join("examples").join(format!("{name}{}", std::env::consts::EXE_SUFFIX))
+    profile_dir
+        .join("examples")
+        .join(format!("{name}{}", std::env::consts::EXE_SUFFIX))
 }
 
 fn run(name: &str) -> String {
@@ -17,7 +19,11 @@ fn run(name: &str) -> String {
         .output()
         .unwrap_or_else(|e| panic!("run example {name}: {e}"));
     let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
-    assert!(output.status.success(), "{name} failed:\n{stdout}\n{}", String::from_utf8_lossy(&output.stderr));
+    assert!(
+        output.status.success(),
+        "{name} failed:\n{stdout}\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
     stdout
 }
 
@@ -25,9 +31,15 @@ fn run(name: &str) -> String {
 fn quickstart_applies_each_payment_once() {
     let out = run("quickstart");
     assert!(out.contains("each payment was applied exactly once."), "{out}");
-    let line = out.lines().find(|l| l.contains("payments in the table")).expect("table line");
+    let line = out
+        .lines()
+        .find(|l| l.contains("payments in the table"))
+        .expect("table line");
     assert!(line.trim_end().ends_with(" 60"), "{line}");
-    let twice = out.lines().find(|l| l.contains("orders charged twice")).expect("table line");
+    let twice = out
+        .lines()
+        .find(|l| l.contains("orders charged twice"))
+        .expect("table line");
     assert!(twice.trim_end().ends_with(" 0"), "{twice}");
 }
 

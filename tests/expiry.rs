@@ -18,12 +18,19 @@ async fn complete(store: &PgStore, key: &str, ttl: Duration) {
 
 async fn markers(store: &PgStore) -> i64 {
     let sql = format!("SELECT count(*) FROM {}", store.table().quoted('"'));
-    sqlx::query_scalar(AssertSqlSafe(sql)).fetch_one(store.pool()).await.unwrap()
+    sqlx::query_scalar(AssertSqlSafe(sql))
+        .fetch_one(store.pool())
+        .await
+        .unwrap()
 }
 
 async fn fresh_store(batch: u32) -> (PgStore, String) {
     let table = common::unique("expiry");
-    let store = PgStore::builder(common::pg_pool(4).await).table(&table).purge_batch(batch).build().unwrap();
+    let store = PgStore::builder(common::pg_pool(4).await)
+        .table(&table)
+        .purge_batch(batch)
+        .build()
+        .unwrap();
     store.migrate().await.unwrap();
     (store, table)
 }
@@ -38,7 +45,11 @@ async fn purge_deletes_only_expired_markers_in_batches_and_counts_them() {
         complete(&store, &format!("live-{i}"), Duration::from_secs(3600)).await;
     }
     tokio::time::sleep(Duration::from_millis(50)).await;
-    assert_eq!(store.purge_expired().await.unwrap(), 7, "7 expired markers, deleted 2 at a time");
+    assert_eq!(
+        store.purge_expired().await.unwrap(),
+        7,
+        "7 expired markers, deleted 2 at a time"
+    );
     assert_eq!(markers(&store).await, 3, "live markers stay");
     assert_eq!(store.purge_expired().await.unwrap(), 0);
     common::drop_pg_table(store.pool(), &table).await;
@@ -77,7 +88,10 @@ async fn expiry_follows_the_database_clock() {
                 abs(extract(epoch FROM processed_at - now()))::bigint FROM {}",
         store.table().quoted('"')
     );
-    let (lifetime, skew): (i64, i64) = sqlx::query_as(AssertSqlSafe(sql)).fetch_one(store.pool()).await.unwrap();
+    let (lifetime, skew): (i64, i64) = sqlx::query_as(AssertSqlSafe(sql))
+        .fetch_one(store.pool())
+        .await
+        .unwrap();
     assert_eq!(lifetime, 3600, "expires_at = processed_at + ttl");
     assert!(skew < 60, "processed_at is the database's now()");
     common::drop_pg_table(store.pool(), &table).await;

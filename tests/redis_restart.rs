@@ -22,7 +22,11 @@ struct PrivateRedis {
 impl PrivateRedis {
     fn start() -> Self {
         let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-        let mut redis = PrivateRedis { port, dir: tempfile::tempdir().unwrap(), child: None };
+        let mut redis = PrivateRedis {
+            port,
+            dir: tempfile::tempdir().unwrap(),
+            child: None,
+        };
         redis.spawn();
         redis
     }
@@ -97,7 +101,10 @@ async fn redis_restart_loses_and_doubles_nothing() {
         let err = handle(&store, id, &effects).await.unwrap_err();
         assert!(matches!(err, AppError::Idem(Error::Store(_))), "{err:?}");
     }
-    assert!(ids[10..].iter().all(|id| !effects.0.lock().unwrap().contains_key(id)), "nothing ran while down");
+    assert!(
+        ids[10..].iter().all(|id| !effects.0.lock().unwrap().contains_key(id)),
+        "nothing ran while down"
+    );
 
     redis.spawn();
     // The broker redelivers everything; the connection manager reconnects.

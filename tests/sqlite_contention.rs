@@ -19,7 +19,10 @@ enum AppError {
 
 #[idempotent(key = "id", store = store)]
 async fn apply(store: &SqliteStore, id: u32, tx: &mut SqliteConnection) -> Result<(), AppError> {
-    sqlx::query("INSERT INTO effects (id) VALUES (?1)").bind(id).execute(&mut *tx).await?;
+    sqlx::query("INSERT INTO effects (id) VALUES (?1)")
+        .bind(id)
+        .execute(&mut *tx)
+        .await?;
     // Hold the write lock a little, as a real effect would.
     tokio::time::sleep(std::time::Duration::from_millis(2)).await;
     Ok(())
@@ -31,7 +34,10 @@ async fn independent_stores_on_one_file_never_leak_sqlite_busy() {
     let path = dir.path().join("shared.db");
     let first = SqliteStore::open(&path).await.unwrap();
     first.migrate().await.unwrap();
-    sqlx::query("CREATE TABLE effects (id INTEGER NOT NULL)").execute(first.pool()).await.unwrap();
+    sqlx::query("CREATE TABLE effects (id INTEGER NOT NULL)")
+        .execute(first.pool())
+        .await
+        .unwrap();
     let mut stores = vec![first];
     for _ in 0..3 {
         stores.push(SqliteStore::open(&path).await.unwrap());
@@ -75,11 +81,18 @@ async fn busy_is_retried_even_without_a_busy_timeout() {
         .busy_timeout(std::time::Duration::ZERO);
     let mut stores = Vec::new();
     for _ in 0..4 {
-        let pool = SqlitePoolOptions::new().max_connections(4).connect_with(options.clone()).await.unwrap();
+        let pool = SqlitePoolOptions::new()
+            .max_connections(4)
+            .connect_with(options.clone())
+            .await
+            .unwrap();
         stores.push(SqliteStore::new(pool));
     }
     stores[0].migrate().await.unwrap();
-    sqlx::query("CREATE TABLE effects (id INTEGER NOT NULL)").execute(stores[0].pool()).await.unwrap();
+    sqlx::query("CREATE TABLE effects (id INTEGER NOT NULL)")
+        .execute(stores[0].pool())
+        .await
+        .unwrap();
 
     let calls: Vec<_> = (0..200u32)
         .map(|id| {

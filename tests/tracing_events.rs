@@ -52,12 +52,23 @@ async fn outcomes_are_traced_with_scope_and_key() {
     let out = String::from_utf8(captured.0.lock().unwrap().clone()).unwrap();
     let lines: Vec<&str> = out.lines().collect();
     let find = |outcome: &str| {
-        lines.iter().find(|l| l.contains(&format!("outcome=\"{outcome}\""))).copied().unwrap_or_default()
+        lines
+            .iter()
+            .find(|l| l.contains(&format!("outcome=\"{outcome}\"")))
+            .copied()
+            .unwrap_or_default()
     };
     for outcome in ["failed", "processed", "duplicate"] {
         let line = find(outcome);
-        assert!(line.contains("scope=\"traced\"") && line.contains("key=\"m-1\""), "{outcome}: {out}");
+        assert!(
+            line.contains("scope=\"traced\"") && line.contains("key=\"m-1\""),
+            "{outcome}: {out}"
+        );
     }
     assert!(find("duplicate").contains("INFO"), "{out}");
-    assert_eq!(lines.iter().filter(|l| l.contains("outcome=\"processed\"")).count(), 1, "{out}");
+    assert_eq!(
+        lines.iter().filter(|l| l.contains("outcome=\"processed\"")).count(),
+        1,
+        "{out}"
+    );
 }

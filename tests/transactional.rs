@@ -41,7 +41,12 @@ pub struct Payment {
 
 impl Payment {
     fn new(message_id: &str, amount: i64) -> Self {
-        Payment { message_id: message_id.into(), order_id: format!("order-{message_id}"), amount, after: After::Commit }
+        Payment {
+            message_id: message_id.into(),
+            order_id: format!("order-{message_id}"),
+            amount,
+            after: After::Commit,
+        }
     }
     fn then(mut self, after: After) -> Self {
         self.after = after;
@@ -87,7 +92,10 @@ pub struct Pg {
 impl Pg {
     #[idempotent(key = "msg.message_id", store = self.store, fingerprint = "(&msg.order_id, msg.amount)")]
     async fn process(&self, msg: &Payment, signals: &Signals, tx: &mut sqlx::PgConnection) -> Result<i64, AppError> {
-        let insert = format!("INSERT INTO {} (message_id, order_id, amount) VALUES ($1, $2, $3)", self.payments);
+        let insert = format!(
+            "INSERT INTO {} (message_id, order_id, amount) VALUES ($1, $2, $3)",
+            self.payments
+        );
         sqlx::query(AssertSqlSafe(insert))
             .bind(&msg.message_id)
             .bind(&msg.order_id)
@@ -98,7 +106,11 @@ impl Pg {
     }
 
     async fn count(&self, sql: String, id: &str) -> i64 {
-        sqlx::query_scalar(AssertSqlSafe(sql)).bind(id).fetch_one(self.store.pool()).await.unwrap()
+        sqlx::query_scalar(AssertSqlSafe(sql))
+            .bind(id)
+            .fetch_one(self.store.pool())
+            .await
+            .unwrap()
     }
 }
 
@@ -106,20 +118,37 @@ impl Backend for Pg {
     async fn setup() -> Self {
         let pool = common::pg_pool(24).await;
         let (markers, payments) = (common::unique("markers"), common::unique("payments"));
-        let store = idempotent_runtime::PgStore::builder(pool.clone()).table(&markers).build().unwrap();
+        let store = idempotent_runtime::PgStore::builder(pool.clone())
+            .table(&markers)
+            .build()
+            .unwrap();
         store.migrate().await.unwrap();
-        let ddl = format!("CREATE TABLE {payments} (id BIGSERIAL PRIMARY KEY, message_id TEXT, order_id TEXT, amount BIGINT)");
+        let ddl = format!(
+            "CREATE TABLE {payments} (id BIGSERIAL PRIMARY KEY, message_id TEXT, order_id TEXT, amount BIGINT)"
+        );
         sqlx::query(AssertSqlSafe(ddl)).execute(&pool).await.unwrap();
-        Pg { store, markers, payments }
+        Pg {
+            store,
+            markers,
+            payments,
+        }
     }
     fn pay(&self, msg: &Payment, signals: &Signals) -> impl Future<Output = Result<i64, AppError>> + Send {
         self.process(msg, signals)
     }
     async fn payments(&self, id: &str) -> i64 {
-        self.count(format!("SELECT count(*) FROM {} WHERE message_id = $1", self.payments), id).await
+        self.count(
+            format!("SELECT count(*) FROM {} WHERE message_id = $1", self.payments),
+            id,
+        )
+        .await
     }
     async fn markers(&self, id: &str) -> i64 {
-        self.count(format!("SELECT count(*) FROM {} WHERE message_id = $1", self.markers), id).await
+        self.count(
+            format!("SELECT count(*) FROM {} WHERE message_id = $1", self.markers),
+            id,
+        )
+        .await
     }
     async fn teardown(self) {
         common::drop_pg_table(self.store.pool(), &self.markers).await;
@@ -152,14 +181,20 @@ impl Lite {
     }
 
     async fn count(&self, sql: &'static str, id: &str) -> i64 {
-        sqlx::query_scalar(sql).bind(id).fetch_one(self.store.pool()).await.unwrap()
+        sqlx::query_scalar(sql)
+            .bind(id)
+            .fetch_one(self.store.pool())
+            .await
+            .unwrap()
     }
 }
 
 impl Backend for Lite {
     async fn setup() -> Self {
         let dir = tempfile::tempdir().unwrap();
-        let store = idempotent_runtime::SqliteStore::open(dir.path().join("app.db")).await.unwrap();
+        let store = idempotent_runtime::SqliteStore::open(dir.path().join("app.db"))
+            .await
+            .unwrap();
         store.migrate().await.unwrap();
         sqlx::query("CREATE TABLE payments (id INTEGER PRIMARY KEY, message_id TEXT, order_id TEXT, amount INTEGER)")
             .execute(store.pool())
@@ -171,10 +206,12 @@ impl Backend for Lite {
         self.process(msg, signals)
     }
     async fn payments(&self, id: &str) -> i64 {
-        self.count("SELECT count(*) FROM payments WHERE message_id = ?1", id).await
+        self.count("SELECT count(*) FROM payments WHERE message_id = ?1", id)
+            .await
     }
     async fn markers(&self, id: &str) -> i64 {
-        self.count("SELECT count(*) FROM processed_messages WHERE message_id = ?1", id).await
+        self.count("SELECT count(*) FROM processed_messages WHERE message_id = ?1", id)
+            .await
     }
     async fn teardown(self) {
         self.store.pool().close().await;
@@ -192,7 +229,10 @@ pub struct My {
 impl My {
     #[idempotent(key = "msg.message_id", store = self.store, fingerprint = "(&msg.order_id, msg.amount)")]
     async fn process(&self, msg: &Payment, signals: &Signals, tx: &mut sqlx::MySqlConnection) -> Result<i64, AppError> {
-        let insert = format!("INSERT INTO `{}` (message_id, order_id, amount) VALUES (?, ?, ?)", self.payments);
+        let insert = format!(
+            "INSERT INTO `{}` (message_id, order_id, amount) VALUES (?, ?, ?)",
+            self.payments
+        );
         sqlx::query(AssertSqlSafe(insert))
             .bind(&msg.message_id)
             .bind(&msg.order_id)
@@ -203,7 +243,11 @@ impl My {
     }
 
     async fn count(&self, sql: String, id: &str) -> i64 {
-        sqlx::query_scalar(AssertSqlSafe(sql)).bind(id).fetch_one(self.store.pool()).await.unwrap()
+        sqlx::query_scalar(AssertSqlSafe(sql))
+            .bind(id)
+            .fetch_one(self.store.pool())
+            .await
+            .unwrap()
     }
 }
 
@@ -211,23 +255,38 @@ impl Backend for My {
     async fn setup() -> Self {
         let pool = common::mysql_pool(24).await;
         let (markers, payments) = (common::unique("markers"), common::unique("payments"));
-        let store = idempotent_runtime::MySqlStore::builder(pool.clone()).table(&markers).build().unwrap();
+        let store = idempotent_runtime::MySqlStore::builder(pool.clone())
+            .table(&markers)
+            .build()
+            .unwrap();
         store.migrate().await.unwrap();
         let ddl = format!(
             "CREATE TABLE `{payments}` (id BIGINT AUTO_INCREMENT PRIMARY KEY, message_id VARBINARY(255), \
              order_id VARCHAR(300), amount BIGINT)"
         );
         sqlx::query(AssertSqlSafe(ddl)).execute(&pool).await.unwrap();
-        My { store, markers, payments }
+        My {
+            store,
+            markers,
+            payments,
+        }
     }
     fn pay(&self, msg: &Payment, signals: &Signals) -> impl Future<Output = Result<i64, AppError>> + Send {
         self.process(msg, signals)
     }
     async fn payments(&self, id: &str) -> i64 {
-        self.count(format!("SELECT count(*) FROM `{}` WHERE message_id = ?", self.payments), id).await
+        self.count(
+            format!("SELECT count(*) FROM `{}` WHERE message_id = ?", self.payments),
+            id,
+        )
+        .await
     }
     async fn markers(&self, id: &str) -> i64 {
-        self.count(format!("SELECT count(*) FROM `{}` WHERE message_id = ?", self.markers), id).await
+        self.count(
+            format!("SELECT count(*) FROM `{}` WHERE message_id = ?", self.markers),
+            id,
+        )
+        .await
     }
     async fn teardown(self) {
         common::drop_mysql_table(self.store.pool(), &self.markers).await;
@@ -246,7 +305,11 @@ pub async fn sixteen_concurrent_deliveries_apply_the_effect_once<B: Backend>() {
         tokio::spawn(async move { b.pay(&msg, &signals).await })
     });
     for result in futures_util::future::join_all(calls).await {
-        assert_eq!(result.unwrap().unwrap(), 700, "every caller gets Ok with the first run's result");
+        assert_eq!(
+            result.unwrap().unwrap(),
+            700,
+            "every caller gets Ok with the first run's result"
+        );
     }
     assert_eq!(b.payments(&id).await, 1);
     assert_eq!(b.markers(&id).await, 1);
@@ -260,15 +323,31 @@ pub async fn failed_bodies_leave_no_effect_and_no_marker<B: Backend>() {
     let signals = Arc::new(Signals::default());
 
     let failed = common::unique("failed");
-    let err = b.pay(&Payment::new(&failed, 1).then(After::Fail), &signals).await.unwrap_err();
+    let err = b
+        .pay(&Payment::new(&failed, 1).then(After::Fail), &signals)
+        .await
+        .unwrap_err();
     assert!(matches!(err, AppError::Failed), "{err:?}");
 
     let panicked = common::unique("panicked");
-    let (b2, s2, msg) = (Arc::clone(&b), Arc::clone(&signals), Payment::new(&panicked, 1).then(After::Panic));
-    assert!(tokio::spawn(async move { b2.pay(&msg, &s2).await }).await.unwrap_err().is_panic());
+    let (b2, s2, msg) = (
+        Arc::clone(&b),
+        Arc::clone(&signals),
+        Payment::new(&panicked, 1).then(After::Panic),
+    );
+    assert!(
+        tokio::spawn(async move { b2.pay(&msg, &s2).await })
+            .await
+            .unwrap_err()
+            .is_panic()
+    );
 
     let cancelled = common::unique("cancelled");
-    let (b3, s3, msg) = (Arc::clone(&b), Arc::clone(&signals), Payment::new(&cancelled, 1).then(After::Block));
+    let (b3, s3, msg) = (
+        Arc::clone(&b),
+        Arc::clone(&signals),
+        Payment::new(&cancelled, 1).then(After::Block),
+    );
     let call = tokio::spawn(async move { b3.pay(&msg, &s3).await });
     signals.started.notified().await; // the effect row is written, the body is mid-flight
     call.abort();
@@ -279,7 +358,13 @@ pub async fn failed_bodies_leave_no_effect_and_no_marker<B: Backend>() {
         assert_eq!(b.markers(id).await, 0, "{id}: no marker");
         let redelivery = Payment::new(id, 1);
         let again = tokio::time::timeout(Duration::from_secs(10), b.pay(&redelivery, &signals));
-        assert_eq!(again.await.expect("the redelivery did not wait on a lock left behind").unwrap(), 100);
+        assert_eq!(
+            again
+                .await
+                .expect("the redelivery did not wait on a lock left behind")
+                .unwrap(),
+            100
+        );
         assert_eq!(b.payments(id).await, 1);
     }
     Arc::into_inner(b).unwrap().teardown().await;
@@ -317,7 +402,11 @@ pub async fn shuffled_duplicates_under_concurrency_apply_each_effect_once<B: Bac
     for (i, id) in ids.iter().enumerate() {
         let copies = 1 + i % 4; // 1..=4 deliveries each
         for c in 0..copies {
-            let after = if c == 0 && i % 5 == 0 { After::Fail } else { After::Commit };
+            let after = if c == 0 && i % 5 == 0 {
+                After::Fail
+            } else {
+                After::Commit
+            };
             deliveries.push(Payment::new(id, i as i64).then(after));
         }
     }
@@ -388,14 +477,27 @@ transactional_suite!(mysql, super::My);
 async fn invalid_table_names_are_refused_at_configuration() {
     let pool = common::pg_pool(1).await;
     for bad in ["x; DROP TABLE users", "a\"b", "1st", "a.b.c", ""] {
-        let err = idempotent_runtime::PgStore::builder(pool.clone()).table(bad).build().unwrap_err();
+        let err = idempotent_runtime::PgStore::builder(pool.clone())
+            .table(bad)
+            .build()
+            .unwrap_err();
         assert!(matches!(err, Error::Config(_)), "{bad:?}: {err}");
     }
     let dir = tempfile::tempdir().unwrap();
-    let lite = idempotent_runtime::SqliteStore::open(dir.path().join("x.db")).await.unwrap();
+    let lite = idempotent_runtime::SqliteStore::open(dir.path().join("x.db"))
+        .await
+        .unwrap();
     for bad in ["x; DROP TABLE users", "main.markers", "with space"] {
-        let err = idempotent_runtime::SqliteStore::builder(lite.pool().clone()).table(bad).build().unwrap_err();
+        let err = idempotent_runtime::SqliteStore::builder(lite.pool().clone())
+            .table(bad)
+            .build()
+            .unwrap_err();
         assert!(matches!(err, Error::Config(_)), "{bad:?}: {err}");
     }
-    assert!(idempotent_runtime::PgStore::builder(pool).table("app_markers").build().is_ok());
+    assert!(
+        idempotent_runtime::PgStore::builder(pool)
+            .table("app_markers")
+            .build()
+            .is_ok()
+    );
 }

@@ -532,3 +532,22 @@ pub async fn relation_size(pool: &PgPool, table: &str) -> i64 {
         .await
         .unwrap()
 }
+
+/// The prototype purge: batches deleted by `ctid` (a TID scan) instead of a
+/// join on the primary key; returns how many markers were deleted.
+pub async fn purge_ctid(t: &Tables, batch: i64) -> u64 {
+    let sql: Arc<str> = format!(
+        "DELETE FROM {m} WHERE ctid = ANY(ARRAY(SELECT ctid FROM {m} WHERE expires_at <= now() \
+         LIMIT $1 FOR UPDATE SKIP LOCKED))",
+        m = t.markers
+    )
+    .into();
+    let mut total = 0;
+    loop {
+        let deleted = sqlx::query(AssertSqlSafe(Arc::clone(&sql))).bind(batch).execute(&t.pool).await.unwrap().rows_affected();
+        total += deleted;
+        if deleted < batch as u64 {
+            return total;
+        }
+    }
+}

@@ -74,21 +74,21 @@ pub use store::sql::{DEFAULT_PURGE_BATCH, SqlBackend, SqlGuard};
 #[cfg(feature = "sqlx")]
 pub use store::{FromTransaction, TransactionGuard, TransactionalStore};
 
-#[cfg(feature = "postgres")]
-pub use store::postgres::{PgStore, PgStoreBuilder};
-#[cfg(feature = "sqlite")]
-pub use store::sqlite::{SqliteStore, SqliteStoreBuilder};
 #[cfg(feature = "mysql")]
 pub use store::mysql::{MySqlStore, MySqlStoreBuilder};
+#[cfg(feature = "postgres")]
+pub use store::postgres::{PgStore, PgStoreBuilder};
 #[cfg(feature = "redis")]
 pub use store::redis::{RedisGuard, RedisStore, RedisStoreBuilder};
+#[cfg(feature = "sqlite")]
+pub use store::sqlite::{SqliteStore, SqliteStoreBuilder};
 
 #[cfg(any(feature = "lapin", feature = "nats"))]
 mod broker;
-#[cfg(feature = "lapin")]
-pub mod rabbitmq;
 #[cfg(feature = "nats")]
 pub mod nats;
+#[cfg(feature = "lapin")]
+pub mod rabbitmq;
 
 /// The sqlx crate the stores are built on (features `postgres`, `sqlite`,
 /// `mysql`), so handlers use the very same version.

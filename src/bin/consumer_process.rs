@@ -76,7 +76,10 @@ struct ChaosConsumer {
 impl ChaosConsumer {
     #[idempotent(key = "msg.message_id", store = self.store)]
     async fn pay(&self, msg: &ChaosPayment, tx: &mut PgConnection) -> Result<(), AppError> {
-        let insert = format!("INSERT INTO {} (message_id, amount, pid) VALUES ($1, $2, $3)", self.payments);
+        let insert = format!(
+            "INSERT INTO {} (message_id, amount, pid) VALUES ($1, $2, $3)",
+            self.payments
+        );
         sqlx::query(AssertSqlSafe(insert))
             .bind(&msg.message_id)
             .bind(msg.amount)
@@ -96,7 +99,11 @@ impl ChaosConsumer {
     /// Logs an event outside the handler's transaction (best effort).
     async fn log(&self, message_id: &str, event: &str) {
         let insert = format!("INSERT INTO {} (message_id, event) VALUES ($1, $2)", self.log);
-        let _ = sqlx::query(AssertSqlSafe(insert)).bind(message_id).bind(event).execute(&self.pool).await;
+        let _ = sqlx::query(AssertSqlSafe(insert))
+            .bind(message_id)
+            .bind(event)
+            .execute(&self.pool)
+            .await;
     }
 }
 
@@ -105,7 +112,10 @@ async fn chaos(args: &[&str]) -> Result<(), Box<dyn std::error::Error>> {
         return Err("usage: consumer_process chaos <queue> <markers> <payments> <log> <fail%> <crash%>".into());
     };
     let crash_percent: u32 = crash_percent.parse()?;
-    let pool = sqlx::postgres::PgPoolOptions::new().max_connections(6).connect(PG_URL).await?;
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(6)
+        .connect(PG_URL)
+        .await?;
     let store = PgStore::builder(pool.clone()).table(markers).build()?;
     let consumer = Arc::new(ChaosConsumer {
         store,
@@ -125,7 +135,9 @@ async fn chaos(args: &[&str]) -> Result<(), Box<dyn std::error::Error>> {
         let consumer = Arc::clone(&consumer);
         async move {
             let redelivered = if info.redelivered { " redelivered" } else { "" };
-            consumer.log(&msg.message_id, &format!("delivery {}{redelivered}", info.attempt)).await;
+            consumer
+                .log(&msg.message_id, &format!("delivery {}{redelivered}", info.attempt))
+                .await;
             consumer.pay(&msg).await?;
             if rand::rng().random_ratio(crash_percent, 100) {
                 // Committed, never acked: the broker must redeliver.
@@ -144,14 +156,27 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     match args.iter().map(String::as_str).collect::<Vec<_>>().as_slice() {
         ["race", markers, payments, message_id, start_at] => {
-            let pool = sqlx::postgres::PgPoolOptions::new().max_connections(2).connect(PG_URL).await?;
+            let pool = sqlx::postgres::PgPoolOptions::new()
+                .max_connections(2)
+                .connect(PG_URL)
+                .await?;
             let store = PgStore::builder(pool).table(markers).build()?;
-            let consumer = Consumer { store, payments: (*payments).to_owned() };
+            let consumer = Consumer {
+                store,
+                payments: (*payments).to_owned(),
+            };
             let start_at = Duration::from_millis(start_at.parse()?);
             let now = SystemTime::now().duration_since(UNIX_EPOCH)?;
             tokio::time::sleep(start_at.saturating_sub(now)).await;
             let winner = consumer.pay(message_id).await?;
-            println!("{}", if winner == std::process::id() { "processed" } else { "duplicate" });
+            println!(
+                "{}",
+                if winner == std::process::id() {
+                    "processed"
+                } else {
+                    "duplicate"
+                }
+            );
             Ok(())
         }
         ["chaos", rest @ ..] => chaos(rest).await,

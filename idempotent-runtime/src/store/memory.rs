@@ -132,7 +132,10 @@ pub struct MemoryGuard {
 
 impl std::fmt::Debug for MemoryGuard {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("MemoryGuard").field("scope", &self.id.0).field("key", &self.id.1).finish_non_exhaustive()
+        f.debug_struct("MemoryGuard")
+            .field("scope", &self.id.0)
+            .field("key", &self.id.1)
+            .finish_non_exhaustive()
     }
 }
 

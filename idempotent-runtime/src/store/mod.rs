@@ -37,7 +37,13 @@ impl<'a> Request<'a> {
     pub fn new(scope: &'a str, key: &'a str) -> Result<Self, Error> {
         crate::key::validate_scope(scope)?;
         crate::key::validate(scope, key)?;
-        Ok(Request { scope, key, ttl: DEFAULT_TTL, lease: DEFAULT_LEASE, fingerprint: None })
+        Ok(Request {
+            scope,
+            key,
+            ttl: DEFAULT_TTL,
+            lease: DEFAULT_LEASE,
+            fingerprint: None,
+        })
     }
 
     /// Sets how long the completed marker blocks duplicates.
@@ -104,12 +110,18 @@ impl<'a> Request<'a> {
 
     /// The `KeyReused` error for this request.
     pub fn key_reused(&self) -> Error {
-        Error::KeyReused { scope: self.scope.to_owned(), key: crate::error::DisplayKey::new(self.key) }
+        Error::KeyReused {
+            scope: self.scope.to_owned(),
+            key: crate::error::DisplayKey::new(self.key),
+        }
     }
 
     /// The `InProgress` error for this request.
     pub fn in_progress(&self) -> Error {
-        Error::InProgress { scope: self.scope.to_owned(), key: crate::error::DisplayKey::new(self.key) }
+        Error::InProgress {
+            scope: self.scope.to_owned(),
+            key: crate::error::DisplayKey::new(self.key),
+        }
     }
 }
 

@@ -56,7 +56,10 @@ impl<DB: SqlBackend> SqlGuard<DB> {
 
 impl<DB: SqlBackend> std::fmt::Debug for SqlGuard<DB> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("SqlGuard").field("scope", &self.scope).field("key", &self.key).finish_non_exhaustive()
+        f.debug_struct("SqlGuard")
+            .field("scope", &self.scope)
+            .field("key", &self.key)
+            .finish_non_exhaustive()
     }
 }
 
