@@ -63,7 +63,10 @@ struct Timing {
 
 struct Config {
     quick: bool,
+    /// Repetitions of the main PostgreSQL grid.
     reps: usize,
+    /// Repetitions of the other sections.
+    reps_small: usize,
     timing: Timing,
     concurrencies: Vec<usize>,
     dups: Vec<u32>,
@@ -72,6 +75,13 @@ struct Config {
 }
 
 impl Config {
+    /// The cells of the Redis and memory grids.
+    fn lease_cells(&self) -> Vec<(u32, usize)> {
+        let mut all = cells(&self.dups, &self.concurrencies);
+        all.extend(cells(&[80], if self.quick { &[8] } else { &[8, 32] }));
+        all
+    }
+
     fn wants(&self, section: &str) -> bool {
         self.sections.as_ref().is_none_or(|s| s.iter().any(|x| x == section))
     }
@@ -111,16 +121,17 @@ fn main() {
 
     let cfg = Config {
         quick,
-        reps: if quick { 1 } else { 3 },
+        reps: if quick { 1 } else { 5 },
+        reps_small: if quick { 1 } else { 3 },
         timing: if quick {
             Timing {
-                warmup: Duration::from_millis(120),
-                duration: Duration::from_millis(450),
+                warmup: Duration::from_millis(100),
+                duration: Duration::from_millis(300),
             }
         } else {
             Timing {
-                warmup: Duration::from_millis(400),
-                duration: Duration::from_millis(2000),
+                warmup: Duration::from_millis(250),
+                duration: Duration::from_millis(1500),
             }
         },
         concurrencies: vec![1, 8, 32],
@@ -302,9 +313,11 @@ async fn run(cfg: Config) {
     let load_before = loadavg();
     doc.section(&format!(
         "# Benchmark results ({mode} mode)\n\n{}\n\nLoad average at start: {load_before}. Every figure is deliveries per \
-         second (median of {} interleaved runs{}); each run has a {} ms warm-up then {} ms of measurement.\n",
+         second, the median of {} interleaved runs for the main PostgreSQL table and of {} for the others{}; each run \
+         has a {} ms warm-up then {} ms of measurement (MemoryStore: a third of that).\n",
         machine_line(),
         cfg.reps,
+        cfg.reps_small,
         if cfg.reps > 1 { ", min–max in small type" } else { "" },
         cfg.timing.warmup.as_millis(),
         cfg.timing.duration.as_millis(),
@@ -432,7 +445,7 @@ async fn run(cfg: Config) {
             },
         ];
         let names: Vec<&'static str> = rows.iter().map(|r| r.name).collect();
-        let groups = grid("rtt", &rows, &cells(&[20, 80], &[8]), &plans, cfg.reps).await;
+        let groups = grid("rtt", &rows, &cells(&[20, 80], &[8]), &plans, cfg.reps_small).await;
         let mut text = String::from(
             "## PostgreSQL: the duplicate path\n\nSame workload at concurrency 8. Client round trips per delivery \
              (each waits for the server): fresh (c) = (d) = (e) = 4 (`BEGIN`, claim, effect, `COMMIT`); duplicate: \
@@ -497,7 +510,7 @@ async fn run(cfg: Config) {
             },
         ];
         let names: Vec<&'static str> = rows.iter().map(|r| r.name).collect();
-        let groups = grid("cache", &rows, &cells(&[80], &concs), &plans, cfg.reps).await;
+        let groups = grid("cache", &rows, &cells(&[80], &concs), &plans, cfg.reps_small).await;
         let mut text = String::from(
             "## Duplicate fast path: 80 % duplicates\n\n`CachedStore::new(PgStore, 100_000)`: a repeated duplicate is \
              answered from an in-process LRU of completed keys, without a round trip. Each duplicate repeats a \
@@ -551,12 +564,8 @@ async fn run(cfg: Config) {
             ),
         ];
         let names: Vec<&'static str> = rows.iter().map(|r| r.name).collect();
-        let concs: Vec<usize> = if cfg.quick {
-            vec![1, 8]
-        } else {
-            cfg.concurrencies.clone()
-        };
-        let groups = grid("sqlite", &rows, &cells(&cfg.dups, &concs), &plans, cfg.reps).await;
+        let concs = [1, 8];
+        let groups = grid("sqlite", &rows, &cells(&cfg.dups, &concs), &plans, cfg.reps_small).await;
         let mut text = String::from(
             "## SQLite: deliveries per second\n\nA temporary database file, WAL, `synchronous = NORMAL` \
              (`SqliteStore::open`). Writers are serialised in-process (one permit, then `BEGIN IMMEDIATE`) for \
@@ -589,6 +598,7 @@ async fn run(cfg: Config) {
 
     // -- MemoryStore ---------------------------------------------------------------------------
     if cfg.wants("memory") {
+        let t = Timing { warmup: t.warmup / 3, duration: t.duration / 3 };
         let rows = vec![
             row("(a) no idempotency", mem::Bare::default(), t, &warm),
             row(
@@ -605,14 +615,7 @@ async fn run(cfg: Config) {
             ),
         ];
         let names: Vec<&'static str> = rows.iter().map(|r| r.name).collect();
-        let groups = grid(
-            "memory",
-            &rows,
-            &cells(&[0, 20, 80], &cfg.concurrencies),
-            &plans,
-            cfg.reps,
-        )
-        .await;
+        let groups = grid("memory", &rows, &cfg.lease_cells(), &plans, cfg.reps_small).await;
         let mut text = String::from(
             "## MemoryStore: deliveries per second\n\nNo I/O: what the expansion and a store cost per call. The effect \
              is an atomic counter; every row builds the message key (`format!`) and a message struct.\n\n",
@@ -685,6 +688,15 @@ async fn redis_section(
             warm,
         ),
         row(
+            "(d') RedisStore, lease renewal off",
+            kv::Macro {
+                store: kv::store_without_renewal(conn.clone(), &format!("{base}norenew:")),
+                effects: AtomicU64::new(0),
+            },
+            t,
+            warm,
+        ),
+        row(
             "(d+cache) CachedStore<RedisStore>",
             Hooked {
                 inner: kv::Macro {
@@ -698,14 +710,7 @@ async fn redis_section(
         ),
     ];
     let names: Vec<&'static str> = rows.iter().map(|r| r.name).collect();
-    let groups = grid(
-        "redis",
-        &rows,
-        &cells(&[0, 20, 80], &cfg.concurrencies),
-        plans,
-        cfg.reps,
-    )
-    .await;
+    let groups = grid("redis", &rows, &cfg.lease_cells(), plans, cfg.reps_small).await;
     let deleted = kv::delete_prefix(&mut conn.clone(), &base).await;
     eprintln!("  redis: deleted {deleted} keys under {base}");
 

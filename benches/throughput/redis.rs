@@ -104,6 +104,11 @@ pub fn store(conn: ConnectionManager, prefix: &str) -> RedisStore {
     RedisStore::builder(conn).prefix(prefix).build().unwrap()
 }
 
+/// A `RedisStore` that does not spawn a lease-renewal task per claim.
+pub fn store_without_renewal(conn: ConnectionManager, prefix: &str) -> RedisStore {
+    RedisStore::builder(conn).prefix(prefix).renew(false).build().unwrap()
+}
+
 pub fn cached(conn: ConnectionManager, prefix: &str, capacity: usize) -> CachedStore<RedisStore> {
     CachedStore::new(store(conn, prefix), capacity)
 }

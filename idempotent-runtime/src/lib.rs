@@ -41,6 +41,8 @@
 //! | --- | --- | --- | --- |
 //! | [`PgStore`] | `postgres` | yes | waits, then replays |
 //! | [`SqliteStore`] | `sqlite` | yes | waits, then replays |
+//! | `MySqlStore` | `mysql` | yes | waits, then replays |
+//! | `RedisStore` | `redis` | no (lease) | [`Error::InProgress`] |
 //! | [`MemoryStore`] | always | no (lease) | [`Error::InProgress`] |
 //!
 //! Stores that cannot join a transaction hold a lease while the body runs;
