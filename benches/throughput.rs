@@ -456,7 +456,7 @@ async fn run(cfg: Config) {
             &names,
             &groups,
             &[(2, 0), (2, 1), (3, 0)],
-            cfg.reps,
+            cfg.reps_small,
         ));
         text.push_str("\nLatency p50 / p99 (ms):\n\n");
         text.push_str(&report::latency_table(&names, &groups));
@@ -520,7 +520,7 @@ async fn run(cfg: Config) {
             &names,
             &groups,
             &[(3, 2), (3, 1), (2, 1)],
-            cfg.reps,
+            cfg.reps_small,
         ));
         text.push_str("\nLatency p50 / p99 (ms):\n\n");
         text.push_str(&report::latency_table(&names, &groups));
@@ -575,7 +575,7 @@ async fn run(cfg: Config) {
             &names,
             &groups,
             &[(3, 2), (3, 1), (3, 0)],
-            cfg.reps,
+            cfg.reps_small,
         ));
         text.push_str("\nLatency p50 / p99 (ms):\n\n");
         text.push_str(&report::latency_table(&names, &groups));
@@ -598,7 +598,10 @@ async fn run(cfg: Config) {
 
     // -- MemoryStore ---------------------------------------------------------------------------
     if cfg.wants("memory") {
-        let t = Timing { warmup: t.warmup / 3, duration: t.duration / 3 };
+        let t = Timing {
+            warmup: t.warmup / 3,
+            duration: t.duration / 3,
+        };
         let rows = vec![
             row("(a) no idempotency", mem::Bare::default(), t, &warm),
             row(
@@ -620,7 +623,7 @@ async fn run(cfg: Config) {
             "## MemoryStore: deliveries per second\n\nNo I/O: what the expansion and a store cost per call. The effect \
              is an atomic counter; every row builds the message key (`format!`) and a message struct.\n\n",
         );
-        text.push_str(&report::rate_table(&names, &groups, &[(1, 0), (2, 1)], cfg.reps));
+        text.push_str(&report::rate_table(&names, &groups, &[(1, 0), (2, 1)], cfg.reps_small));
         text.push_str("\nLatency p50 / p99 (ms):\n\n");
         text.push_str(&report::latency_table(&names, &groups));
         doc.section(&text);
@@ -721,7 +724,12 @@ async fn redis_section(
          reads the completed marker; completion is a second script (token check + `SET PX`). The effect is an \
          in-process counter.\n\n"
     );
-    text.push_str(&report::rate_table(&names, &groups, &[(1, 0), (2, 1)], cfg.reps));
+    text.push_str(&report::rate_table(
+        &names,
+        &groups,
+        &[(1, 0), (2, 1), (3, 1)],
+        cfg.reps_small,
+    ));
     text.push_str("\nLatency p50 / p99 (ms):\n\n");
     text.push_str(&report::latency_table(&names, &groups));
     text.push_str(&redis_round_trips().await);
@@ -772,7 +780,7 @@ async fn redis_round_trips() -> String {
         (per, seen)
     }
     let article_top = ["exists", "setex", "set", "get", "incr"];
-    let store_top = ["evalsha", "eval", "evalsha_ro", "eval_ro", "script", "fcall"];
+    let store_top = ["evalsha", "eval", "evalsha_ro", "eval_ro", "script|load", "fcall"];
     let article = kv::Article {
         conn: conn.clone(),
         prefix: "rt:article:".into(),
@@ -818,8 +826,9 @@ async fn redis_round_trips() -> String {
     let _ = writeln!(
         text,
         "\nTarget (at most 2 round trips per fresh message, 1 per duplicate): {}. The first call of each script \
-         goes `EVALSHA` → `NOSCRIPT` → `EVAL` once per connection and script (the `eval` count above).\n",
-        if f.0 <= 2.0 + 1e-9 + 4.0 / N as f64 && d.0 <= 1.0 + 1e-9 {
+         goes `EVALSHA` → `NOSCRIPT` → `SCRIPT LOAD` → `EVALSHA` (redis-rs), once per server and script: the \
+         0.004 above 2 per fresh message.\n",
+        if f.0 <= 2.0 + 4.5 / N as f64 && d.0 <= 1.0 + 1e-9 {
             "**met**"
         } else {
             "**not met**"
@@ -851,7 +860,7 @@ async fn table_size_section(cfg: &Config, doc: &mut Doc, env: &pg::PgEnv, plans:
         let c = Arc::new(pg::ClaimFirst::new(t.clone(), false));
         let d = Arc::new(pg::Macro::new(t.clone(), t.store()));
         let (mut cc, mut dc) = (Cell::new(), Cell::new());
-        for rep in 0..cfg.reps {
+        for rep in 0..cfg.reps_small {
             for (k, which) in [0, 1].iter().enumerate() {
                 let which = (which + rep) % 2;
                 let prefix = format!("n{n}r{rep}k{k}-");
@@ -941,11 +950,18 @@ async fn purge_section(cfg: &Config, doc: &mut Doc, env: &pg::PgEnv, plans: &Pla
         report::fmt_ms(base_w.2),
         report::fmt_ms(base_w.3)
     );
-    for (name, ctid) in [("`PgStore::purge_expired` (current)", false), ("prototype: `ctid` batches", true)] {
+    for (name, ctid) in [
+        ("`PgStore::purge_expired` (current)", false),
+        ("prototype: `ctid` batches", true),
+    ] {
         // Alone.
         pg::add_expired(&t, expired, &format!("a{ctid}")).await;
         let started = Instant::now();
-        let deleted = if ctid { pg::purge_ctid(&t, 1000).await } else { store.purge_expired().await.unwrap() };
+        let deleted = if ctid {
+            pg::purge_ctid(&t, 1000).await
+        } else {
+            store.purge_expired().await.unwrap()
+        };
         let alone = started.elapsed();
         eprintln!("  purge alone, {name}: {deleted} in {:.2} s", alone.as_secs_f64());
         // While claims run: the claims stop when the purge is done.
@@ -956,7 +972,11 @@ async fn purge_section(cfg: &Config, doc: &mut Doc, env: &pg::PgEnv, plans: &Pla
         let purge = tokio::spawn(async move {
             tokio::time::sleep(lead).await;
             let started = Instant::now();
-            let deleted = if ctid { pg::purge_ctid(&purge_t, 1000).await } else { purge_store.purge_expired().await.unwrap() };
+            let deleted = if ctid {
+                pg::purge_ctid(&purge_t, 1000).await
+            } else {
+                purge_store.purge_expired().await.unwrap()
+            };
             let took = started.elapsed();
             tokio::time::sleep(Duration::from_millis(200)).await;
             purge_stop.store(true, Ordering::Relaxed);
@@ -972,7 +992,11 @@ async fn purge_section(cfg: &Config, doc: &mut Doc, env: &pg::PgEnv, plans: &Pla
         let during = harness::run(&d, &plan, opts).await;
         let (deleted_during, took) = purge.await.unwrap();
         let w = window_stats(&during, (lead, lead + took));
-        eprintln!("  purge during claims, {name}: {deleted_during} in {:.2} s; claims {}/s", took.as_secs_f64(), report::fmt_rate(w.0));
+        eprintln!(
+            "  purge during claims, {name}: {deleted_during} in {:.2} s; claims {}/s",
+            took.as_secs_f64(),
+            report::fmt_rate(w.0)
+        );
         let _ = writeln!(
             purges,
             "| {name} | {} | {:.2} s | {} | {:.2} s | {} |",

@@ -544,7 +544,12 @@ pub async fn purge_ctid(t: &Tables, batch: i64) -> u64 {
     .into();
     let mut total = 0;
     loop {
-        let deleted = sqlx::query(AssertSqlSafe(Arc::clone(&sql))).bind(batch).execute(&t.pool).await.unwrap().rows_affected();
+        let deleted = sqlx::query(AssertSqlSafe(Arc::clone(&sql)))
+            .bind(batch)
+            .execute(&t.pool)
+            .await
+            .unwrap()
+            .rows_affected();
         total += deleted;
         if deleted < batch as u64 {
             return total;

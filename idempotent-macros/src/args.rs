@@ -84,7 +84,11 @@ pub fn parse(cx: &Ctxt, tokens: TokenStream) -> Args {
             "key = \"msg.message_id\"",
             "an expression over the handler's parameters that identifies the message",
         ),
-        ("store", "store = self.store", "an expression giving the store that keeps the processed markers"),
+        (
+            "store",
+            "store = self.store",
+            "an expression giving the store that keeps the processed markers",
+        ),
     ] {
         if !seen.iter().any(|s| s == required) && !suggested.contains(&required) {
             let message = format!("missing `{required}` argument: add `{example}`, {meaning}");

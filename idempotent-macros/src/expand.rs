@@ -82,10 +82,22 @@ fn expand(handler: &Handler, args: &Args) -> TokenStream {
         ReturnType::Type(_, ty) => ty.to_token_stream(),
         ReturnType::Default => quote!(()),
     };
-    let ok_type = handler.ok_type.as_ref().map_or_else(|| quote!(_), ToTokens::to_token_stream);
-    let err_type = handler.err_type.as_ref().map_or_else(|| quote!(_), ToTokens::to_token_stream);
-    let ok_at = handler.ok_type.as_ref().map_or_else(|| return_type.clone(), ToTokens::to_token_stream);
-    let err_at = handler.err_type.as_ref().map_or_else(|| return_type.clone(), ToTokens::to_token_stream);
+    let ok_type = handler
+        .ok_type
+        .as_ref()
+        .map_or_else(|| quote!(_), ToTokens::to_token_stream);
+    let err_type = handler
+        .err_type
+        .as_ref()
+        .map_or_else(|| quote!(_), ToTokens::to_token_stream);
+    let ok_at = handler
+        .ok_type
+        .as_ref()
+        .map_or_else(|| return_type.clone(), ToTokens::to_token_stream);
+    let err_at = handler
+        .err_type
+        .as_ref()
+        .map_or_else(|| return_type.clone(), ToTokens::to_token_stream);
     let codec_of = qualified(&rt, &ok_type, "StoredResult", "codec", &ok_at);
     let from_store = qualified(&rt, &err_type, "HandlerError", "from_store", &err_at);
     let key_call = call(&rt, "key", quote!(#scope, #key_arg), key);
@@ -114,7 +126,11 @@ fn expand(handler: &Handler, args: &Args) -> TokenStream {
             }),
             quote!(#binder),
         ),
-        None => (call(&rt, "claim", quote!(#store_arg, &#request, &#span), store), None, quote!(())),
+        None => (
+            call(&rt, "claim", quote!(#store_arg, &#request, &#span), store),
+            None,
+            quote!(()),
+        ),
     };
     let claim_await = awaited(claim_call, store);
     let bind_tx = handler.tx.as_ref().map(|tx| {

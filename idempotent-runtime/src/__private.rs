@@ -2,6 +2,7 @@
 //! anything here may change in any release.
 
 use std::borrow::Cow;
+use std::future::Future;
 
 pub use tracing::Instrument;
 pub use tracing::Span;
@@ -60,18 +61,74 @@ pub fn span(req: &Request<'_>) -> Span {
     tracing::debug_span!(target: "idempotent", "idempotent", scope = req.scope_name(), key = req.key())
 }
 
+/// The type of a `store = ..` expression: any [`Store`].
+///
+/// One blanket impl marked `do_not_recommend`: a value that is not a store
+/// is reported as "not an idempotency store" on the expression, without the
+/// list of every store type (which changes as stores are added).
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` is not an idempotency store",
+    label = "the `store = ..` expression must give a store",
+    note = "use one of `PgStore`, `SqliteStore`, `MySqlStore`, `RedisStore` or `MemoryStore` (or a reference or `Arc` to one)"
+)]
+pub trait AnyStore: Sync {
+    /// The store's [`Store::Guard`].
+    type Guard: Guard;
+
+    /// [`Store::claim`].
+    fn claim_key(&self, req: &Request<'_>) -> impl Future<Output = Result<Claim<Self::Guard>, Error>> + Send;
+}
+
+#[diagnostic::do_not_recommend]
+impl<S: Store + ?Sized> AnyStore for S {
+    type Guard = S::Guard;
+
+    #[inline]
+    fn claim_key(&self, req: &Request<'_>) -> impl Future<Output = Result<Claim<Self::Guard>, Error>> + Send {
+        self.claim(req)
+    }
+}
+
 /// Claims with any store (handlers without a transaction parameter).
 #[inline]
-pub async fn claim<S: Store + ?Sized>(store: &S, req: &Request<'_>, span: &Span) -> Result<Claim<S::Guard>, Error> {
-    let claim = store.claim(req).await;
+pub async fn claim<S: AnyStore + ?Sized>(store: &S, req: &Request<'_>, span: &Span) -> Result<Claim<S::Guard>, Error> {
+    let claim = store.claim_key(req).await;
     log_claim(&claim, span);
     claim
+}
+
+/// The type of the `store = ..` expression of a handler that takes a
+/// transaction parameter: any [`TransactionalStore`](crate::TransactionalStore)
+/// (one blanket impl, like [`AnyStore`]).
+#[cfg(feature = "sqlx")]
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` cannot run the handler in a database transaction",
+    label = "this handler takes a transaction parameter, so its store must be transactional",
+    note = "Redis and in-memory stores cannot join a database transaction: remove the transaction parameter and make the effect idempotent by design, or use `PgStore`, `SqliteStore` or `MySqlStore`"
+)]
+pub trait AnyTransactionalStore: AnyStore {
+    /// The database the transaction runs on.
+    type Database: sqlx::Database;
+
+    /// How the store's claims lend their transaction to the handler.
+    fn binder(&self) -> Binder<Self::Guard, Self::Database>;
+}
+
+#[cfg(feature = "sqlx")]
+#[diagnostic::do_not_recommend]
+impl<S: crate::store::TransactionalStore + ?Sized> AnyTransactionalStore for S {
+    type Database = S::Database;
+
+    #[inline]
+    fn binder(&self) -> Binder<Self::Guard, Self::Database> {
+        <S::Guard as crate::store::TransactionGuard>::transaction
+    }
 }
 
 /// Claims with a store that runs the body in its transaction.
 #[cfg(feature = "sqlx")]
 #[inline]
-pub async fn claim_transactional<S: crate::store::TransactionalStore + ?Sized>(
+pub async fn claim_transactional<S: AnyTransactionalStore + ?Sized>(
     store: &S,
     req: &Request<'_>,
     span: &Span,
@@ -88,8 +145,8 @@ pub type Binder<G, DB> = for<'a> fn(&'a mut G) -> &'a mut sqlx::Transaction<'sta
 /// so that [`bind_transaction`] needs none on the guard.
 #[cfg(feature = "sqlx")]
 #[inline]
-pub fn binder<S: crate::store::TransactionalStore + ?Sized>(_store: &S) -> Binder<S::Guard, S::Database> {
-    <S::Guard as crate::store::TransactionGuard>::transaction
+pub fn binder<S: AnyTransactionalStore + ?Sized>(store: &S) -> Binder<S::Guard, S::Database> {
+    store.binder()
 }
 
 /// Borrows the claim's transaction as the handler's parameter type.

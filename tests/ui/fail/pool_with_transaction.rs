@@ -1,5 +1,5 @@
-use idempotent_runtime::sqlx::{PgConnection, PgPool};
 use idempotent_runtime::idempotent;
+use idempotent_runtime::sqlx::{PgConnection, PgPool};
 
 #[derive(Debug, thiserror::Error)]
 #[error(transparent)]

@@ -51,7 +51,11 @@ async fn computed_key(store: &MemoryStore, msg: &Msg) -> Result<(), AppError> {
 
 async fn usage() -> Result<(), AppError> {
     let store = MemoryStore::new();
-    let msg = Msg { message_id: Some("m".into()), sequence: 1, event_id: Uuid::nil() };
+    let msg = Msg {
+        message_id: Some("m".into()),
+        sequence: 1,
+        event_id: Uuid::nil(),
+    };
     option_key(&store, &msg).await?;
     integer_key(&store, &msg).await?;
     uuid_key(&store, &msg).await?;

@@ -26,8 +26,15 @@ impl Mailer {
 }
 
 async fn usage() -> Result<(), AppError> {
-    let mailer = Mailer { store: Arc::new(MemoryStore::new()) };
-    mailer.send_welcome(Msg { id: "1".into(), email: "a@b".into() }).await
+    let mailer = Mailer {
+        store: Arc::new(MemoryStore::new()),
+    };
+    mailer
+        .send_welcome(Msg {
+            id: "1".into(),
+            email: "a@b".into(),
+        })
+        .await
 }
 
 fn main() {

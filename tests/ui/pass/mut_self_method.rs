@@ -20,7 +20,10 @@ impl Counter {
 }
 
 async fn usage() -> Result<u64, AppError> {
-    let mut counter = Counter { store: MemoryStore::new(), processed: 0 };
+    let mut counter = Counter {
+        store: MemoryStore::new(),
+        processed: 0,
+    };
     counter.count(7).await
 }
 

@@ -40,7 +40,11 @@ async fn audit(store: &MemoryStore, payment: Payment) -> Result<(), AppError> {
 
 async fn usage() -> Result<(), AppError> {
     let store = MemoryStore::new();
-    let payment = Payment { id: "p".into(), order_id: "o".into(), amount: 1 };
+    let payment = Payment {
+        id: "p".into(),
+        order_id: "o".into(),
+        amount: 1,
+    };
     pay(&store, &payment).await?;
     refund(&store, &payment).await?;
     audit(&store, payment).await

@@ -14,7 +14,10 @@ struct Receipt {
 
 #[idempotent(key = "order_id", store = store)]
 async fn charge(store: &MemoryStore, order_id: String, cents: i64) -> Result<Receipt, AppError> {
-    Ok(Receipt { payment_id: format!("pay-{order_id}"), total_cents: cents })
+    Ok(Receipt {
+        payment_id: format!("pay-{order_id}"),
+        total_cents: cents,
+    })
 }
 
 #[idempotent(key = "order_id", store = store)]

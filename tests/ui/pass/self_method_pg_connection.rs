@@ -35,7 +35,11 @@ impl PaymentConsumer {
 
 async fn usage(store: PgStore) -> Result<(), AppError> {
     let consumer = PaymentConsumer { store };
-    let msg = PaymentMessage { message_id: "m-1".into(), order_id: "o-1".into(), amount: 10 };
+    let msg = PaymentMessage {
+        message_id: "m-1".into(),
+        order_id: "o-1".into(),
+        amount: 10,
+    };
     consumer.process_payment(&msg).await
 }
 

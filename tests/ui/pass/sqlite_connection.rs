@@ -33,7 +33,12 @@ impl Consumer {
 }
 
 async fn usage(store: SqliteStore) -> Result<i64, AppError> {
-    Consumer { store }.pay(&Msg { id: "m".into(), amount: 3 }).await
+    Consumer { store }
+        .pay(&Msg {
+            id: "m".into(),
+            amount: 3,
+        })
+        .await
 }
 
 fn main() {

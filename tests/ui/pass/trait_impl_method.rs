@@ -28,7 +28,9 @@ impl Consumer for Notifier {
 }
 
 async fn usage() -> Result<(), AppError> {
-    let notifier = Notifier { store: MemoryStore::new() };
+    let notifier = Notifier {
+        store: MemoryStore::new(),
+    };
     notifier.consume(&Msg { id: "a".into() }).await
 }
 

@@ -17,13 +17,19 @@ type Tx = sqlx::Transaction<'static, sqlx::Postgres>;
 
 #[idempotent(key = "id", store = store, tx = "db")]
 async fn with_connection_alias(store: &PgStore, id: i64, db: Db<'_>) -> Result<(), AppError> {
-    sqlx::query("DELETE FROM carts WHERE id = $1").bind(id).execute(&mut *db).await?;
+    sqlx::query("DELETE FROM carts WHERE id = $1")
+        .bind(id)
+        .execute(&mut *db)
+        .await?;
     Ok(())
 }
 
 #[idempotent(key = "id", store = store, tx = t)]
 async fn with_transaction_alias(store: &PgStore, id: i64, t: &mut Tx) -> Result<(), AppError> {
-    sqlx::query("DELETE FROM carts WHERE id = $1").bind(id).execute(&mut **t).await?;
+    sqlx::query("DELETE FROM carts WHERE id = $1")
+        .bind(id)
+        .execute(&mut **t)
+        .await?;
     Ok(())
 }
 
