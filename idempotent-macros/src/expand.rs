@@ -196,7 +196,7 @@ fn expand(handler: &Handler, args: &Args) -> TokenStream {
                     #bind_tx
                     #rt::Instrument::instrument(#body, ::core::clone::Clone::clone(&#span)).await
                 };
-                match #rt::finish(#guard, #codec, #outcome, #span).await {
+                match #rt::finish(#guard, #codec, #outcome, #span, #scope).await {
                     ::core::result::Result::Ok(#finished) => #finished,
                     #bail
                 }

@@ -93,7 +93,7 @@ impl<S: Store + ?Sized> AnyStore for S {
 #[inline]
 pub async fn claim<S: AnyStore + ?Sized>(store: &S, req: &Request<'_>, span: &Span) -> Result<Claim<S::Guard>, Error> {
     let claim = store.claim_key(req).await;
-    log_claim(&claim, span);
+    log_claim(&claim, req.scope_name(), span);
     claim
 }
 
@@ -160,14 +160,29 @@ where
     P::from_transaction(binder(guard))
 }
 
-fn log_claim<G>(claim: &Result<Claim<G>, Error>, span: &Span) {
+fn log_claim<G>(claim: &Result<Claim<G>, Error>, scope: &str, span: &Span) {
     span.in_scope(|| match claim {
         Ok(Claim::Fresh(_)) => {}
         Ok(Claim::Done(_)) => {
+            count(scope, "duplicate");
             tracing::info!(target: "idempotent", outcome = "duplicate", "duplicate message skipped")
         }
-        Err(error) => tracing::warn!(target: "idempotent", outcome = "failed", %error, "claim failed"),
+        Err(error) => {
+            count(scope, "failed");
+            tracing::warn!(target: "idempotent", outcome = "failed", %error, "claim failed")
+        }
     });
+}
+
+/// Counts one outcome (`processed`, `duplicate`, `failed`) of a handler's
+/// scope: `idempotent_outcomes_total{scope, outcome}` through the `metrics`
+/// facade (feature `metrics`; without it, nothing).
+#[inline]
+fn count(scope: &str, outcome: &'static str) {
+    #[cfg(feature = "metrics")]
+    metrics::counter!("idempotent_outcomes_total", "scope" => scope.to_owned(), "outcome" => outcome).increment(1);
+    #[cfg(not(feature = "metrics"))]
+    let _ = (scope, outcome);
 }
 
 /// A result type a handler can return: stored after the first run and
@@ -254,8 +269,9 @@ pub async fn finish<G: Guard, T, E>(
     codec: Codec<T>,
     outcome: Result<T, E>,
     span: Span,
+    scope: &'static str,
 ) -> Result<Result<T, E>, Error> {
-    match outcome {
+    let outcome = match outcome {
         Ok(value) => {
             let stored = match (codec.encode)(&value) {
                 Ok(stored) => stored,
@@ -264,6 +280,7 @@ pub async fn finish<G: Guard, T, E>(
                     span.in_scope(
                         || tracing::warn!(target: "idempotent", outcome = "failed", %error, "result not stored"),
                     );
+                    count(scope, "failed");
                     return Err(error);
                 }
             };
@@ -285,5 +302,7 @@ pub async fn finish<G: Guard, T, E>(
             );
             Ok(Err(error))
         }
-    }
+    };
+    count(scope, if matches!(outcome, Ok(Ok(_))) { "processed" } else { "failed" });
+    outcome
 }
