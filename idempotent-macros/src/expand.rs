@@ -33,16 +33,18 @@ pub fn idempotent(attr: TokenStream, item: TokenStream) -> TokenStream {
     };
     let args = args::parse(&cx, attr);
     let handler = handler::analyze(&cx, func, &args);
-    match cx.check() {
-        Ok(()) => expand(&handler, &args),
-        Err(errors) => fallback(handler, errors),
+    match (cx.check(), &args.key, &args.store) {
+        (Ok(()), Some(key), Some(store)) => expand(&handler, &args, key, store),
+        // `args::parse` reports a missing `key` or `store`; never reached.
+        (Ok(()), _, _) => {
+            let error = syn::Error::new(Span::call_site(), "#[idempotent] needs `key = ..` and `store = ..`");
+            fallback(handler, error.to_compile_error())
+        }
+        (Err(errors), _, _) => fallback(handler, errors),
     }
 }
 
-fn expand(handler: &Handler, args: &Args) -> TokenStream {
-    let (Some(key), Some(store)) = (&args.key, &args.store) else {
-        unreachable!("checked by args::parse")
-    };
+fn expand(handler: &Handler, args: &Args, key: &syn::Expr, store: &syn::Expr) -> TokenStream {
     let krate = &args.krate;
     let rt = quote!(#krate::__private);
     let func = &handler.func;
