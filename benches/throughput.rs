@@ -399,6 +399,8 @@ async fn run(cfg: Config) {
         ));
         text.push_str("\nLatency per delivery, p50 / p99 (ms):\n\n");
         text.push_str(&report::latency_table(&names, &groups));
+        text.push_str("\nCPU per delivery, µs: this process (client) + every PostgreSQL process (server):\n\n");
+        text.push_str(&report::cpu_table(&names, &groups));
         doc.section(&text);
         charts.push((
             "throughput-postgres.svg".into(),
@@ -460,6 +462,8 @@ async fn run(cfg: Config) {
         ));
         text.push_str("\nLatency p50 / p99 (ms):\n\n");
         text.push_str(&report::latency_table(&names, &groups));
+        text.push_str("\nCPU per delivery, µs: this process (client) + every PostgreSQL process (server):\n\n");
+        text.push_str(&report::cpu_table(&names, &groups));
         doc.section(&text);
         env.cleanup().await;
     }
@@ -524,6 +528,8 @@ async fn run(cfg: Config) {
         ));
         text.push_str("\nLatency p50 / p99 (ms):\n\n");
         text.push_str(&report::latency_table(&names, &groups));
+        text.push_str("\nCPU per delivery, µs: this process (client) + every PostgreSQL process (server):\n\n");
+        text.push_str(&report::cpu_table(&names, &groups));
         doc.section(&text);
         charts.push((
             "duplicates-80.svg".into(),
@@ -732,6 +738,8 @@ async fn redis_section(
     ));
     text.push_str("\nLatency p50 / p99 (ms):\n\n");
     text.push_str(&report::latency_table(&names, &groups));
+    text.push_str("\nCPU per delivery, µs: this process (client) + `redis-server` (server):\n\n");
+    text.push_str(&report::cpu_table(&names, &groups));
     text.push_str(&redis_round_trips().await);
     doc.section(&text);
     charts.push((

@@ -98,7 +98,11 @@ mod recorder {
 
     impl Counters {
         pub fn get(&self, name: &str) -> u64 {
-            self.0.lock().unwrap().get(name).map_or(0, |c| c.0.load(Ordering::SeqCst))
+            self.0
+                .lock()
+                .unwrap()
+                .get(name)
+                .map_or(0, |c| c.0.load(Ordering::SeqCst))
         }
     }
 
@@ -125,7 +129,10 @@ mod recorder {
 #[test]
 fn outcomes_are_counted_through_the_metrics_facade() {
     let counters = recorder::Counters::default();
-    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
     metrics::with_local_recorder(&counters, || {
         runtime.block_on(async {
             let store = MemoryStore::new();

@@ -82,6 +82,10 @@ pub struct RunStats {
     pub starts_us: Vec<u32>,
     pub first_error: Option<String>,
     pub plan_exhausted: bool,
+    /// CPU time of this process during the run (ns).
+    pub client_cpu_ns: u64,
+    /// CPU time of the database server's processes during the run (ns).
+    pub server_cpu_ns: u64,
 }
 
 impl RunStats {
@@ -117,6 +121,7 @@ pub struct RunOptions<'a> {
 /// (each worker finishes the delivery it is in when time is up).
 pub async fn run<V: Variant>(variant: &Arc<V>, plan: &Arc<Plan>, opts: RunOptions<'_>) -> RunStats {
     let next = Arc::new(AtomicUsize::new(0));
+    let cpu_before = cpu_snapshot();
     let start = Instant::now();
     let deadline = start + opts.duration;
     let mut tasks = Vec::with_capacity(opts.concurrency);
@@ -185,6 +190,9 @@ pub async fn run<V: Variant>(variant: &Arc<V>, plan: &Arc<Plan>, opts: RunOption
         total.latencies_us.extend(stats.latencies_us);
     }
     total.elapsed = start.elapsed();
+    let cpu_after = cpu_snapshot();
+    total.client_cpu_ns = cpu_after.client_ns.saturating_sub(cpu_before.client_ns);
+    total.server_cpu_ns = cpu_after.server_ns.saturating_sub(cpu_before.server_ns);
     if !opts.keep_starts {
         total.latencies_us.sort_unstable();
     }
@@ -204,6 +212,8 @@ pub struct Cell {
     pub deliveries: u64,
     pub busy: u64,
     pub errors: u64,
+    pub client_cpu_ns: u64,
+    pub server_cpu_ns: u64,
 }
 
 impl Cell {
@@ -215,7 +225,18 @@ impl Cell {
             deliveries: 0,
             busy: 0,
             errors: 0,
+            client_cpu_ns: 0,
+            server_cpu_ns: 0,
         }
+    }
+
+    /// CPU µs per delivery: (this process, the database server).
+    pub fn cpu_us(&self) -> (f64, f64) {
+        let n = self.deliveries.max(1) as f64;
+        (
+            self.client_cpu_ns as f64 / n / 1000.0,
+            self.server_cpu_ns as f64 / n / 1000.0,
+        )
     }
 
     pub fn add(&mut self, stats: &RunStats) {
@@ -229,6 +250,8 @@ impl Cell {
         self.deliveries += stats.deliveries;
         self.busy += stats.busy;
         self.errors += stats.errors;
+        self.client_cpu_ns += stats.client_cpu_ns;
+        self.server_cpu_ns += stats.server_cpu_ns;
     }
 
     /// Median of the repetitions' rates.
@@ -251,4 +274,39 @@ impl Cell {
     pub fn p(&self, p: f64) -> f64 {
         percentile(&self.latencies_us, p)
     }
+}
+
+/// CPU time consumed so far (ns, from `/proc/*/schedstat`) by this process
+/// and by the database servers (`postgres` and `redis-server` processes).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct CpuSnapshot {
+    pub client_ns: u64,
+    pub server_ns: u64,
+}
+
+fn schedstat_ns(path: &std::path::Path) -> u64 {
+    std::fs::read_to_string(path)
+        .ok()
+        .and_then(|s| s.split_whitespace().next().and_then(|v| v.parse().ok()))
+        .unwrap_or(0)
+}
+
+pub fn cpu_snapshot() -> CpuSnapshot {
+    let mut snap = CpuSnapshot::default();
+    if let Ok(tasks) = std::fs::read_dir("/proc/self/task") {
+        snap.client_ns = tasks.flatten().map(|t| schedstat_ns(&t.path().join("schedstat"))).sum();
+    }
+    if let Ok(procs) = std::fs::read_dir("/proc") {
+        for p in procs.flatten() {
+            let path = p.path();
+            if !p.file_name().to_string_lossy().bytes().all(|b| b.is_ascii_digit()) {
+                continue;
+            }
+            let comm = std::fs::read_to_string(path.join("comm")).unwrap_or_default();
+            if comm.starts_with("postgres") || comm.starts_with("redis-server") {
+                snap.server_ns += schedstat_ns(&path.join("schedstat"));
+            }
+        }
+    }
+    snap
 }

@@ -110,6 +110,31 @@ pub fn latency_table(series: &[&str], groups: &[Group]) -> String {
     s
 }
 
+/// CPU time per delivery: this process + the database server (µs).
+pub fn cpu_table(series: &[&str], groups: &[Group]) -> String {
+    let mut s = String::from("| | ");
+    for name in series {
+        let _ = write!(s, "{name} | ");
+    }
+    s.push('\n');
+    s.push_str(&"| --- ".repeat(1 + series.len()));
+    s.push_str("|\n");
+    for g in groups {
+        let _ = write!(s, "| {} | ", g.label);
+        for cell in &g.cells {
+            match cell {
+                Some(c) => {
+                    let (client, server) = c.cpu_us();
+                    let _ = write!(s, "{client:.0} + {server:.0} = {:.0} | ", client + server);
+                }
+                None => s.push_str("– | "),
+            }
+        }
+        s.push('\n');
+    }
+    s
+}
+
 /// The letter of a series name like "(d) macro + PgStore".
 fn short(name: &str) -> String {
     name.strip_prefix('(')

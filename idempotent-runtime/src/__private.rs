@@ -303,6 +303,13 @@ pub async fn finish<G: Guard, T, E>(
             Ok(Err(error))
         }
     };
-    count(scope, if matches!(outcome, Ok(Ok(_))) { "processed" } else { "failed" });
+    count(
+        scope,
+        if matches!(outcome, Ok(Ok(_))) {
+            "processed"
+        } else {
+            "failed"
+        },
+    );
     outcome
 }
