@@ -299,20 +299,29 @@ async fn run(plan: Plan) -> Figures {
     figures
 }
 
+/// Prints the figures straight to stderr: libtest captures `println!`, but
+/// the chaos run's figures belong in the default test output.
 fn report(name: &str, f: &Figures) {
-    println!("chaos {name}: {:.1?}", f.elapsed);
-    println!("  messages {} (published {} with duplicates)", f.messages, f.published);
-    println!("  deliveries to handlers {}", f.deliveries);
-    println!(
-        "  SIGKILLs {}, aborts after commit before ack {}",
-        f.kills, f.crashes_after_commit
+    use std::io::Write;
+    let text = format!(
+        "chaos {name}: {:.1?}\n  messages {} (published {} with duplicates)\n  deliveries to handlers {}\n  \
+         SIGKILLs {}, aborts after commit before ack {}\n  injected handler failures {}\n  \
+         effects {} (= messages {} - dead-lettered only {}); dead-lettered {}\n  lost {}, applied twice {}\n",
+        f.elapsed,
+        f.messages,
+        f.published,
+        f.deliveries,
+        f.kills,
+        f.crashes_after_commit,
+        f.injected_failures,
+        f.effects,
+        f.messages,
+        f.dead_only,
+        f.dead_lettered,
+        f.lost,
+        f.applied_twice
     );
-    println!("  injected handler failures {}", f.injected_failures);
-    println!(
-        "  effects {} (= messages {} - dead-lettered only {}); dead-lettered {}",
-        f.effects, f.messages, f.dead_only, f.dead_lettered
-    );
-    println!("  lost {}, applied twice {}", f.lost, f.applied_twice);
+    let _ = std::io::stderr().write_all(text.as_bytes());
 }
 
 fn check(f: &Figures) {
