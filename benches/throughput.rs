@@ -339,7 +339,7 @@ async fn run(cfg: Config) {
         doc.section(&format!("PostgreSQL: {}.\n", pg_version(env).await));
     }
 
-    // -- PostgreSQL: a/b/c/d (+ e, the proposed store change) -------------------------
+    // -- PostgreSQL: a/b/c/d -----------------------------------------------------------------
     if let (Some(env), true) = (&env, cfg.wants("pg")) {
         let rows = vec![
             row(
@@ -369,16 +369,6 @@ async fn run(cfg: Config) {
                     &warm,
                 )
             },
-            {
-                let te = env.tables("e").await;
-                let store = pg::ProposedPgStore::new(&te);
-                row(
-                    "(e) #[idempotent] + proposed claim",
-                    pg::Macro::new(te, store),
-                    t,
-                    &warm,
-                )
-            },
         ];
         let names: Vec<&'static str> = rows.iter().map(|r| r.name).collect();
         let groups = grid("pg", &rows, &cells(&cfg.dups, &cfg.concurrencies), &plans, cfg.reps).await;
@@ -387,14 +377,14 @@ async fn run(cfg: Config) {
              marker table, then `BEGIN; INSERT effect; INSERT marker; COMMIT` (a concurrent duplicate fails on the \
              primary key). (c) by hand with sqlx: `BEGIN; INSERT marker ON CONFLICT DO NOTHING RETURNING 1`, then the \
              effect and `COMMIT`, or on a duplicate return (the dropped transaction rolls back). (d) the same handler \
-             with `#[idempotent]` and `PgStore`. (e) (d) on a prototype of the recommended `PgStore` change (one \
-             statement claims or reads the marker; a duplicate does not wait for its `ROLLBACK`). All marker tables \
-             have `PgStore`'s layout; the effect is one `INSERT` into a table of its own.\n\n",
+             with `#[idempotent]` and `PgStore` (one statement claims the marker or returns the live one; a \
+             duplicate's transaction is dropped, its `ROLLBACK` sent with the pool's release ping). All marker \
+             tables have `PgStore`'s layout; the effect is one `INSERT` into a table of its own.\n\n",
         );
         text.push_str(&report::rate_table(
             &names,
             &groups,
-            &[(3, 2), (3, 1), (3, 0), (4, 2), (4, 1)],
+            &[(3, 2), (3, 1), (3, 0)],
             cfg.reps,
         ));
         text.push_str("\nLatency per delivery, p50 / p99 (ms):\n\n");
@@ -435,31 +425,18 @@ async fn run(cfg: Config) {
                     &warm,
                 )
             },
-            {
-                let te = env.tables("e2").await;
-                let store = pg::ProposedPgStore::new(&te);
-                row(
-                    "(e) #[idempotent] + proposed claim",
-                    pg::Macro::new(te, store),
-                    t,
-                    &warm,
-                )
-            },
         ];
         let names: Vec<&'static str> = rows.iter().map(|r| r.name).collect();
         let groups = grid("rtt", &rows, &cells(&[20, 80], &[8]), &plans, cfg.reps_small).await;
         let mut text = String::from(
             "## PostgreSQL: the duplicate path\n\nSame workload at concurrency 8. Client round trips per delivery \
-             (each waits for the server): fresh (c) = (d) = (e) = 4 (`BEGIN`, claim, effect, `COMMIT`); duplicate: \
-             (c) 2 (`BEGIN`, claim; the `ROLLBACK` is queued by sqlx and sent with the pool's release ping, off the \
-             caller's path), (c') 3, (d) 4 (`BEGIN`, claim, `SELECT fingerprint, result`, `ROLLBACK`), (e) 2.\n\n",
+             (each waits for the server): fresh (c) = (d) = 4 (`BEGIN`, claim, effect, `COMMIT`); duplicate: (c) 2 \
+             (`BEGIN`, claim; the `ROLLBACK` is queued by sqlx and sent with the pool's release ping, off the \
+             caller's path), (c') 3, (d) 2 (`BEGIN`, one statement that claims or returns the live marker; the \
+             `ROLLBACK` likewise queued; a second `SELECT` only when the marker was committed by a concurrent claim \
+             after that statement's snapshot).\n\n",
         );
-        text.push_str(&report::rate_table(
-            &names,
-            &groups,
-            &[(2, 0), (2, 1), (3, 0)],
-            cfg.reps_small,
-        ));
+        text.push_str(&report::rate_table(&names, &groups, &[(2, 0), (2, 1)], cfg.reps_small));
         text.push_str("\nLatency p50 / p99 (ms):\n\n");
         text.push_str(&report::latency_table(&names, &groups));
         text.push_str("\nCPU per delivery, µs: this process (client) + every PostgreSQL process (server):\n\n");
@@ -501,16 +478,6 @@ async fn run(cfg: Config) {
                     after_reset: Box::new(|v: &pg::Macro<CachedStore<PgStore>>| v.store.clear()),
                 };
                 row("(d+cache) CachedStore<PgStore>", hooked, t, &warm)
-            },
-            {
-                let te = env.tables("e80").await;
-                let store = pg::ProposedPgStore::new(&te);
-                row(
-                    "(e) #[idempotent] + proposed claim",
-                    pg::Macro::new(te, store),
-                    t,
-                    &warm,
-                )
             },
         ];
         let names: Vec<&'static str> = rows.iter().map(|r| r.name).collect();
@@ -948,7 +915,7 @@ async fn purge_section(cfg: &Config, doc: &mut Doc, env: &pg::PgEnv, plans: &Pla
     };
     let base = harness::run(&d, &plan, opts).await;
     let base_w = window_stats(&base, (Duration::ZERO, base.elapsed));
-    pg::purge_ctid(&t, 1000).await;
+    store.purge_expired().await.unwrap();
 
     let mut purges = String::new();
     let mut claims = format!(
@@ -958,33 +925,23 @@ async fn purge_section(cfg: &Config, doc: &mut Doc, env: &pg::PgEnv, plans: &Pla
         report::fmt_ms(base_w.2),
         report::fmt_ms(base_w.3)
     );
-    for (name, ctid) in [
-        ("`PgStore::purge_expired` (current)", false),
-        ("prototype: `ctid` batches", true),
-    ] {
+    {
+        let name = "`PgStore::purge_expired`";
         // Alone.
-        pg::add_expired(&t, expired, &format!("a{ctid}")).await;
+        pg::add_expired(&t, expired, "a").await;
         let started = Instant::now();
-        let deleted = if ctid {
-            pg::purge_ctid(&t, 1000).await
-        } else {
-            store.purge_expired().await.unwrap()
-        };
+        let deleted = store.purge_expired().await.unwrap();
         let alone = started.elapsed();
         eprintln!("  purge alone, {name}: {deleted} in {:.2} s", alone.as_secs_f64());
         // While claims run: the claims stop when the purge is done.
-        pg::add_expired(&t, expired, &format!("b{ctid}")).await;
+        pg::add_expired(&t, expired, "b").await;
         let lead = Duration::from_millis(300);
         let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let (purge_store, purge_t, purge_stop) = (store.clone(), t.clone(), Arc::clone(&stop));
+        let (purge_store, purge_stop) = (store.clone(), Arc::clone(&stop));
         let purge = tokio::spawn(async move {
             tokio::time::sleep(lead).await;
             let started = Instant::now();
-            let deleted = if ctid {
-                pg::purge_ctid(&purge_t, 1000).await
-            } else {
-                purge_store.purge_expired().await.unwrap()
-            };
+            let deleted = purge_store.purge_expired().await.unwrap();
             let took = started.elapsed();
             tokio::time::sleep(Duration::from_millis(200)).await;
             purge_stop.store(true, Ordering::Relaxed);
@@ -993,7 +950,7 @@ async fn purge_section(cfg: &Config, doc: &mut Doc, env: &pg::PgEnv, plans: &Pla
         let opts = RunOptions {
             concurrency: conc,
             duration: Duration::from_secs(300),
-            prefix: if ctid { "during-ctid-" } else { "during-" },
+            prefix: "during-",
             keep_starts: true,
             stop: Some(stop),
         };
@@ -1025,10 +982,8 @@ async fn purge_section(cfg: &Config, doc: &mut Doc, env: &pg::PgEnv, plans: &Pla
     }
     let text = format!(
         "## Purging expired markers\n\nA marker table with {} expired markers (plus the live ones the claims add). \
-         `PgStore::purge_expired()` deletes in batches of 1000, each its own statement: `DELETE FROM t WHERE (scope, \
-         message_id) IN (SELECT scope, message_id FROM t WHERE expires_at <= now() LIMIT 1000 FOR UPDATE SKIP \
-         LOCKED)`. The prototype deletes the same rows by `ctid`: `DELETE FROM t WHERE ctid = ANY(ARRAY(SELECT ctid \
-         FROM t WHERE expires_at <= now() LIMIT 1000 FOR UPDATE SKIP LOCKED))`.\n\n\
+         `PgStore::purge_expired()` deletes in batches of 1000 by `ctid`, each its own statement: `DELETE FROM t WHERE \
+         ctid = ANY(ARRAY(SELECT ctid FROM t WHERE expires_at <= now() LIMIT 1000 FOR UPDATE SKIP LOCKED))`.\n\n\
          | purge | markers | alone | markers/s alone | while claims run (c={conc}) | markers/s then |\n\
          | --- | --- | --- | --- | --- | --- |\n{purges}\n\
          Claims (`#[idempotent]` + `PgStore`, concurrency {conc}, 20 % duplicates) on the same table, counting the \

@@ -1,17 +1,14 @@
 //! PostgreSQL variants: (a) bare transaction, (b) the article's check then
 //! transaction, (c) hand-written claim-first, (d) `#[idempotent]` with
-//! `PgStore`, (d+cache) with `CachedStore<PgStore>`, and (e) the macro with a
-//! prototype of the store change this benchmark recommends.
+//! `PgStore`, and (d+cache) with `CachedStore<PgStore>`.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use idempotent_runtime::sqlx::postgres::PgPoolOptions;
-use idempotent_runtime::sqlx::{self, AssertSqlSafe, PgConnection, PgPool, Postgres, Row, Transaction};
-use idempotent_runtime::{
-    CachedStore, Claim, Error, Guard, PgStore, Replay, Request, Store, TransactionGuard, TransactionalStore, idempotent,
-};
+use idempotent_runtime::sqlx::{self, AssertSqlSafe, PgConnection, PgPool, Postgres};
+use idempotent_runtime::{CachedStore, Error, PgStore, TransactionalStore, idempotent};
 
 use crate::harness::{BoxError, Outcome, Variant};
 
@@ -320,126 +317,6 @@ pub fn cached(t: &Tables, capacity: usize) -> CachedStore<PgStore> {
     CachedStore::new(t.store(), capacity)
 }
 
-// ---- (e) prototype: one statement claims or reads, duplicates do not wait
-// for their ROLLBACK -------------------------------------------------------
-
-/// What `PgStore` would do with the recommended change: the claim statement
-/// also returns the live marker's fingerprint and result (no second
-/// statement for a duplicate), and a duplicate's transaction is dropped
-/// rather than rolled back with a round trip of its own (sqlx sends the
-/// queued `ROLLBACK` together with the ping it does when the connection goes
-/// back to the pool).
-#[derive(Clone)]
-pub struct ProposedPgStore {
-    pool: PgPool,
-    claim: Arc<str>,
-    read: Arc<str>,
-    write_result: Arc<str>,
-}
-
-impl ProposedPgStore {
-    pub fn new(t: &Tables) -> Self {
-        let m = &t.markers;
-        ProposedPgStore {
-            pool: t.pool.clone(),
-            claim: format!(
-                "WITH claimed AS (\
-                   INSERT INTO {m} AS m (scope, message_id, processed_at, expires_at, fingerprint) \
-                   VALUES ($1, $2, now(), now() + $3 * interval '1 millisecond', $4) \
-                   ON CONFLICT (scope, message_id) DO UPDATE \
-                   SET processed_at = EXCLUDED.processed_at, expires_at = EXCLUDED.expires_at, \
-                       fingerprint = EXCLUDED.fingerprint, result = NULL \
-                   WHERE m.expires_at <= now() \
-                   RETURNING true AS claimed) \
-                 SELECT true AS claimed, NULL::text AS fingerprint, NULL::text AS result FROM claimed \
-                 UNION ALL \
-                 SELECT false, fingerprint, result FROM {m} \
-                 WHERE scope = $1 AND message_id = $2 AND NOT EXISTS (SELECT 1 FROM claimed)"
-            )
-            .into(),
-            read: format!("SELECT fingerprint, result FROM {m} WHERE scope = $1 AND message_id = $2").into(),
-            write_result: format!("UPDATE {m} SET result = $1 WHERE scope = $2 AND message_id = $3").into(),
-        }
-    }
-}
-
-pub struct ProposedGuard {
-    tx: Transaction<'static, Postgres>,
-    write_result: Arc<str>,
-    scope: String,
-    key: String,
-}
-
-impl Store for ProposedPgStore {
-    type Guard = ProposedGuard;
-
-    async fn claim(&self, req: &Request<'_>) -> Result<Claim<ProposedGuard>, Error> {
-        let mut tx = self.pool.begin().await.map_err(Error::store)?;
-        let row = sqlx::query(AssertSqlSafe(Arc::clone(&self.claim)))
-            .bind(req.scope_name())
-            .bind(req.key())
-            .bind(req.ttl_millis())
-            .bind(req.fingerprint_value().map(|f| f.as_str()))
-            .fetch_optional(&mut *tx)
-            .await
-            .map_err(Error::store)?;
-        let row = match row {
-            Some(row) if row.try_get::<bool, _>("claimed").map_err(Error::store)? => {
-                return Ok(Claim::Fresh(ProposedGuard {
-                    tx,
-                    write_result: Arc::clone(&self.write_result),
-                    scope: req.scope_name().to_owned(),
-                    key: req.key().to_owned(),
-                }));
-            }
-            Some(row) => row,
-            // The marker was committed by a concurrent claim after this
-            // statement's snapshot: read it with a new one.
-            None => sqlx::query(AssertSqlSafe(Arc::clone(&self.read)))
-                .bind(req.scope_name())
-                .bind(req.key())
-                .fetch_one(&mut *tx)
-                .await
-                .map_err(Error::store)?,
-        };
-        drop(tx); // ROLLBACK queued, sent with the pool's release ping
-        let fingerprint: Option<String> = row.try_get("fingerprint").map_err(Error::store)?;
-        req.check_fingerprint(fingerprint.as_deref())?;
-        Ok(Claim::Done(Replay::new(row.try_get("result").map_err(Error::store)?)))
-    }
-}
-
-impl TransactionalStore for ProposedPgStore {
-    type Database = Postgres;
-}
-
-impl Guard for ProposedGuard {
-    async fn complete(mut self, result: Option<String>) -> Result<(), Error> {
-        if let Some(result) = result {
-            sqlx::query(AssertSqlSafe(Arc::clone(&self.write_result)))
-                .bind(result)
-                .bind(&self.scope)
-                .bind(&self.key)
-                .execute(&mut *self.tx)
-                .await
-                .map_err(Error::store)?;
-        }
-        self.tx.commit().await.map_err(Error::store)
-    }
-
-    async fn abort(self) {
-        drop(self.tx);
-    }
-}
-
-impl TransactionGuard for ProposedGuard {
-    type Database = Postgres;
-
-    fn transaction(&mut self) -> &mut Transaction<'static, Postgres> {
-        &mut self.tx
-    }
-}
-
 // ---- the marker table as it grows -------------------------------------------------
 
 /// A `PgStore` marker table already holding `rows` live markers (of another
@@ -531,28 +408,4 @@ pub async fn relation_size(pool: &PgPool, table: &str) -> i64 {
         .fetch_one(pool)
         .await
         .unwrap()
-}
-
-/// The prototype purge: batches deleted by `ctid` (a TID scan) instead of a
-/// join on the primary key; returns how many markers were deleted.
-pub async fn purge_ctid(t: &Tables, batch: i64) -> u64 {
-    let sql: Arc<str> = format!(
-        "DELETE FROM {m} WHERE ctid = ANY(ARRAY(SELECT ctid FROM {m} WHERE expires_at <= now() \
-         LIMIT $1 FOR UPDATE SKIP LOCKED))",
-        m = t.markers
-    )
-    .into();
-    let mut total = 0;
-    loop {
-        let deleted = sqlx::query(AssertSqlSafe(Arc::clone(&sql)))
-            .bind(batch)
-            .execute(&t.pool)
-            .await
-            .unwrap()
-            .rows_affected();
-        total += deleted;
-        if deleted < batch as u64 {
-            return total;
-        }
-    }
 }
