@@ -68,24 +68,18 @@ impl PgStore {
     fn assemble(pool: PgPool, table: crate::TableName, purge_batch: u32) -> PgStore {
         let t = table.quoted('"');
         let sql = PgSql {
-            // One round trip answers both cases: the CTE inserts (or takes
-            // over an expired marker) and says so; otherwise the outer
-            // SELECT returns the live marker, if this statement's snapshot
-            // sees it (a marker committed by a concurrent claim we waited on
-            // is not in the snapshot: `claim` then reads it with `read`).
+            // The plain upsert: the cheapest statement for a fresh message
+            // (a one-statement "claim or read" CTE was measured: it saved a
+            // round trip per duplicate but cost ~38 us of server CPU on every
+            // fresh message; see docs/benchmarks.md).
             claim: format!(
-                "WITH claimed AS (\
-                   INSERT INTO {t} AS m (scope, message_id, processed_at, expires_at, fingerprint) \
-                   VALUES ($1, $2, now(), now() + $3 * interval '1 millisecond', $4) \
-                   ON CONFLICT (scope, message_id) DO UPDATE \
-                   SET processed_at = EXCLUDED.processed_at, expires_at = EXCLUDED.expires_at, \
-                       fingerprint = EXCLUDED.fingerprint, result = NULL \
-                   WHERE m.expires_at <= now() \
-                   RETURNING true) \
-                 SELECT true AS fresh, NULL::text AS fingerprint, NULL::text AS result FROM claimed \
-                 UNION ALL \
-                 SELECT false, fingerprint, result FROM {t} \
-                 WHERE scope = $1 AND message_id = $2 AND NOT EXISTS (SELECT 1 FROM claimed)"
+                "INSERT INTO {t} AS m (scope, message_id, processed_at, expires_at, fingerprint) \
+                 VALUES ($1, $2, now(), now() + $3 * interval '1 millisecond', $4) \
+                 ON CONFLICT (scope, message_id) DO UPDATE \
+                 SET processed_at = EXCLUDED.processed_at, expires_at = EXCLUDED.expires_at, \
+                     fingerprint = EXCLUDED.fingerprint, result = NULL \
+                 WHERE m.expires_at <= now() \
+                 RETURNING true"
             )
             .into(),
             read: format!("SELECT fingerprint, result FROM {t} WHERE scope = $1 AND message_id = $2").into(),
@@ -176,34 +170,30 @@ impl Store for PgStore {
 
     async fn claim(&self, req: &Request<'_>) -> Result<Claim<Self::Guard>, Error> {
         let mut tx = self.pool.begin().await?;
-        let row = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.claim)))
+        let claimed = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.claim)))
             .bind(req.scope_name())
             .bind(req.key())
             .bind(req.ttl_millis())
             .bind(req.fingerprint_value().map(|f| f.as_str()))
             .fetch_optional(&mut *tx)
+            .await?
+            .is_some();
+        if claimed {
+            return Ok(Claim::Fresh(SqlGuard::new(
+                tx,
+                Arc::clone(&self.sql.write_result),
+                req,
+                None,
+            )));
+        }
+        // A live marker exists: ON CONFLICT DO UPDATE locked it, so it cannot
+        // vanish before this read (a new snapshot, so it also sees a marker
+        // committed by a concurrent claim this one waited for).
+        let row = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.read)))
+            .bind(req.scope_name())
+            .bind(req.key())
+            .fetch_one(&mut *tx)
             .await?;
-        let row = match row {
-            Some(row) if row.try_get::<bool, _>("fresh")? => {
-                return Ok(Claim::Fresh(SqlGuard::new(
-                    tx,
-                    Arc::clone(&self.sql.write_result),
-                    req,
-                    None,
-                )));
-            }
-            Some(row) => row,
-            // The live marker was committed by a concurrent claim after this
-            // statement's snapshot; ON CONFLICT DO UPDATE locked it, so it
-            // cannot vanish before this read, which takes a new snapshot.
-            None => {
-                sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.read)))
-                    .bind(req.scope_name())
-                    .bind(req.key())
-                    .fetch_one(&mut *tx)
-                    .await?
-            }
-        };
         // Nothing to undo: dropping the transaction queues its ROLLBACK,
         // sent when the connection returns to the pool, saving a round trip.
         drop(tx);
