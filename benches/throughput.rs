@@ -377,8 +377,9 @@ async fn run(cfg: Config) {
              marker table, then `BEGIN; INSERT effect; INSERT marker; COMMIT` (a concurrent duplicate fails on the \
              primary key). (c) by hand with sqlx: `BEGIN; INSERT marker ON CONFLICT DO NOTHING RETURNING 1`, then the \
              effect and `COMMIT`, or on a duplicate return (the dropped transaction rolls back). (d) the same handler \
-             with `#[idempotent]` and `PgStore` (one statement claims the marker or returns the live one; a \
-             duplicate's transaction is dropped, its `ROLLBACK` sent with the pool's release ping). All marker \
+             with `#[idempotent]` and `PgStore` (`INSERT .. ON CONFLICT DO UPDATE .. WHERE expired RETURNING`, then a \
+             `SELECT` of the live marker for a duplicate, whose transaction is dropped, its `ROLLBACK` sent with \
+             the pool's release ping). All marker \
              tables have `PgStore`'s layout; the effect is one `INSERT` into a table of its own.\n\n",
         );
         text.push_str(&report::rate_table(
@@ -432,9 +433,8 @@ async fn run(cfg: Config) {
             "## PostgreSQL: the duplicate path\n\nSame workload at concurrency 8. Client round trips per delivery \
              (each waits for the server): fresh (c) = (d) = 4 (`BEGIN`, claim, effect, `COMMIT`); duplicate: (c) 2 \
              (`BEGIN`, claim; the `ROLLBACK` is queued by sqlx and sent with the pool's release ping, off the \
-             caller's path), (c') 3, (d) 2 (`BEGIN`, one statement that claims or returns the live marker; the \
-             `ROLLBACK` likewise queued; a second `SELECT` only when the marker was committed by a concurrent claim \
-             after that statement's snapshot).\n\n",
+             caller's path), (c') 3, (d) 3 (`BEGIN`, the claim, a `SELECT` of the live marker; the `ROLLBACK` \
+             likewise queued).\n\n",
         );
         text.push_str(&report::rate_table(&names, &groups, &[(2, 0), (2, 1)], cfg.reps_small));
         text.push_str("\nLatency p50 / p99 (ms):\n\n");
