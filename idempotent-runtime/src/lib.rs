@@ -72,7 +72,7 @@ pub use store::{Claim, DEFAULT_LEASE, DEFAULT_TTL, Guard, Replay, Request, Store
 pub use table::{MAX_TABLE_NAME_BYTES, TableName};
 
 #[cfg(feature = "sqlx")]
-pub use store::sql::{DEFAULT_PURGE_BATCH, SqlBackend, SqlGuard};
+pub use store::sql::{DEFAULT_PURGE_BATCH, SqlBackend, SqlGuard, SqlStoreBuilder};
 #[cfg(feature = "sqlx")]
 pub use store::{FromTransaction, TransactionGuard, TransactionalStore};
 

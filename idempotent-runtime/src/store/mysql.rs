@@ -48,7 +48,7 @@ use sqlx::mysql::MySqlDatabaseError;
 use sqlx::{AssertSqlSafe, MySql, MySqlPool, Row, Transaction};
 
 use crate::Error;
-use crate::store::sql::{Settings, SqlBackend, SqlGuard, ddl};
+use crate::store::sql::{SqlBackend, SqlGuard, SqlStoreBuilder, ddl};
 use crate::store::{Claim, Replay, Request, Store, TransactionalStore};
 
 /// Begins a transaction at READ COMMITTED (for this transaction only; the
@@ -109,33 +109,14 @@ struct MySqlSql {
     purge_batch: u64,
 }
 
-/// Configures a [`MySqlStore`].
-#[derive(Debug, Clone)]
-pub struct MySqlStoreBuilder {
-    pool: MySqlPool,
-    settings: Settings,
-}
+/// Configures a [`MySqlStore`]: see [`SqlStoreBuilder`](crate::SqlStoreBuilder).
+pub type MySqlStoreBuilder = SqlStoreBuilder<MySqlPool>;
 
-impl MySqlStoreBuilder {
-    /// The marker table, `table` or `database.table` (default
-    /// `processed_messages`). Validated by [`build`](Self::build).
-    pub fn table(mut self, name: &str) -> Self {
-        self.settings.set_table(name);
-        self
-    }
-
-    /// Markers deleted per statement by [`MySqlStore::purge_expired`]
-    /// (default 1000).
-    pub fn purge_batch(mut self, markers: u32) -> Self {
-        self.settings.purge_batch = markers;
-        self
-    }
-
+impl SqlStoreBuilder<MySqlPool> {
     /// The store, or [`Error::Config`] for an invalid setting.
     pub fn build(self) -> Result<MySqlStore, Error> {
-        let table = self.settings.table()?;
-        let purge_batch = self.settings.purge_batch()?;
-        Ok(MySqlStore::assemble(self.pool, table, purge_batch))
+        let (pool, table, purge_batch) = self.into_parts()?;
+        Ok(MySqlStore::assemble(pool, table, purge_batch))
     }
 }
 
@@ -179,10 +160,7 @@ impl MySqlStore {
 
     /// A builder to set the table name and purge batch size.
     pub fn builder(pool: MySqlPool) -> MySqlStoreBuilder {
-        MySqlStoreBuilder {
-            pool,
-            settings: Settings::default(),
-        }
+        SqlStoreBuilder::new(pool)
     }
 
     /// The pool the store runs on.

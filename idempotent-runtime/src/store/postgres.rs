@@ -6,7 +6,7 @@ use std::sync::Arc;
 use sqlx::{AssertSqlSafe, PgPool, Postgres, Row};
 
 use crate::Error;
-use crate::store::sql::{Settings, SqlBackend, SqlGuard, ddl};
+use crate::store::sql::{SqlBackend, SqlGuard, SqlStoreBuilder, ddl};
 use crate::store::{Claim, Replay, Request, Store, TransactionalStore};
 
 /// A PostgreSQL store: the marker is inserted in the same transaction as the
@@ -34,33 +34,14 @@ struct PgSql {
     purge_batch: i64,
 }
 
-/// Configures a [`PgStore`].
-#[derive(Debug, Clone)]
-pub struct PgStoreBuilder {
-    pool: PgPool,
-    settings: Settings,
-}
+/// Configures a [`PgStore`]: see [`SqlStoreBuilder`](crate::SqlStoreBuilder).
+pub type PgStoreBuilder = SqlStoreBuilder<PgPool>;
 
-impl PgStoreBuilder {
-    /// The marker table, `table` or `schema.table` (default
-    /// `processed_messages`). Validated by [`build`](Self::build).
-    pub fn table(mut self, name: &str) -> Self {
-        self.settings.set_table(name);
-        self
-    }
-
-    /// Markers deleted per statement by [`PgStore::purge_expired`]
-    /// (default 1000).
-    pub fn purge_batch(mut self, markers: u32) -> Self {
-        self.settings.purge_batch = markers;
-        self
-    }
-
+impl SqlStoreBuilder<PgPool> {
     /// The store, or [`Error::Config`] for an invalid setting.
     pub fn build(self) -> Result<PgStore, Error> {
-        let table = self.settings.table()?;
-        let purge_batch = self.settings.purge_batch()?;
-        Ok(PgStore::assemble(self.pool, table, purge_batch))
+        let (pool, table, purge_batch) = self.into_parts()?;
+        Ok(PgStore::assemble(pool, table, purge_batch))
     }
 }
 
@@ -114,10 +95,7 @@ impl PgStore {
 
     /// A builder to set the table name and purge batch size.
     pub fn builder(pool: PgPool) -> PgStoreBuilder {
-        PgStoreBuilder {
-            pool,
-            settings: Settings::default(),
-        }
+        SqlStoreBuilder::new(pool)
     }
 
     /// The pool the store runs on.

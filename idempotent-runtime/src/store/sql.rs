@@ -116,6 +116,44 @@ pub(crate) fn ddl(template: &str, table: &TableName, quote: char) -> Vec<String>
         .collect()
 }
 
+/// Configures a SQL store (`PgStoreBuilder`, `SqliteStoreBuilder`,
+/// `MySqlStoreBuilder` are this type for their pool): the marker table and
+/// the purge batch size; each backend's `build` validates them.
+#[derive(Debug, Clone)]
+pub struct SqlStoreBuilder<P> {
+    pool: P,
+    settings: Settings,
+}
+
+impl<P> SqlStoreBuilder<P> {
+    pub(crate) fn new(pool: P) -> Self {
+        SqlStoreBuilder {
+            pool,
+            settings: Settings::default(),
+        }
+    }
+
+    /// The marker table (default `processed_messages`): `table`, or
+    /// `schema.table` (`database.table` on MySQL; SQLite takes a plain
+    /// name). Validated by `build`.
+    pub fn table(mut self, name: &str) -> Self {
+        self.settings.set_table(name);
+        self
+    }
+
+    /// Markers deleted per statement by the store's `purge_expired`
+    /// (default 1000).
+    pub fn purge_batch(mut self, markers: u32) -> Self {
+        self.settings.purge_batch = markers;
+        self
+    }
+
+    /// The pool and the validated settings, or [`Error::Config`].
+    pub(crate) fn into_parts(self) -> Result<(P, TableName, u32), Error> {
+        Ok((self.pool, self.settings.table()?, self.settings.purge_batch()?))
+    }
+}
+
 /// Settings every sqlx store takes from its builder.
 #[derive(Debug, Clone)]
 pub(crate) struct Settings {

@@ -10,7 +10,7 @@ use sqlx::{AssertSqlSafe, Row, Sqlite, SqlitePool};
 use tokio::sync::Semaphore;
 
 use crate::Error;
-use crate::store::sql::{Settings, SqlBackend, SqlGuard, ddl};
+use crate::store::sql::{SqlBackend, SqlGuard, SqlStoreBuilder, ddl};
 use crate::store::{Claim, Replay, Request, Store, TransactionalStore};
 
 /// The database clock in milliseconds since the Unix epoch.
@@ -46,39 +46,20 @@ struct SqliteSql {
     purge_batch: i64,
 }
 
-/// Configures a [`SqliteStore`].
-#[derive(Debug, Clone)]
-pub struct SqliteStoreBuilder {
-    pool: SqlitePool,
-    settings: Settings,
-}
+/// Configures a [`SqliteStore`]: see [`SqlStoreBuilder`](crate::SqlStoreBuilder).
+pub type SqliteStoreBuilder = SqlStoreBuilder<SqlitePool>;
 
-impl SqliteStoreBuilder {
-    /// The marker table (default `processed_messages`); a plain identifier
-    /// (no `schema.` prefix). Validated by [`build`](Self::build).
-    pub fn table(mut self, name: &str) -> Self {
-        self.settings.set_table(name);
-        self
-    }
-
-    /// Markers deleted per statement by [`SqliteStore::purge_expired`]
-    /// (default 1000).
-    pub fn purge_batch(mut self, markers: u32) -> Self {
-        self.settings.purge_batch = markers;
-        self
-    }
-
+impl SqlStoreBuilder<SqlitePool> {
     /// The store, or [`Error::Config`] for an invalid setting.
     pub fn build(self) -> Result<SqliteStore, Error> {
-        let table = self.settings.table()?;
+        let (pool, table, purge_batch) = self.into_parts()?;
         if table.schema().is_some() {
             return Err(Error::Config(format!(
                 "invalid table name {:?}: SQLite stores take a plain table name",
                 table.to_string()
             )));
         }
-        let purge_batch = self.settings.purge_batch()?;
-        Ok(SqliteStore::assemble(self.pool, table, purge_batch))
+        Ok(SqliteStore::assemble(pool, table, purge_batch))
     }
 }
 
@@ -128,10 +109,7 @@ impl SqliteStore {
 
     /// A builder to set the table name and purge batch size.
     pub fn builder(pool: SqlitePool) -> SqliteStoreBuilder {
-        SqliteStoreBuilder {
-            pool,
-            settings: Settings::default(),
-        }
+        SqlStoreBuilder::new(pool)
     }
 
     /// Opens (creating it if missing) the database file at `path` with the
