@@ -48,7 +48,7 @@ use sqlx::mysql::MySqlDatabaseError;
 use sqlx::{AssertSqlSafe, MySql, MySqlPool, Row, Transaction};
 
 use crate::Error;
-use crate::store::sql::{SqlBackend, SqlGuard, SqlStoreBuilder, ddl};
+use crate::store::sql::{SqlGuard, SqlStoreBuilder, ddl, sql_backend};
 use crate::store::{Claim, Replay, Request, Store, TransactionalStore};
 
 /// Begins a transaction at READ COMMITTED (for this transaction only; the
@@ -351,23 +351,7 @@ impl TransactionalStore for MySqlStore {
     type Database = MySql;
 }
 
-impl SqlBackend for MySql {
-    async fn write_result<'a>(
-        conn: &'a mut sqlx::MySqlConnection,
-        sql: Arc<str>,
-        result: String,
-        scope: &'a str,
-        key: &'a str,
-    ) -> Result<(), sqlx::Error> {
-        sqlx::query(AssertSqlSafe(sql))
-            .bind(result)
-            .bind(scope)
-            .bind(key)
-            .execute(conn)
-            .await?;
-        Ok(())
-    }
-}
+sql_backend!(MySql, sqlx::MySqlConnection);
 
 impl crate::janitor::PurgeExpired for MySqlStore {
     fn purge_expired(&self) -> impl Future<Output = Result<u64, Error>> + Send {

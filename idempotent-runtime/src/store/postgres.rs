@@ -6,7 +6,7 @@ use std::sync::Arc;
 use sqlx::{AssertSqlSafe, PgPool, Postgres, Row};
 
 use crate::Error;
-use crate::store::sql::{SqlBackend, SqlGuard, SqlStoreBuilder, ddl};
+use crate::store::sql::{SqlGuard, SqlStoreBuilder, ddl, sql_backend};
 use crate::store::{Claim, Replay, Request, Store, TransactionalStore};
 
 /// A PostgreSQL store: the marker is inserted in the same transaction as the
@@ -185,23 +185,7 @@ impl TransactionalStore for PgStore {
     type Database = Postgres;
 }
 
-impl SqlBackend for Postgres {
-    async fn write_result<'a>(
-        conn: &'a mut sqlx::PgConnection,
-        sql: Arc<str>,
-        result: String,
-        scope: &'a str,
-        key: &'a str,
-    ) -> Result<(), sqlx::Error> {
-        sqlx::query(AssertSqlSafe(sql))
-            .bind(result)
-            .bind(scope)
-            .bind(key)
-            .execute(conn)
-            .await?;
-        Ok(())
-    }
-}
+sql_backend!(Postgres, sqlx::PgConnection);
 
 impl crate::janitor::PurgeExpired for PgStore {
     fn purge_expired(&self) -> impl Future<Output = Result<u64, Error>> + Send {

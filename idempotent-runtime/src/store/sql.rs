@@ -27,6 +27,31 @@ pub trait SqlBackend: sqlx::Database {
     ) -> impl Future<Output = Result<(), sqlx::Error>> + Send + 'a;
 }
 
+/// Implements [`SqlBackend`] for a sqlx database: the statement is the
+/// backend's own (built in its file), the binding the same for all.
+macro_rules! sql_backend {
+    ($db:ty, $conn:ty) => {
+        impl $crate::store::sql::SqlBackend for $db {
+            async fn write_result<'a>(
+                conn: &'a mut $conn,
+                sql: ::std::sync::Arc<str>,
+                result: String,
+                scope: &'a str,
+                key: &'a str,
+            ) -> Result<(), sqlx::Error> {
+                sqlx::query(sqlx::AssertSqlSafe(sql))
+                    .bind(result)
+                    .bind(scope)
+                    .bind(key)
+                    .execute(conn)
+                    .await?;
+                Ok(())
+            }
+        }
+    };
+}
+pub(crate) use sql_backend;
+
 /// The claim of a transactional store: the transaction that inserted the
 /// marker. The handler's body runs on it; dropping it rolls back.
 pub struct SqlGuard<DB: SqlBackend> {

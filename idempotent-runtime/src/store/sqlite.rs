@@ -10,7 +10,7 @@ use sqlx::{AssertSqlSafe, Row, Sqlite, SqlitePool};
 use tokio::sync::Semaphore;
 
 use crate::Error;
-use crate::store::sql::{SqlBackend, SqlGuard, SqlStoreBuilder, ddl};
+use crate::store::sql::{SqlGuard, SqlStoreBuilder, ddl, sql_backend};
 use crate::store::{Claim, Replay, Request, Store, TransactionalStore};
 
 /// The database clock in milliseconds since the Unix epoch.
@@ -243,23 +243,7 @@ impl TransactionalStore for SqliteStore {
     type Database = Sqlite;
 }
 
-impl SqlBackend for Sqlite {
-    async fn write_result<'a>(
-        conn: &'a mut sqlx::SqliteConnection,
-        sql: Arc<str>,
-        result: String,
-        scope: &'a str,
-        key: &'a str,
-    ) -> Result<(), sqlx::Error> {
-        sqlx::query(AssertSqlSafe(sql))
-            .bind(result)
-            .bind(scope)
-            .bind(key)
-            .execute(conn)
-            .await?;
-        Ok(())
-    }
-}
+sql_backend!(Sqlite, sqlx::SqliteConnection);
 
 impl crate::janitor::PurgeExpired for SqliteStore {
     fn purge_expired(&self) -> impl Future<Output = Result<u64, Error>> + Send {
