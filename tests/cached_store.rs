@@ -68,7 +68,7 @@ impl Pg {
 
     /// The effect and the marker in one transaction; the result depends on
     /// the amount so a replay is recognisable.
-    #[idempotent(key = "id", store = self.store, scope = "pay", fingerprint = "amount")]
+    #[idempotent(key = "id", store = self.store, scope = "pay", shared_scope = true, fingerprint = "amount")]
     async fn pay(&self, id: &str, amount: i64, fail: bool, tx: &mut PgConnection) -> Result<i64, AppError> {
         self.runs.fetch_add(1, Ordering::SeqCst);
         let insert = format!("INSERT INTO {} (message_id, amount) VALUES ($1, $2)", self.payments);
@@ -84,7 +84,7 @@ impl Pg {
     }
 
     /// The same scope through the store without cache.
-    #[idempotent(key = "id", store = self.plain, scope = "pay", fingerprint = "amount")]
+    #[idempotent(key = "id", store = self.plain, scope = "pay", shared_scope = true, fingerprint = "amount")]
     async fn pay_uncached(&self, id: &str, amount: i64, tx: &mut PgConnection) -> Result<i64, AppError> {
         self.runs.fetch_add(1, Ordering::SeqCst);
         let insert = format!("INSERT INTO {} (message_id, amount) VALUES ($1, $2)", self.payments);
@@ -97,7 +97,7 @@ impl Pg {
     }
 
     /// The same scope without a fingerprint.
-    #[idempotent(key = "id", store = self.store, scope = "pay")]
+    #[idempotent(key = "id", store = self.store, scope = "pay", shared_scope = true)]
     async fn pay_without_fingerprint(&self, id: &str, tx: &mut PgConnection) -> Result<i64, AppError> {
         self.runs.fetch_add(1, Ordering::SeqCst);
         let insert = format!("INSERT INTO {} (message_id) VALUES ($1)", self.payments);

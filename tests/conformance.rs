@@ -4,7 +4,9 @@
 //! failure/panic/cancellation release the claim, fingerprints, missing and
 //! invalid keys, expiry, scopes, purge) are instantiated for each store by
 //! `conformance!` at the bottom: memory, Postgres, SQLite, MySQL (MariaDB)
-//! and Redis. Where transactional stores (Postgres,
+//! and Redis, and each SQL store again under the server settings users
+//! change (PostgreSQL's default isolation, MariaDB's session isolation,
+//! SQLite's journal mode). Where transactional stores (Postgres,
 //! SQLite, MySQL) and lease stores (Redis, memory) differ, the test says so
 //! through `Fixture::TRANSACTIONAL` rather than hiding it:
 //! - a concurrent duplicate *waits* for the first call on a transactional
@@ -390,17 +392,19 @@ impl Fixture for Memory {
     async fn teardown(self) {}
 }
 
-struct Postgres {
+/// PostgreSQL, its sessions defaulting to the isolation level `ISO`
+/// (`common::settings::PG_*`).
+struct Postgres<const ISO: u8> {
     store: idempotent_runtime::PgStore,
     table: String,
 }
 
-impl Fixture for Postgres {
+impl<const ISO: u8> Fixture for Postgres<ISO> {
     type S = idempotent_runtime::PgStore;
     const TRANSACTIONAL: bool = true;
     async fn setup() -> Self {
         let table = common::unique("conf");
-        let pool = common::pg_pool(20).await;
+        let pool = common::pg_pool_with(20, ISO).await;
         let store = idempotent_runtime::PgStore::builder(pool)
             .table(&table)
             .build()
@@ -419,17 +423,19 @@ impl Fixture for Postgres {
     }
 }
 
-struct MySql {
+/// MariaDB, its sessions at the isolation level `ISO`
+/// (`common::settings::MY_*`).
+struct MySql<const ISO: u8> {
     store: idempotent_runtime::MySqlStore,
     table: String,
 }
 
-impl Fixture for MySql {
+impl<const ISO: u8> Fixture for MySql<ISO> {
     type S = idempotent_runtime::MySqlStore;
     const TRANSACTIONAL: bool = true;
     async fn setup() -> Self {
         let table = common::unique("conf");
-        let pool = common::mysql_pool(20).await;
+        let pool = common::mysql_pool_with(20, ISO).await;
         let store = idempotent_runtime::MySqlStore::builder(pool)
             .table(&table)
             .build()
@@ -448,19 +454,18 @@ impl Fixture for MySql {
     }
 }
 
-struct Sqlite {
+/// SQLite in the journal mode `JOURNAL` (`common::settings::LITE_*`).
+struct Sqlite<const JOURNAL: u8> {
     store: idempotent_runtime::SqliteStore,
     _dir: tempfile::TempDir,
 }
 
-impl Fixture for Sqlite {
+impl<const JOURNAL: u8> Fixture for Sqlite<JOURNAL> {
     type S = idempotent_runtime::SqliteStore;
     const TRANSACTIONAL: bool = true;
     async fn setup() -> Self {
         let dir = tempfile::tempdir().unwrap();
-        let store = idempotent_runtime::SqliteStore::open(dir.path().join("markers.db"))
-            .await
-            .unwrap();
+        let store = common::sqlite_store_with(dir.path(), JOURNAL).await;
         store.migrate().await.unwrap();
         Sqlite { store, _dir: dir }
     }
@@ -519,8 +524,18 @@ impl Fixture for Redis {
     }
 }
 
+use common::settings::*;
+
 conformance!(memory, Memory);
-conformance!(mysql, MySql);
 conformance!(redis, Redis);
-conformance!(postgres, Postgres);
-conformance!(sqlite, Sqlite);
+// Each SQL store under the settings users change: the promises must not
+// depend on the server's default isolation or the journal mode.
+conformance!(postgres, Postgres<PG_SERVER_DEFAULT>);
+conformance!(postgres_repeatable_read_default, Postgres<PG_REPEATABLE_READ>);
+conformance!(postgres_serializable_default, Postgres<PG_SERIALIZABLE>);
+conformance!(mysql, MySql<MY_SERVER_DEFAULT>);
+conformance!(mysql_read_committed_session, MySql<MY_READ_COMMITTED>);
+conformance!(mysql_repeatable_read_session, MySql<MY_REPEATABLE_READ>);
+conformance!(mysql_serializable_session, MySql<MY_SERIALIZABLE>);
+conformance!(sqlite, Sqlite<LITE_WAL>);
+conformance!(sqlite_rollback_journal, Sqlite<LITE_ROLLBACK_JOURNAL>);

@@ -32,9 +32,14 @@ impl PrivateRedis {
     }
 
     fn spawn(&mut self) {
+        self.spawn_with(&["--appendonly", "yes", "--appendfsync", "always"]);
+    }
+
+    /// Starts the server with `settings` after the port, bind and `save ""`.
+    fn spawn_with(&mut self, settings: &[&str]) {
         let child = Command::new("redis-server")
             .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1", "--save", ""])
-            .args(["--appendonly", "yes", "--appendfsync", "always"])
+            .args(settings)
             .arg("--dir")
             .arg(self.dir.path())
             .stdout(Stdio::null())
@@ -129,4 +134,63 @@ async fn redis_restart_loses_and_doubles_nothing() {
     for id in &ids {
         assert_eq!(effects.get(id), Some(&1), "{id}: exactly one effect");
     }
+}
+
+/// Collects what `tracing` writes.
+#[derive(Clone, Default)]
+struct Captured(std::sync::Arc<Mutex<Vec<u8>>>);
+
+impl std::io::Write for Captured {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+async fn warnings_for(settings: &[&str]) -> String {
+    let mut redis = PrivateRedis {
+        port: TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port(),
+        dir: tempfile::tempdir().unwrap(),
+        child: None,
+    };
+    redis.spawn_with(settings);
+    let captured = Captured::default();
+    let writer = captured.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_max_level(tracing::Level::WARN)
+        .with_ansi(false)
+        .with_writer(move || writer.clone())
+        .finish();
+    let _guard = tracing::subscriber::set_default(subscriber);
+    let client = idempotent_runtime::redis::Client::open(format!("redis://127.0.0.1:{}/", redis.port)).unwrap();
+    let store = RedisStore::new(client.get_connection_manager().await.unwrap());
+    let effects = Effects::default();
+    handle(&store, "first", &effects).await.unwrap();
+    handle(&store, "second", &effects).await.unwrap();
+    String::from_utf8(captured.0.lock().unwrap().clone()).unwrap()
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn a_redis_server_that_can_lose_markers_is_reported() {
+    // Settings users change that silently forget markers: an eviction
+    // policy (markers carry a ttl, so even volatile-* policies evict them)
+    // and no persistence at all.
+    let out = warnings_for(&[
+        "--maxmemory",
+        "64mb",
+        "--maxmemory-policy",
+        "volatile-lru",
+        "--appendonly",
+        "no",
+    ])
+    .await;
+    assert!(out.contains("maxmemory_policy=volatile-lru"), "{out}");
+    assert!(out.contains("keeps nothing on disk"), "{out}");
+    assert_eq!(out.matches("may evict").count(), 1, "once per store: {out}");
+
+    let out = warnings_for(&["--maxmemory-policy", "noeviction", "--appendonly", "yes"]).await;
+    assert!(out.is_empty(), "a safe server: no warning: {out}");
 }

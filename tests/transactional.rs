@@ -83,13 +83,14 @@ pub trait Backend: Sized + Send + Sync + 'static {
 
 // ---- Postgres -----------------------------------------------------------
 
-pub struct Pg {
+/// PostgreSQL, its sessions defaulting to the isolation level `ISO`.
+pub struct Pg<const ISO: u8> {
     store: idempotent_runtime::PgStore,
     markers: String,
     payments: String,
 }
 
-impl Pg {
+impl<const ISO: u8> Pg<ISO> {
     #[idempotent(key = "msg.message_id", store = self.store, fingerprint = "(&msg.order_id, msg.amount)")]
     async fn process(&self, msg: &Payment, signals: &Signals, tx: &mut sqlx::PgConnection) -> Result<i64, AppError> {
         let insert = format!(
@@ -114,9 +115,9 @@ impl Pg {
     }
 }
 
-impl Backend for Pg {
+impl<const ISO: u8> Backend for Pg<ISO> {
     async fn setup() -> Self {
-        let pool = common::pg_pool(24).await;
+        let pool = common::pg_pool_with(24, ISO).await;
         let (markers, payments) = (common::unique("markers"), common::unique("payments"));
         let store = idempotent_runtime::PgStore::builder(pool.clone())
             .table(&markers)
@@ -158,12 +159,13 @@ impl Backend for Pg {
 
 // ---- SQLite -------------------------------------------------------------
 
-pub struct Lite {
+/// SQLite in the journal mode `JOURNAL`.
+pub struct Lite<const JOURNAL: u8> {
     store: idempotent_runtime::SqliteStore,
     _dir: tempfile::TempDir,
 }
 
-impl Lite {
+impl<const JOURNAL: u8> Lite<JOURNAL> {
     #[idempotent(key = "msg.message_id", store = self.store, fingerprint = "(&msg.order_id, msg.amount)")]
     async fn process(
         &self,
@@ -189,12 +191,10 @@ impl Lite {
     }
 }
 
-impl Backend for Lite {
+impl<const JOURNAL: u8> Backend for Lite<JOURNAL> {
     async fn setup() -> Self {
         let dir = tempfile::tempdir().unwrap();
-        let store = idempotent_runtime::SqliteStore::open(dir.path().join("app.db"))
-            .await
-            .unwrap();
+        let store = common::sqlite_store_with(dir.path(), JOURNAL).await;
         store.migrate().await.unwrap();
         sqlx::query("CREATE TABLE payments (id INTEGER PRIMARY KEY, message_id TEXT, order_id TEXT, amount INTEGER)")
             .execute(store.pool())
@@ -220,13 +220,14 @@ impl Backend for Lite {
 
 // ---- MySQL / MariaDB ------------------------------------------------------
 
-pub struct My {
+/// MariaDB, its sessions at the isolation level `ISO`.
+pub struct My<const ISO: u8> {
     store: idempotent_runtime::MySqlStore,
     markers: String,
     payments: String,
 }
 
-impl My {
+impl<const ISO: u8> My<ISO> {
     #[idempotent(key = "msg.message_id", store = self.store, fingerprint = "(&msg.order_id, msg.amount)")]
     async fn process(&self, msg: &Payment, signals: &Signals, tx: &mut sqlx::MySqlConnection) -> Result<i64, AppError> {
         let insert = format!(
@@ -251,9 +252,9 @@ impl My {
     }
 }
 
-impl Backend for My {
+impl<const ISO: u8> Backend for My<ISO> {
     async fn setup() -> Self {
-        let pool = common::mysql_pool(24).await;
+        let pool = common::mysql_pool_with(24, ISO).await;
         let (markers, payments) = (common::unique("markers"), common::unique("payments"));
         let store = idempotent_runtime::MySqlStore::builder(pool.clone())
             .table(&markers)
@@ -469,9 +470,19 @@ macro_rules! transactional_suite {
     };
 }
 
-transactional_suite!(postgres, super::Pg);
-transactional_suite!(sqlite, super::Lite);
-transactional_suite!(mysql, super::My);
+use common::settings::*;
+
+transactional_suite!(postgres, super::Pg<{ super::PG_SERVER_DEFAULT }>);
+transactional_suite!(
+    postgres_repeatable_read_default,
+    super::Pg<{ super::PG_REPEATABLE_READ }>
+);
+transactional_suite!(postgres_serializable_default, super::Pg<{ super::PG_SERIALIZABLE }>);
+transactional_suite!(sqlite, super::Lite<{ super::LITE_WAL }>);
+transactional_suite!(sqlite_rollback_journal, super::Lite<{ super::LITE_ROLLBACK_JOURNAL }>);
+transactional_suite!(mysql, super::My<{ super::MY_SERVER_DEFAULT }>);
+transactional_suite!(mysql_read_committed_session, super::My<{ super::MY_READ_COMMITTED }>);
+transactional_suite!(mysql_serializable_session, super::My<{ super::MY_SERIALIZABLE }>);
 
 #[tokio::test]
 async fn invalid_table_names_are_refused_at_configuration() {
@@ -500,4 +511,118 @@ async fn invalid_table_names_are_refused_at_configuration() {
             .build()
             .is_ok()
     );
+}
+
+#[tokio::test]
+async fn postgres_commits_are_durable_even_when_the_session_default_is_not() {
+    // `synchronous_commit = off` (a setting users turn on for speed) lets a
+    // commit return before it is durable: the broker would be acknowledged
+    // for an effect a server crash can still lose. The claim's transaction
+    // turns it back on for itself.
+    use std::str::FromStr;
+    let options = sqlx::postgres::PgConnectOptions::from_str(common::PG_URL)
+        .unwrap()
+        .options([("synchronous_commit", "off")]);
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(2)
+        .connect_with(options)
+        .await
+        .unwrap();
+    let table = common::unique("durable");
+    let store = idempotent_runtime::PgStore::builder(pool.clone())
+        .table(&table)
+        .build()
+        .unwrap();
+    store.migrate().await.unwrap();
+
+    #[idempotent(key = "id", store = store)]
+    async fn setting_inside(
+        store: &idempotent_runtime::PgStore,
+        id: &str,
+        tx: &mut sqlx::PgConnection,
+    ) -> Result<String, AppError> {
+        Ok(sqlx::query_scalar("SHOW synchronous_commit")
+            .fetch_one(&mut *tx)
+            .await?)
+    }
+
+    let outside: String = sqlx::query_scalar("SHOW synchronous_commit")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(outside, "off", "the pool's sessions default to off");
+    let id = common::unique("durable-msg");
+    assert_eq!(setting_inside(&store, &id).await.unwrap(), "on");
+    common::drop_pg_table(&pool, &table).await;
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn mysql_without_a_log_flush_at_each_commit_is_reported() {
+    // innodb_flush_log_at_trx_commit is global: a session cannot turn it
+    // back on, so the store says so (once) instead of pretending.
+    /// Puts the server's setting back even if the test fails, on a
+    /// connection of its own (the pool belongs to the test's runtime).
+    struct Restore;
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            let status = std::process::Command::new("mariadb")
+                .args([
+                    "-h127.0.0.1",
+                    "-uroot",
+                    "-e",
+                    "SET GLOBAL innodb_flush_log_at_trx_commit = 1",
+                ])
+                .status()
+                .expect("the mariadb client");
+            assert!(status.success(), "restoring innodb_flush_log_at_trx_commit");
+        }
+    }
+    #[derive(Clone, Default)]
+    struct Captured(Arc<std::sync::Mutex<Vec<u8>>>);
+    impl std::io::Write for Captured {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(buf);
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    #[idempotent(key = "id", store = store)]
+    async fn touch(
+        store: &idempotent_runtime::MySqlStore,
+        id: &str,
+        tx: &mut sqlx::MySqlConnection,
+    ) -> Result<(), AppError> {
+        sqlx::query("SELECT 1").execute(&mut *tx).await?;
+        Ok(())
+    }
+
+    let pool = common::mysql_pool(2).await;
+    let table = common::unique("flush");
+    let captured = Captured::default();
+    let writer = captured.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_max_level(tracing::Level::WARN)
+        .with_ansi(false)
+        .with_writer(move || writer.clone())
+        .finish();
+    let _guard = tracing::subscriber::set_default(subscriber);
+    {
+        sqlx::query("SET GLOBAL innodb_flush_log_at_trx_commit = 2")
+            .execute(&pool)
+            .await
+            .unwrap();
+        let _restore = Restore;
+        let store = idempotent_runtime::MySqlStore::builder(pool.clone())
+            .table(&table)
+            .build()
+            .unwrap();
+        store.migrate().await.unwrap();
+        touch(&store, &common::unique("flush-a")).await.unwrap();
+        touch(&store, &common::unique("flush-b")).await.unwrap();
+    }
+    let out = String::from_utf8(captured.0.lock().unwrap().clone()).unwrap();
+    assert_eq!(out.matches("innodb_flush_log_at_trx_commit=2").count(), 1, "{out}");
+    common::drop_mysql_table(&pool, &table).await;
 }

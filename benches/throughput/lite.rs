@@ -239,7 +239,7 @@ impl Macro {
         }
     }
 
-    #[idempotent(key = "msg.key", store = self.t.store)]
+    #[idempotent(key = "msg.key", store = self.t.store, scope = "handle")]
     async fn handle(&self, msg: &Msg, tx: &mut SqliteConnection) -> Result<(), BenchError> {
         msg.ran.store(true, Ordering::Relaxed);
         effect(tx, &self.effect, &msg.key).await?;

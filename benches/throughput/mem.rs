@@ -43,7 +43,7 @@ impl<S: Store + 'static> Macro<S> {
         }
     }
 
-    #[idempotent(key = "msg.key", store = self.store)]
+    #[idempotent(key = "msg.key", store = self.store, scope = "handle")]
     async fn handle(&self, msg: &Msg) -> Result<(), Error> {
         msg.ran.store(true, Ordering::Relaxed);
         self.effects.fetch_add(1, Ordering::Relaxed);

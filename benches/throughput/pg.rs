@@ -13,8 +13,7 @@ use idempotent_runtime::{CachedStore, Error, PgStore, TransactionalStore, idempo
 use crate::harness::{BoxError, Outcome, Variant};
 
 pub const PG_URL: &str = "postgres://postgres@127.0.0.1:5432/test";
-/// The scope every hand-written variant writes (the macro's is the
-/// handler's name); same table layout as `PgStore`'s.
+/// The scope every variant writes (the macro's handlers name it too); same table layout as `PgStore`'s.
 const SCOPE: &str = "handle";
 
 /// A pool and the tables this run created (dropped at the end).
@@ -291,7 +290,7 @@ where
         }
     }
 
-    #[idempotent(key = "msg.key", store = self.store)]
+    #[idempotent(key = "msg.key", store = self.store, scope = "handle")]
     async fn handle(&self, msg: &Msg, tx: &mut PgConnection) -> Result<(), BenchError> {
         msg.ran.store(true, Ordering::Relaxed);
         effect(tx, &self.effect, &msg.key).await?;

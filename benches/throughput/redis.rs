@@ -81,7 +81,7 @@ pub struct Macro<S> {
 }
 
 impl<S: idempotent_runtime::Store + 'static> Macro<S> {
-    #[idempotent(key = "msg.key", store = self.store)]
+    #[idempotent(key = "msg.key", store = self.store, scope = "handle")]
     async fn handle(&self, msg: &Msg) -> Result<(), LeaseError> {
         msg.ran.store(true, Ordering::Relaxed);
         self.effects.fetch_add(1, Ordering::Relaxed);

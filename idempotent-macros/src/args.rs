@@ -9,7 +9,17 @@ use crate::ctxt::Ctxt;
 use crate::duration::parse_millis;
 use crate::suggest::closest;
 
-const NAMES: &[&str] = &["key", "store", "scope", "ttl", "fingerprint", "lease", "tx", "crate"];
+const NAMES: &[&str] = &[
+    "key",
+    "store",
+    "scope",
+    "shared_scope",
+    "ttl",
+    "fingerprint",
+    "lease",
+    "tx",
+    "crate",
+];
 
 /// The default marker lifetime: seven days.
 const DEFAULT_TTL_MS: u64 = 7 * 86_400_000;
@@ -24,6 +34,8 @@ pub struct Args {
     pub store: Option<Expr>,
     /// `scope = ".."`: namespace of the markers.
     pub scope: Option<LitStr>,
+    /// `shared_scope = true`: another handler may use the same explicit scope.
+    pub shared_scope: bool,
     /// `ttl = ".."` in milliseconds.
     pub ttl_ms: u64,
     /// `lease = ".."` in milliseconds.
@@ -42,6 +54,7 @@ pub fn parse(cx: &Ctxt, tokens: TokenStream) -> Args {
         key: None,
         store: None,
         scope: None,
+        shared_scope: false,
         ttl_ms: DEFAULT_TTL_MS,
         lease_ms: DEFAULT_LEASE_MS,
         fingerprint: None,
@@ -49,6 +62,8 @@ pub fn parse(cx: &Ctxt, tokens: TokenStream) -> Args {
         krate: syn::parse_quote!(::idempotent_runtime),
     };
     let mut seen: Vec<String> = Vec::new();
+    // Where `shared_scope = true` was written, to point at it.
+    let mut shared_at: Option<Ident> = None;
     // Names that a misspelled argument was taken for: not reported missing too.
     let mut suggested: Vec<&str> = Vec::new();
     let whole = tokens.clone();
@@ -66,6 +81,9 @@ pub fn parse(cx: &Ctxt, tokens: TokenStream) -> Args {
                 }
                 seen.push(text.clone());
                 apply(cx, &mut args, &name, value);
+                if text == "shared_scope" && args.shared_scope {
+                    shared_at = Some(name.clone());
+                }
             }
             if input.is_empty() {
                 break;
@@ -77,6 +95,12 @@ pub fn parse(cx: &Ctxt, tokens: TokenStream) -> Args {
     if let Err(error) = parser.parse2(tokens) {
         cx.syn_error(error);
         return args;
+    }
+    if let (Some(shared), None) = (&shared_at, &args.scope) {
+        cx.error_spanned_by(
+            shared,
+            "`shared_scope` needs an explicit `scope = \"..\"` on every handler that shares it: a default scope belongs to one handler",
+        );
     }
     for (required, example, meaning) in [
         (
@@ -117,6 +141,12 @@ fn apply(cx: &Ctxt, args: &mut Args, name: &Ident, value: Expr) {
                 }
             }
         }
+        "shared_scope" => match &value {
+            Expr::Lit(ExprLit {
+                lit: Lit::Bool(flag), ..
+            }) => args.shared_scope = flag.value,
+            other => cx.error_spanned_by(other, "`shared_scope` takes `true` or `false`"),
+        },
         "ttl" => {
             if let Some(ms) = duration(cx, "ttl", &value) {
                 args.ttl_ms = ms;
@@ -154,7 +184,7 @@ fn apply(cx: &Ctxt, args: &mut Args, name: &Ident, value: Expr) {
                     format!("unknown argument `{unknown}`; did you mean `{intended}`?")
                 }
                 None => format!(
-                    "unknown argument `{unknown}`; expected one of `key`, `store`, `scope`, `ttl`, `fingerprint`, `lease`, `tx`, `crate`"
+                    "unknown argument `{unknown}`; expected one of `key`, `store`, `scope`, `shared_scope`, `ttl`, `fingerprint`, `lease`, `tx`, `crate`"
                 ),
             };
             cx.error_spanned_by(name, message);

@@ -11,7 +11,7 @@ use proc_macro2::{Delimiter, Group, Ident, Span, TokenStream, TokenTree};
 use quote::{ToTokens, format_ident, quote, quote_spanned};
 use syn::punctuated::Punctuated;
 use syn::spanned::Spanned;
-use syn::{Block, FnArg, ItemFn, LitStr, ReturnType};
+use syn::{Block, FnArg, ItemFn, ReturnType};
 
 use crate::args::{self, Args};
 use crate::ctxt::Ctxt;
@@ -49,10 +49,6 @@ fn expand(handler: &Handler, args: &Args, key: &syn::Expr, store: &syn::Expr) ->
     let rt = quote!(#krate::__private);
     let func = &handler.func;
     let sig = &func.sig;
-    let scope = args
-        .scope
-        .clone()
-        .unwrap_or_else(|| LitStr::new(&sig.ident.to_string(), sig.ident.span()));
     let (ttl, lease) = (args.ttl_ms, args.lease_ms);
 
     let mixed = Span::mixed_site();
@@ -76,6 +72,21 @@ fn expand(handler: &Handler, args: &Args, key: &syn::Expr, store: &syn::Expr) ->
     let into_error = format_ident!("__idem_into_error", span = mixed);
     let binder = format_ident!("__idem_binder", span = mixed);
     let finished = format_ident!("__idem_finished", span = mixed);
+    let scope = format_ident!("__idem_scope", span = mixed);
+    let handler_path = format_ident!("__idem_handler", span = mixed);
+    let site = format_ident!("__IDEM_SITE", span = mixed);
+    let shared = args.shared_scope;
+    let caller = quote! {
+        #rt::Caller { site: &#site, path: #handler_path, scope: #scope }
+    };
+
+    // The scope: the explicit one, or the handler's path (see the runtime's
+    // `scope` module), read from the type name of a closure in this body.
+    let scope_value = match &args.scope {
+        Some(lit) => quote!(#lit),
+        None => quote!(#handler_path),
+    };
+    let probes = transaction_probes(handler, &rt);
 
     // Each requirement on a type is named once, on the user's tokens it is
     // about, so rustc reports it there (and only there) with the runtime
@@ -121,7 +132,12 @@ fn expand(handler: &Handler, args: &Args, key: &syn::Expr, store: &syn::Expr) ->
     // `TransactionalStore` when the handler takes a transaction parameter.
     let (claim_call, binder_let, binder_out) = match &handler.tx {
         Some(_) => (
-            call(&rt, "claim_transactional", quote!(#store_arg, &#request, &#span), store),
+            call(
+                &rt,
+                "claim_transactional",
+                quote!(#store_arg, &#request, &#span, #caller),
+                store,
+            ),
             Some({
                 let binder_call = call(&rt, "binder", store_arg.clone(), store);
                 quote!(let #binder = #binder_call;)
@@ -129,7 +145,7 @@ fn expand(handler: &Handler, args: &Args, key: &syn::Expr, store: &syn::Expr) ->
             quote!(#binder),
         ),
         None => (
-            call(&rt, "claim", quote!(#store_arg, &#request, &#span), store),
+            call(&rt, "claim", quote!(#store_arg, &#request, &#span, #caller), store),
             None,
             quote!(()),
         ),
@@ -168,8 +184,12 @@ fn expand(handler: &Handler, args: &Args, key: &syn::Expr, store: &syn::Expr) ->
     };
 
     let new_block: Block = syn::parse_quote! {{
+        #probes
         let #codec = #codec_of();
         let #into_error = #from_store;
+        static #site: #rt::Site = #rt::Site::new(::core::file!(), ::core::line!(), #shared);
+        let #handler_path: &'static str = #rt::default_scope(::core::any::type_name_of_val(&|| ()));
+        let #scope: &'static str = #scope_value;
         let (#claim, #span, #binder) = {
             #[allow(unused_parens, clippy::needless_borrow)]
             let #store_ref = &(#store);
@@ -210,6 +230,75 @@ fn expand(handler: &Handler, args: &Args, key: &syn::Expr, store: &syn::Expr) ->
     out.sig.inputs = without_tx(handler);
     *out.block = new_block;
     quote!(#out)
+}
+
+/// For every parameter that could be a database transaction or connection
+/// behind an alias, re-export or qualified path: a check, at type level and
+/// spanned on the parameter, that it is not one (or the body would run in the
+/// caller's transaction instead of the marker's). The diagnostics are local
+/// traits, so their messages can name the parameter.
+fn transaction_probes(handler: &Handler, rt: &TokenStream) -> TokenStream {
+    handler
+        .probes
+        .iter()
+        .enumerate()
+        .map(|(index, probe)| {
+            let (first, _) = ends(&probe.span_of);
+            // Spanned on the parameter: the unsatisfied bound is reported on
+            // this argument of the check.
+            let kind = format_ident!("__idem_param_kind_{}", index, span = first);
+            let name = probe
+                .name
+                .as_ref()
+                .map_or_else(|| "this parameter".to_owned(), |name| format!("`{name}`"));
+            let tx_arg = probe
+                .name
+                .as_ref()
+                .map_or_else(|| "a name to this parameter and `tx = <its name>`".to_owned(), |name| format!("`tx = {name}`"));
+            let tx_message = format!(
+                "the parameter {name} is a database transaction or connection that #[idempotent] does not recognise (a type alias, a re-export or a qualified path)"
+            );
+            let tx_label = format!("add {tx_arg} to #[idempotent(..)] to run the body in the marker's transaction");
+            let tx_note = format!(
+                "as written, {name} stays a parameter and the caller passes a transaction of its own: the effect would not be atomic with the marker"
+            );
+            let pool_message =
+                format!("the parameter {name} is a pooled connection: the handler's body would write outside the marker's transaction");
+            let ty = &probe.ty;
+            let path = respan(rt, first);
+            let check = Ident::new("__idem_not_a_transaction", first);
+            let mut args = Group::new(Delimiter::Parenthesis, quote!(#kind));
+            args.set_span(first);
+            quote_spanned! {first=>
+                #[allow(unused_imports)]
+                let #kind = {
+                    use #path::ProbeFallback as _;
+                    #path::TxProbe::<#ty>::new().kind()
+                };
+                {
+                    #[diagnostic::on_unimplemented(message = #tx_message, label = #tx_label, note = #tx_note)]
+                    trait NotATransactionParameter {}
+                    #[diagnostic::do_not_recommend]
+                    impl NotATransactionParameter for #path::NotATransaction {}
+                    #[diagnostic::do_not_recommend]
+                    impl NotATransactionParameter for #path::APooledConnection {}
+                    #[diagnostic::on_unimplemented(
+                        message = #pool_message,
+                        label = "take `&mut` the database's connection type instead (`&mut PgConnection`, ...): #[idempotent] binds it to the marker's transaction",
+                        note = "to write outside the marker's transaction on purpose (a store that cannot join it), take the pool instead"
+                    )]
+                    trait NotAPooledConnectionParameter {}
+                    #[diagnostic::do_not_recommend]
+                    impl NotAPooledConnectionParameter for #path::NotATransaction {}
+                    #[diagnostic::do_not_recommend]
+                    impl NotAPooledConnectionParameter for #path::ATransaction {}
+                    #[inline(always)]
+                    fn #check<K: NotATransactionParameter + NotAPooledConnectionParameter>(_: K) {}
+                    #check #args;
+                }
+            }
+        })
+        .collect()
 }
 
 /// The first and last spans of `tokens`: rustc reports an expression whose

@@ -2,6 +2,8 @@
 //! transaction parameter, the `Result` it returns), checked against the
 //! rules of `#[idempotent]`.
 
+use proc_macro2::TokenStream;
+use quote::ToTokens;
 use syn::visit::Visit;
 use syn::{Expr, FnArg, GenericArgument, Ident, ItemFn, Pat, PathArguments, ReturnType, Type};
 
@@ -17,6 +19,22 @@ pub struct Handler {
     pub ok_type: Option<Type>,
     /// `E` of `Result<T, E>`, when written out (not for `io::Result<T>`-like aliases).
     pub err_type: Option<Type>,
+    /// The other parameters whose type the expansion checks is not a
+    /// transaction or connection the syntax did not reveal (an alias, a
+    /// re-export, a qualified path).
+    pub probes: Vec<ParamProbe>,
+}
+
+/// A parameter to check at type level: it must not be a database
+/// transaction or connection, or the body would run outside the marker's
+/// transaction.
+pub struct ParamProbe {
+    /// The parameter's name, when it is a plain binding.
+    pub name: Option<Ident>,
+    /// The parameter's type without its references.
+    pub ty: Type,
+    /// The whole parameter, where the error points.
+    pub span_of: TokenStream,
 }
 
 /// The parameter bound to the store's transaction.
@@ -44,6 +62,7 @@ pub fn analyze(cx: &Ctxt, func: ItemFn, args: &Args) -> Handler {
     // Parameters: their bound names, and the transaction parameter.
     let mut names: Vec<Ident> = Vec::new();
     let mut tx: Option<TxParam> = None;
+    let mut probes: Vec<ParamProbe> = Vec::new();
     for (index, input) in sig.inputs.iter().enumerate() {
         let typed = match input {
             FnArg::Receiver(receiver) => {
@@ -80,6 +99,16 @@ pub fn analyze(cx: &Ctxt, func: ItemFn, args: &Args) -> Handler {
             }
             continue;
         }
+        if let Some(ty) = probed_type(&typed.ty) {
+            probes.push(ParamProbe {
+                name: match &*typed.pat {
+                    Pat::Ident(p) => Some(p.ident.clone()),
+                    _ => None,
+                },
+                ty,
+                span_of: typed.to_token_stream(),
+            });
+        }
         collect_bindings(&typed.pat, &mut names);
     }
     if let (Some(wanted), None) = (&args.tx, &tx) {
@@ -109,7 +138,40 @@ pub fn analyze(cx: &Ctxt, func: ItemFn, args: &Args) -> Handler {
         tx,
         ok_type,
         err_type,
+        probes,
     }
+}
+
+/// The type to probe for a parameter of type `ty`: `ty` without its
+/// references, or `None` when it cannot be named in an expression
+/// (`impl Trait`, `_`) or plainly is not a transaction (a primitive, a
+/// slice, a tuple...).
+fn probed_type(ty: &Type) -> Option<Type> {
+    let mut ty = ty;
+    while let Type::Reference(reference) = ty {
+        ty = &reference.elem;
+    }
+    while let Type::Paren(paren) = ty {
+        ty = &paren.elem;
+    }
+    if !matches!(ty, Type::Path(_)) {
+        return None;
+    }
+    struct Unnameable(bool);
+    impl<'ast> Visit<'ast> for Unnameable {
+        fn visit_type_impl_trait(&mut self, _: &'ast syn::TypeImplTrait) {
+            self.0 = true;
+        }
+        fn visit_type_infer(&mut self, _: &'ast syn::TypeInfer) {
+            self.0 = true;
+        }
+        fn visit_type_macro(&mut self, _: &'ast syn::TypeMacro) {
+            self.0 = true;
+        }
+    }
+    let mut unnameable = Unnameable(false);
+    unnameable.visit_type(ty);
+    (!unnameable.0).then(|| ty.clone())
 }
 
 /// `&mut X` where `X` is `Transaction<..>` or a known sqlx connection type.

@@ -7,6 +7,8 @@ use std::future::Future;
 pub use tracing::Instrument;
 pub use tracing::Span;
 
+pub use crate::scope::{Site, default_scope};
+
 use crate::store::{Claim, Guard, Replay, Request, Store, encode_result};
 use crate::{Error, Fingerprint, IdempotencyKey};
 
@@ -20,7 +22,7 @@ pub fn key<'k, K: IdempotencyKey + ?Sized>(scope: &str, key: &'k K) -> Result<Co
 #[diagnostic::on_unimplemented(
     message = "the fingerprint `{Self}` cannot be hashed",
     label = "the `fingerprint = ..` expression must be `serde::Serialize`",
-    note = "the fingerprint is the hash of the value's JSON encoding: fingerprint the message (derive `Serialize` for it) or a tuple of its fields"
+    note = "the fingerprint is the hash of the value's canonical form: fingerprint the message (derive `Serialize` for it) or a tuple of its fields"
 )]
 pub trait FingerprintSource {
     /// The fingerprint of the value.
@@ -77,6 +79,9 @@ pub trait AnyStore: Sync {
 
     /// [`Store::claim`].
     fn claim_key(&self, req: &Request<'_>) -> impl Future<Output = Result<Claim<Self::Guard>, Error>> + Send;
+
+    /// [`Store::namespace`].
+    fn namespace_of(&self) -> Option<&'static str>;
 }
 
 #[diagnostic::do_not_recommend]
@@ -87,12 +92,107 @@ impl<S: Store + ?Sized> AnyStore for S {
     fn claim_key(&self, req: &Request<'_>) -> impl Future<Output = Result<Claim<Self::Guard>, Error>> + Send {
         self.claim(req)
     }
+
+    #[inline]
+    fn namespace_of(&self) -> Option<&'static str> {
+        self.namespace()
+    }
 }
 
-/// Claims with any store (handlers without a transaction parameter).
+/// Which handler claims: where it is declared, its path and its scope.
+#[derive(Clone, Copy)]
+pub struct Caller {
+    /// The handler's `static` site.
+    pub site: &'static Site,
+    /// The handler's path (its default scope).
+    pub path: &'static str,
+    /// The scope it claims with.
+    pub scope: &'static str,
+}
+
+/// Looks at the type of a handler parameter that the macro did not take for
+/// the transaction: [`TxProbe::kind`] is an inherent method for database
+/// transactions and connections, and [`ProbeFallback::kind`] for every other
+/// type (inherent methods win when both apply). The expansion then requires
+/// the kind to be [`NotATransaction`] through local traits whose
+/// diagnostics name the parameter.
+pub struct TxProbe<T: ?Sized>(std::marker::PhantomData<T>);
+
+impl<T: ?Sized> TxProbe<T> {
+    /// A probe of `T`.
+    #[inline]
+    #[allow(clippy::new_without_default)]
+    pub const fn new() -> Self {
+        TxProbe(std::marker::PhantomData)
+    }
+}
+
+/// The kind of a parameter that is neither a transaction nor a connection.
+pub struct NotATransaction;
+/// The kind of a parameter that is a database transaction or connection.
+pub struct ATransaction;
+/// The kind of a parameter that is a connection taken from a pool.
+pub struct APooledConnection;
+
+/// [`TxProbe::kind`] for every type that is not a transaction.
+pub trait ProbeFallback {
+    /// Not a transaction.
+    #[inline]
+    fn kind(&self) -> NotATransaction {
+        NotATransaction
+    }
+}
+
+impl<T: ?Sized> ProbeFallback for TxProbe<T> {}
+
+#[cfg(feature = "sqlx")]
+impl<DB: sqlx::Database> TxProbe<sqlx::Transaction<'_, DB>> {
+    /// A transaction.
+    #[inline]
+    pub fn kind(&self) -> ATransaction {
+        ATransaction
+    }
+}
+
+#[cfg(feature = "sqlx")]
+impl<DB: sqlx::Database> TxProbe<sqlx::pool::PoolConnection<DB>> {
+    /// A pooled connection.
+    #[inline]
+    pub fn kind(&self) -> APooledConnection {
+        APooledConnection
+    }
+}
+
+macro_rules! connection_probe {
+    ($feature:literal, $conn:ty) => {
+        #[cfg(feature = $feature)]
+        impl TxProbe<$conn> {
+            /// A connection.
+            #[inline]
+            pub fn kind(&self) -> ATransaction {
+                ATransaction
+            }
+        }
+    };
+}
+connection_probe!("postgres", sqlx::PgConnection);
+connection_probe!("sqlite", sqlx::SqliteConnection);
+connection_probe!("mysql", sqlx::MySqlConnection);
+
+/// Claims with any store (handlers without a transaction parameter), after
+/// refusing a scope that another handler owns on the same store (see
+/// [`crate::scope`]).
 #[inline]
-pub async fn claim<S: AnyStore + ?Sized>(store: &S, req: &Request<'_>, span: &Span) -> Result<Claim<S::Guard>, Error> {
-    let claim = store.claim_key(req).await;
+pub async fn claim<S: AnyStore + ?Sized>(
+    store: &S,
+    req: &Request<'_>,
+    span: &Span,
+    caller: Caller,
+) -> Result<Claim<S::Guard>, Error> {
+    let claim = match crate::scope::register(caller.site, caller.path, caller.scope, store.namespace_of()) {
+        Ok(()) => store.claim_key(req).await,
+        Err(error) => Err(error),
+    };
     log_claim(&claim, req.scope_name(), span);
     claim
 }
@@ -132,8 +232,9 @@ pub async fn claim_transactional<S: AnyTransactionalStore + ?Sized>(
     store: &S,
     req: &Request<'_>,
     span: &Span,
+    caller: Caller,
 ) -> Result<Claim<S::Guard>, Error> {
-    claim(store, req, span).await
+    claim(store, req, span, caller).await
 }
 
 /// How a transactional store's claim lends its transaction to the handler.

@@ -54,6 +54,25 @@ pub enum Error {
     #[error("idempotency store error: {0}")]
     Store(#[source] Box<dyn std::error::Error + Send + Sync + 'static>),
 
+    /// Two different handlers claimed with one scope on one store in this
+    /// process: they would share markers, and each would skip the messages
+    /// the other processed. Nothing was run or committed. Give each handler
+    /// its own `scope`, or mark both `shared_scope = true` when they must
+    /// share.
+    #[error(
+        "scope {scope:?} of handler {handler} is already used by handler {other} on the same store: \
+         they would share markers and skip each other's messages; give each its own `scope = ..`, \
+         or add `shared_scope = true` to both if they must share"
+    )]
+    ScopeConflict {
+        /// The contested scope.
+        scope: String,
+        /// The handler that was refused (path and declaration site).
+        handler: String,
+        /// The handler that owns the scope (path and declaration site).
+        other: String,
+    },
+
     /// The handler's result could not be stored or replayed (serde).
     #[error("cannot store or replay the handler's result: {0}")]
     Codec(#[source] serde_json::Error),

@@ -55,6 +55,7 @@ mod error;
 mod fingerprint;
 mod janitor;
 mod key;
+pub mod scope;
 mod store;
 mod table;
 

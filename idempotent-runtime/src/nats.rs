@@ -17,15 +17,27 @@
 //! dies before its ack (the server redelivers after `ack_wait`) also uses an
 //! attempt. The attempts allowed are the builder's
 //! [`max_attempts`](JetStreamConsumerBuilder::max_attempts), capped by the
-//! consumer's `max_deliver` when it has one. Prefer a `max_deliver` above
-//! `max_attempts` (or unlimited): a dead letter that cannot be published on
-//! the server's last delivery cannot be tried again.
+//! consumer's `max_deliver` minus one when it has one: the server's **last
+//! delivery is kept for settling**. A message that reaches it (its earlier
+//! deliveries were lost to crashes, shutdown timeouts or dead letters that
+//! could not be published) is dead-lettered without running the handler
+//! again, and on that delivery a dead-letter publish that fails is retried
+//! (with in-progress acks) instead of handed back, since the server would
+//! not deliver it again. A message is never released on its last delivery.
 //!
 //! The dead-letter subject must be captured by a stream: the dead letter is
 //! published with a JetStream acknowledgement, and when that fails the
-//! message is `nak`ed instead of terminated, never dropped. While a handler
-//! runs longer than half the consumer's `ack_wait`, the adapter sends
-//! "in progress" (`+WPI`) so the server does not redeliver it meanwhile.
+//! message is `nak`ed instead of terminated, never dropped. The dead letter
+//! does not carry the original's `Nats-Msg-Id` (that id goes in
+//! `x-idempotent-msg-id`): its own id is derived from the stream, consumer
+//! and stream sequence, so JetStream's duplicate window can never drop a
+//! dead letter as a copy of another message, while a dead letter published
+//! twice (the first `+TERM` lost) is stored once. The dead-letter subject may
+//! be captured by the consumed stream itself, as long as the consumer's
+//! filter excludes it: `run` refuses a consumer that would read its own dead
+//! letters. While a handler runs longer than half the consumer's `ack_wait`,
+//! the adapter sends "in progress" (`+WPI`) so the server does not redeliver
+//! it meanwhile.
 //!
 //! ```no_run
 //! use idempotent_runtime::async_nats::jetstream::{self, consumer::PullConsumer};
@@ -83,6 +95,13 @@ pub const DEFAULT_MAX_ATTEMPTS: u32 = 5;
 pub const DEFAULT_FETCH_EXPIRY: Duration = Duration::from_secs(2);
 /// Default time in-flight handlers get to finish after shutdown is requested.
 pub const DEFAULT_SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(30);
+/// The shortest consumer `ack_wait` the adapter accepts: in-progress acks
+/// go out every `ack_wait / 2`.
+pub const MIN_ACK_WAIT: Duration = Duration::from_millis(100);
+
+/// Header of a dead letter holding the original message's `Nats-Msg-Id`
+/// (the dead letter has an id of its own).
+pub const HEADER_MSG_ID: &str = "x-idempotent-msg-id";
 
 /// Configures a [`JetStreamConsumer`]; from [`JetStreamConsumer::builder`].
 #[must_use = "call `.build()` to get the consumer"]
@@ -138,8 +157,9 @@ impl<D, R> JetStreamConsumerBuilder<D, R> {
     }
 
     /// How many times the handler may run on one message before it is
-    /// dead-lettered (at least 1); capped by the consumer's `max_deliver`.
-    /// Default [`DEFAULT_MAX_ATTEMPTS`].
+    /// dead-lettered (at least 1); capped by the consumer's `max_deliver`
+    /// minus one (the last delivery is kept for settling). Default
+    /// [`DEFAULT_MAX_ATTEMPTS`].
     pub fn max_attempts(mut self, max_attempts: u32) -> Self {
         self.max_attempts = max_attempts;
         self
@@ -207,9 +227,12 @@ impl<D, R> JetStreamConsumerBuilder<D, R> {
     /// Checks the configuration against the consumer's and builds.
     ///
     /// Fails without a dead-letter subject, with a zero concurrency,
-    /// prefetch or `max_attempts`, and for a consumer whose ack policy is
-    /// not `explicit` (with `all`, one ack would settle other messages still
-    /// in flight; with `none`, nothing could be retried).
+    /// prefetch or `max_attempts`, for a consumer whose ack policy is not
+    /// `explicit` (with `all`, one ack would settle other messages still in
+    /// flight; with `none`, nothing could be retried), whose `max_deliver`
+    /// is 1 (no delivery would be left to settle a failure on), or whose
+    /// `ack_wait` is below [`MIN_ACK_WAIT`] (in-progress acks could not keep
+    /// a running handler's message).
     pub fn build(self) -> Result<JetStreamConsumer<D, R>, ConsumerError> {
         let info = self.consumer.cached_info().clone();
         let config = &info.config;
@@ -236,23 +259,38 @@ impl<D, R> JetStreamConsumerBuilder<D, R> {
         if self.max_attempts == 0 {
             return Err(ConsumerError::Config("max_attempts must be at least 1".into()));
         }
-        let max_attempts = match u32::try_from(config.max_deliver) {
-            Ok(max_deliver) if max_deliver > 0 => {
+        let max_deliver = u32::try_from(config.max_deliver).ok().filter(|&n| n > 0);
+        let max_attempts = match max_deliver {
+            Some(1) => {
+                return Err(ConsumerError::Config(format!(
+                    "consumer `{}` of stream `{}` has max_deliver 1: no delivery would be left to retry or to \
+                     dead-letter a failed message on; use at least 2, or -1 (unlimited)",
+                    info.name, info.stream_name
+                )));
+            }
+            Some(max_deliver) => {
                 if max_deliver <= self.max_attempts {
-                    tracing::warn!(
+                    tracing::info!(
                         target: TRACING_TARGET,
                         consumer = %info.name,
                         max_deliver,
                         max_attempts = self.max_attempts,
-                        "the consumer's max_deliver caps the attempts; prefer a max_deliver above max_attempts \
-                         so that a failed dead-letter publish can be tried again"
+                        "the consumer's max_deliver caps the attempts at max_deliver - 1 (the last delivery is \
+                         kept for settling)"
                     );
                 }
-                max_deliver.min(self.max_attempts)
+                (max_deliver - 1).min(self.max_attempts)
             }
-            _ => self.max_attempts,
+            None => self.max_attempts,
         };
-        let progress = (!config.ack_wait.is_zero()).then(|| config.ack_wait / 2);
+        if !config.ack_wait.is_zero() && config.ack_wait < MIN_ACK_WAIT {
+            return Err(ConsumerError::Config(format!(
+                "consumer `{}` of stream `{}` has ack_wait {:?}: in-progress acks are sent every ack_wait / 2, \
+                 so it must be at least {MIN_ACK_WAIT:?}",
+                info.name, info.stream_name, config.ack_wait
+            )));
+        }
+        let progress = (!config.ack_wait.is_zero()).then(|| (config.ack_wait / 2).max(Duration::from_millis(1)));
         Ok(JetStreamConsumer {
             context: self.context,
             consumer: self.consumer,
@@ -261,6 +299,7 @@ impl<D, R> JetStreamConsumerBuilder<D, R> {
             concurrency: self.concurrency,
             prefetch: self.prefetch.unwrap_or(self.concurrency),
             max_attempts,
+            max_deliver,
             backoff: self.backoff,
             fetch_expiry: self.fetch_expiry,
             shutdown_timeout: self.shutdown_timeout,
@@ -282,6 +321,8 @@ pub struct JetStreamConsumer<D = Json, R = RetryAll> {
     concurrency: usize,
     prefetch: usize,
     max_attempts: u32,
+    /// The consumer's `max_deliver`, when finite.
+    max_deliver: Option<u32>,
     backoff: Backoff,
     fetch_expiry: Duration,
     shutdown_timeout: Duration,
@@ -332,7 +373,7 @@ impl<D, R> JetStreamConsumer<D, R> {
     }
 
     /// The attempts allowed per message: `max_attempts`, capped by the
-    /// consumer's `max_deliver`.
+    /// consumer's `max_deliver` minus one.
     pub fn max_attempts(&self) -> u32 {
         self.max_attempts
     }
@@ -340,12 +381,16 @@ impl<D, R> JetStreamConsumer<D, R> {
     /// Consumes until `shutdown` is cancelled, calling `handler` with each
     /// decoded message; returns the run's counters.
     ///
-    /// On shutdown it stops pulling, `nak`s (without delay) the messages
-    /// that arrive for the last pull request until it expires (at most the
-    /// [fetch expiry](JetStreamConsumerBuilder::fetch_expiry)) so another
-    /// consumer gets them at once, and waits for the handlers in flight to finish and settle
-    /// their messages (up to the
-    /// [shutdown timeout](JetStreamConsumerBuilder::shutdown_timeout)).
+    /// On shutdown it stops pulling, handles the messages that still arrive
+    /// for the last pull request until it expires (at most the
+    /// [fetch expiry](JetStreamConsumerBuilder::fetch_expiry)) rather than
+    /// handing them back (which would spend one of their deliveries), and
+    /// waits for the handlers in flight to finish and settle their messages
+    /// (up to the [shutdown timeout](JetStreamConsumerBuilder::shutdown_timeout)).
+    ///
+    /// Fails at once with [`ConsumerError::Config`] when the consumed stream
+    /// captures the dead-letter subject and the consumer's filter does not
+    /// exclude it (it would consume its own dead letters).
     ///
     /// Pull failures (server unavailable, the client reconnecting) are
     /// logged and retried with backoff until shutdown.
@@ -391,6 +436,7 @@ impl<D, R> JetStreamConsumer<D, R> {
             concurrency,
             prefetch,
             max_attempts,
+            max_deliver,
             backoff,
             fetch_expiry,
             shutdown_timeout,
@@ -400,6 +446,7 @@ impl<D, R> JetStreamConsumer<D, R> {
             stats,
         } = self;
         let recorder = Recorder::new("nats", &source, stats.clone());
+        check_not_consuming_dead_letters(&context, &consumer, &dead_letter_subject).await?;
         tracing::info!(
             target: TRACING_TARGET,
             source = %source,
@@ -413,12 +460,14 @@ impl<D, R> JetStreamConsumer<D, R> {
             source: source.clone(),
             dead_letter_subject,
             max_attempts,
+            max_deliver,
             backoff,
             progress,
             decoder,
             retry,
             handler,
             recorder: recorder.clone(),
+            shutdown: shutdown.clone(),
         });
         let pull_backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(5));
         let mut pull_failures = 0u32;
@@ -463,17 +512,17 @@ impl<D, R> JetStreamConsumer<D, R> {
                 tokio::select! {
                     biased;
                     _ = shutdown.cancelled() => {
-                        // Messages still coming for this pull request go
-                        // straight back to the server.
-                        let recorder = recorder.clone();
+                        // Messages still coming for this pull request are
+                        // handled, not handed back: a `nak` would spend one
+                        // of their deliveries.
+                        let (recorder, worker) = (recorder.clone(), Arc::clone(&worker));
                         tasks.spawn(async move {
+                            let mut handling = JoinSet::new();
                             while let Some(Ok(msg)) = batch.next().await {
                                 recorder.received();
-                                if let Err(err) = msg.ack_with(AckKind::Nak(None)).await {
-                                    tracing::debug!(target: TRACING_TARGET, error = %err, "nak on shutdown failed");
-                                }
-                                recorder.outcome(Outcome::Released);
+                                handling.spawn(handle(Arc::clone(&worker), msg));
                             }
+                            while handling.join_next().await.is_some() {}
                             Ok(())
                         });
                         break 'run;
@@ -511,12 +560,28 @@ struct Worker<D, R, H> {
     source: String,
     dead_letter_subject: String,
     max_attempts: u32,
+    max_deliver: Option<u32>,
     backoff: Backoff,
     progress: Option<Duration>,
     decoder: D,
     retry: R,
     handler: H,
     recorder: Recorder,
+    shutdown: CancellationToken,
+}
+
+/// What a delivery is, for settling it.
+struct Delivered {
+    attempt: u32,
+    /// The server will not deliver it again (its `max_deliver`-th delivery).
+    last: bool,
+    /// The original's `Nats-Msg-Id`.
+    message_id: Option<String>,
+    /// The dead letter's own `Nats-Msg-Id`: derived from the stream,
+    /// consumer, stream sequence and publish time, so it is the same for
+    /// every attempt to dead-letter this message and differs from any
+    /// other's.
+    dead_letter_id: Option<String>,
 }
 
 async fn handle<M, D, R, H, Fut, T, E>(
@@ -530,9 +595,18 @@ where
     Fut: Future<Output = Result<T, E>>,
     E: fmt::Display,
 {
-    let (delivered, stream_sequence) = match msg.info() {
-        Ok(info) => (info.delivered, info.stream_sequence),
-        Err(_) => (1, 0),
+    let (delivered, stream_sequence, dead_letter_id) = match msg.info() {
+        Ok(info) => (
+            info.delivered,
+            info.stream_sequence,
+            Some(dead_letter_id(
+                info.stream,
+                info.consumer,
+                info.stream_sequence,
+                &format!("{:?}", info.published),
+            )),
+        ),
+        Err(_) => (1, 0, None),
     };
     let attempt = u32::try_from(delivered.max(1)).unwrap_or(u32::MAX);
     let message_id = msg
@@ -555,12 +629,82 @@ where
     if let Some(id) = &message_id {
         span.record("message_id", id.as_str());
     }
-    worker.process(msg, attempt, message_id).instrument(span).await;
+    let delivered = Delivered {
+        attempt,
+        last: worker.max_deliver.is_some_and(|max| attempt >= max),
+        message_id,
+        dead_letter_id,
+    };
+    worker.process(msg, delivered).instrument(span).await;
     Ok(())
 }
 
+/// The `Nats-Msg-Id` of the dead letter of one stream message as seen by
+/// one consumer.
+fn dead_letter_id(stream: &str, consumer: &str, stream_sequence: u64, published: &str) -> String {
+    use sha2::{Digest, Sha256};
+    let mut hash = Sha256::new();
+    for part in [stream, consumer, &stream_sequence.to_string(), published] {
+        hash.update((part.len() as u64).to_be_bytes());
+        hash.update(part.as_bytes());
+    }
+    let digest = hash.finalize();
+    let hex: String = digest[..16].iter().map(|b| format!("{b:02x}")).collect();
+    format!("idempotent-dead-letter-{hex}")
+}
+
+/// Refuses a consumer that would read its own dead letters: its stream
+/// captures the dead-letter subject and its filter does not exclude it.
+async fn check_not_consuming_dead_letters(
+    context: &jetstream::Context,
+    consumer: &PullConsumer,
+    dead_letter_subject: &str,
+) -> Result<(), ConsumerError> {
+    let info = consumer.cached_info();
+    let stream = context
+        .get_stream(&info.stream_name)
+        .await
+        .map_err(|err| ConsumerError::Nats(err.into()))?;
+    let captured = stream
+        .cached_info()
+        .config
+        .subjects
+        .iter()
+        .any(|pattern| subject_matches(pattern, dead_letter_subject));
+    let config = &info.config;
+    let filters: Vec<&String> = std::iter::once(&config.filter_subject)
+        .filter(|f| !f.is_empty())
+        .chain(&config.filter_subjects)
+        .collect();
+    let read = filters.is_empty() || filters.iter().any(|f| subject_matches(f, dead_letter_subject));
+    if captured && read {
+        return Err(ConsumerError::Config(format!(
+            "stream `{}` captures the dead-letter subject `{dead_letter_subject}` and consumer `{}` reads it \
+             (filter {:?}): it would consume its own dead letters; filter the consumer on the input subjects, \
+             or dead-letter to a subject of another stream",
+            info.stream_name, info.name, filters
+        )));
+    }
+    Ok(())
+}
+
+/// Whether the subject `pattern` (with `*` and `>` wildcards) matches the
+/// concrete `subject`.
+fn subject_matches(pattern: &str, subject: &str) -> bool {
+    let mut tokens = subject.split('.');
+    for part in pattern.split('.') {
+        match (part, tokens.next()) {
+            (">", Some(_)) => return true,
+            ("*", Some(_)) => {}
+            (part, Some(token)) if part == token => {}
+            _ => return false,
+        }
+    }
+    tokens.next().is_none()
+}
+
 impl<D, R, H> Worker<D, R, H> {
-    async fn process<M, Fut, T, E>(&self, msg: jetstream::Message, attempt: u32, message_id: Option<String>)
+    async fn process<M, Fut, T, E>(&self, msg: jetstream::Message, delivered: Delivered)
     where
         D: Decoder<M>,
         R: RetryPolicy<E>,
@@ -568,17 +712,39 @@ impl<D, R, H> Worker<D, R, H> {
         Fut: Future<Output = Result<T, E>>,
         E: fmt::Display,
     {
+        let attempt = delivered.attempt;
         let decoded = match self.decoder.decode(&msg.payload) {
             Ok(decoded) => decoded,
             Err(reason) => {
                 tracing::error!(target: TRACING_TARGET, %reason, "undecodable (poison) message: dead-lettering it");
-                self.dead_letter(&msg, DeadKind::Poison, &reason, 0, Outcome::Poison)
+                self.dead_letter(&msg, &delivered, DeadKind::Poison, &reason, 0, Outcome::Poison)
                     .await;
                 return;
             }
         };
+        if delivered.last {
+            // Its earlier deliveries ended unsettled (crash, shutdown
+            // timeout, dead letter refused): settle it now, on the delivery
+            // the server will not repeat.
+            let reason = format!(
+                "delivered {attempt} times (the consumer's max_deliver) without being settled: the consumer \
+                 crashed or stopped while handling it, or its dead letter could not be published; the last \
+                 delivery is kept for dead-lettering it"
+            );
+            tracing::error!(target: TRACING_TARGET, attempt, "last allowed delivery: dead-lettering the message");
+            self.dead_letter(
+                &msg,
+                &delivered,
+                DeadKind::Exhausted,
+                &reason,
+                attempt.saturating_sub(1),
+                Outcome::DeadLettered,
+            )
+            .await;
+            return;
+        }
         let info = DeliveryInfo {
-            message_id,
+            message_id: delivered.message_id.clone(),
             attempt,
             redelivered: attempt > 1,
         };
@@ -654,16 +820,18 @@ impl<D, R, H> Worker<D, R, H> {
                 kind = kind.as_str(),
                 "handler failed: dead-lettering the message"
             );
-            self.dead_letter(&msg, kind, &reason, attempt, Outcome::DeadLettered)
+            self.dead_letter(&msg, &delivered, kind, &reason, attempt, Outcome::DeadLettered)
                 .await;
         }
     }
 
     /// Publishes the payload to the dead-letter subject and terminates the
-    /// message; `nak`s it instead when the publish fails.
+    /// message; `nak`s it instead when the publish fails, except on the
+    /// message's last delivery, where the publish is retried.
     async fn dead_letter(
         &self,
         msg: &jetstream::Message,
+        delivered: &Delivered,
         kind: DeadKind,
         reason: &str,
         attempts: u32,
@@ -673,9 +841,10 @@ impl<D, R, H> Worker<D, R, H> {
         if let Some(original) = &msg.headers {
             for (name, values) in original.iter() {
                 let name_str: &str = name.as_ref();
-                // Publish expectations, TTLs, rollups... of the original
-                // must not apply to the dead letter; its id may (dedup).
-                if name_str.starts_with("Nats-") && !name_str.eq_ignore_ascii_case("Nats-Msg-Id") {
+                // The original's id, publish expectations, TTLs, rollups...
+                // must not apply to the dead letter: above all its id, or
+                // the duplicate window could swallow the dead letter.
+                if name_str.starts_with("Nats-") || name_str.eq_ignore_ascii_case(HEADER_MSG_ID) {
                     continue;
                 }
                 for value in values {
@@ -684,19 +853,39 @@ impl<D, R, H> Worker<D, R, H> {
             }
         }
         let one_line = |s: &str| s.replace(['\r', '\n'], " ");
+        if let Some(id) = &delivered.message_id {
+            headers.insert(HEADER_MSG_ID, one_line(id));
+        }
+        if let Some(id) = &delivered.dead_letter_id {
+            headers.insert(async_nats::header::NATS_MESSAGE_ID, id.as_str());
+        }
         headers.insert(HEADER_REASON, one_line(&truncate_reason(reason)));
         headers.insert(HEADER_KIND, kind.as_str());
         headers.insert(HEADER_ATTEMPTS, attempts.to_string());
         headers.insert(HEADER_SOURCE, one_line(&self.source));
         headers.insert("x-idempotent-subject", one_line(msg.subject.as_str()));
 
-        let published = match self
-            .context
-            .publish_with_headers(self.dead_letter_subject.clone(), headers, msg.payload.clone())
-            .await
-        {
-            Ok(ack) => ack.await.map(|_| ()).map_err(|err| err.to_string()),
-            Err(err) => Err(err.to_string()),
+        let mut failures = 0u32;
+        let published = loop {
+            let published = self.publish_dead_letter(headers.clone(), msg, delivered).await;
+            match published {
+                Err(err) if delivered.last && !self.shutdown.is_cancelled() => {
+                    // The server will not deliver this message again: keep
+                    // it (in progress) and try again.
+                    failures = failures.saturating_add(1);
+                    tracing::error!(
+                        target: TRACING_TARGET,
+                        error = %err,
+                        subject = %self.dead_letter_subject,
+                        "could not publish the dead letter on the message's last delivery: retrying"
+                    );
+                    if let Err(err) = msg.ack_with(AckKind::Progress).await {
+                        tracing::debug!(target: TRACING_TARGET, error = %err, "in-progress ack failed");
+                    }
+                    sleep_unless_cancelled(self.backoff.delay(failures), &self.shutdown).await;
+                }
+                other => break other,
+            }
         };
         match published {
             Ok(()) => {
@@ -708,6 +897,17 @@ impl<D, R, H> Worker<D, R, H> {
                     );
                 }
                 self.recorder.outcome(outcome);
+            }
+            Err(err) if delivered.last => {
+                tracing::error!(
+                    target: TRACING_TARGET,
+                    error = %err,
+                    subject = %self.dead_letter_subject,
+                    "could not publish the dead letter of a message on its last delivery before shutdown: it stays \
+                     in the stream but this consumer will not deliver it again (see the server's MaxDeliveries \
+                     advisory)"
+                );
+                self.recorder.outcome(Outcome::Released);
             }
             Err(err) => {
                 tracing::error!(
@@ -725,6 +925,33 @@ impl<D, R, H> Worker<D, R, H> {
     }
 }
 
+impl<D, R, H> Worker<D, R, H> {
+    /// Publishes one dead letter and waits for the stream's ack. A
+    /// `duplicate` ack counts as stored only for the id the adapter derived
+    /// (this very dead letter was stored by an earlier attempt).
+    async fn publish_dead_letter(
+        &self,
+        headers: HeaderMap,
+        msg: &jetstream::Message,
+        delivered: &Delivered,
+    ) -> Result<(), String> {
+        let ack = self
+            .context
+            .publish_with_headers(self.dead_letter_subject.clone(), headers, msg.payload.clone())
+            .await
+            .map_err(|err| err.to_string())?
+            .await
+            .map_err(|err| err.to_string())?;
+        if ack.duplicate && delivered.dead_letter_id.is_none() {
+            return Err(format!(
+                "stream `{}` took the dead letter for a duplicate and did not store it",
+                ack.stream
+            ));
+        }
+        Ok(())
+    }
+}
+
 /// A concrete subject: non-empty tokens, no wildcards, no whitespace.
 fn valid_publish_subject(subject: &str) -> bool {
     !subject.is_empty()
@@ -737,6 +964,35 @@ fn valid_publish_subject(subject: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::valid_publish_subject;
+
+    #[test]
+    fn subjects_match_patterns_token_by_token() {
+        use super::subject_matches;
+        assert!(subject_matches("orders.*", "orders.dlq"));
+        assert!(subject_matches("orders.>", "orders.a.b"));
+        assert!(subject_matches(">", "x"));
+        assert!(subject_matches("orders.in", "orders.in"));
+        assert!(!subject_matches("orders.in", "orders.dlq"));
+        assert!(!subject_matches("orders.*", "orders.a.b"));
+        assert!(!subject_matches("orders.>", "orders"));
+        assert!(!subject_matches("orders.*.x", "orders.a"));
+    }
+
+    #[test]
+    fn dead_letter_ids_differ_by_stream_consumer_and_sequence() {
+        use super::dead_letter_id;
+        let a = dead_letter_id("S", "c", 1, "t");
+        assert_eq!(a, dead_letter_id("S", "c", 1, "t"));
+        for other in [
+            dead_letter_id("S", "c", 2, "t"),
+            dead_letter_id("S", "d", 1, "t"),
+            dead_letter_id("T", "c", 1, "t"),
+            dead_letter_id("S", "c", 1, "u"),
+            dead_letter_id("Sc", "", 1, "t"),
+        ] {
+            assert_ne!(a, other);
+        }
+    }
 
     #[test]
     fn dead_letter_subject_must_be_concrete() {

@@ -62,10 +62,10 @@ use futures_util::StreamExt;
 use lapin::message::Delivery;
 use lapin::options::{
     BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicNackOptions, BasicPublishOptions, BasicQosOptions,
-    ConfirmSelectOptions, QueueDeclareOptions,
+    ConfirmSelectOptions, ExchangeDeclareOptions, QueueDeclareOptions,
 };
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
-use lapin::{BasicProperties, Channel, Confirmation};
+use lapin::{BasicProperties, Channel, Confirmation, ExchangeKind};
 use tokio::task::JoinSet;
 use tracing::Instrument;
 
@@ -446,10 +446,27 @@ impl<D, R> RabbitConsumer<D, R> {
 
         channel.confirm_select(ConfirmSelectOptions::default()).await?;
         channel.basic_qos(prefetch, BasicQosOptions::default()).await?;
-        if let (DeadLetter::Queue(dlq), true) = (&dead_letter, declare_dead_letter_queue) {
-            channel
-                .queue_declare(dlq.clone(), QueueDeclareOptions::durable(), FieldTable::default())
-                .await?;
+        match (&dead_letter, declare_dead_letter_queue) {
+            (DeadLetter::Queue(dlq), true) => {
+                channel
+                    .queue_declare(dlq.clone(), QueueDeclareOptions::durable(), FieldTable::default())
+                    .await?;
+            }
+            (DeadLetter::Exchange { exchange, .. }, _) => {
+                // Fail now, not on the first dead letter: publishing to a
+                // missing exchange closes the channel mid-run.
+                let passive = ExchangeDeclareOptions {
+                    passive: true,
+                    ..ExchangeDeclareOptions::default()
+                };
+                channel
+                    .exchange_declare(exchange.clone(), ExchangeKind::Direct, passive, FieldTable::default())
+                    .await
+                    .map_err(|err| {
+                        ConsumerError::Config(format!("the dead-letter exchange `{exchange}` cannot be used: {err}"))
+                    })?;
+            }
+            (DeadLetter::Queue(_), false) => {}
         }
         let mut consumer = channel
             .basic_consume(

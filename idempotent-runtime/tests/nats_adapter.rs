@@ -18,8 +18,8 @@ use idempotent_runtime::async_nats::jetstream::message::StreamMessage;
 use idempotent_runtime::async_nats::jetstream::{self, stream};
 use idempotent_runtime::async_nats::{self, HeaderMap};
 use idempotent_runtime::nats::{
-    Backoff, CancellationToken, ConsumerStats, DeliveryInfo, HEADER_ATTEMPTS, HEADER_KIND, HEADER_REASON,
-    HEADER_SOURCE, JetStreamConsumer,
+    Backoff, CancellationToken, ConsumerError, ConsumerStats, DeliveryInfo, HEADER_ATTEMPTS, HEADER_KIND,
+    HEADER_MSG_ID, HEADER_REASON, HEADER_SOURCE, JetStreamConsumer,
 };
 use idempotent_runtime::{Claim, Guard, MemoryStore, Request, Store};
 use serde::{Deserialize, Serialize};
@@ -84,18 +84,45 @@ struct Fixture {
     dlq_subject: String,
 }
 
+/// Where the dead letters go.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Topology {
+    /// A stream of their own.
+    OwnStream,
+    /// The consumed stream also captures the dead-letter subject (the
+    /// consumer's filter leaves it out).
+    InputStream,
+}
+
 impl Fixture {
     async fn new(name: &str) -> Fixture {
+        Fixture::with(name, Topology::OwnStream, None).await
+    }
+
+    /// Streams in `topology`; the input stream's duplicate window is
+    /// `window` when given (the server's 2 minutes otherwise).
+    async fn with(name: &str, topology: Topology, window: Option<Duration>) -> Fixture {
         let js = connect().await;
         let id = suffix();
         let stream = format!("IDEM_TEST_{}_{id}", name.to_uppercase());
         let subject = format!("idem_test.{name}.{id}.in");
         let dlq_subject = format!("idem_test.{name}.{id}.dlq");
-        let dlq_stream = format!("{stream}_DLQ");
-        for (name, subject) in [(&stream, &subject), (&dlq_stream, &dlq_subject)] {
+        let (dlq_stream, input_subjects) = match topology {
+            Topology::OwnStream => (format!("{stream}_DLQ"), vec![subject.clone()]),
+            Topology::InputStream => (stream.clone(), vec![subject.clone(), dlq_subject.clone()]),
+        };
+        js.create_stream(stream::Config {
+            name: stream.clone(),
+            subjects: input_subjects,
+            duplicate_window: window.unwrap_or_default(),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+        if topology == Topology::OwnStream {
             js.create_stream(stream::Config {
-                name: name.clone(),
-                subjects: vec![subject.clone()],
+                name: dlq_stream.clone(),
+                subjects: vec![dlq_subject.clone()],
                 ..Default::default()
             })
             .await
@@ -110,17 +137,26 @@ impl Fixture {
         }
     }
 
-    /// A durable explicit-ack pull consumer on the stream.
-    async fn consumer(&self, ack_wait: Duration, max_deliver: i64) -> PullConsumer {
+    /// A durable explicit-ack pull consumer `name` on the stream, filtered
+    /// on `filter` (empty: every subject of the stream).
+    async fn consumer_named(&self, name: &str, filter: &str, ack_wait: Duration, max_deliver: i64) -> PullConsumer {
         let stream = self.js.get_stream(&self.stream).await.unwrap();
         let config = pull::Config {
-            durable_name: Some("worker".into()),
+            durable_name: Some(name.into()),
             ack_policy: AckPolicy::Explicit,
             ack_wait,
             max_deliver,
+            filter_subject: filter.into(),
             ..Default::default()
         };
-        stream.get_or_create_consumer("worker", config).await.unwrap()
+        stream.get_or_create_consumer(name, config).await.unwrap()
+    }
+
+    /// The durable explicit-ack pull consumer `worker`, filtered on the
+    /// input subject.
+    async fn consumer(&self, ack_wait: Duration, max_deliver: i64) -> PullConsumer {
+        self.consumer_named("worker", &self.subject.clone(), ack_wait, max_deliver)
+            .await
     }
 
     async fn publish(&self, body: &[u8], message_id: &str) {
@@ -150,19 +186,25 @@ impl Fixture {
         (info.num_pending, info.num_ack_pending)
     }
 
+    /// The messages stored on the dead-letter subject.
     async fn dead_letters(&self) -> Vec<StreamMessage> {
         let mut stream = self.js.get_stream(&self.dlq_stream).await.unwrap();
-        let count = stream.info().await.unwrap().state.messages;
+        let last = stream.info().await.unwrap().state.last_sequence;
         let mut out = Vec::new();
-        for seq in 1..=count {
-            out.push(stream.get_raw_message(seq).await.unwrap());
+        for seq in 1..=last {
+            if let Ok(msg) = stream.get_raw_message(seq).await
+                && msg.subject.as_str() == self.dlq_subject
+            {
+                out.push(msg);
+            }
         }
         out
     }
 
     async fn cleanup(self) {
-        for name in [&self.stream, &self.dlq_stream] {
-            self.js.delete_stream(name).await.unwrap();
+        self.js.delete_stream(&self.stream).await.unwrap();
+        if self.dlq_stream != self.stream {
+            self.js.delete_stream(&self.dlq_stream).await.unwrap();
         }
     }
 }
@@ -309,8 +351,9 @@ async fn failing_handler_ends_in_dead_letter_subject_after_max_deliver() {
     let body = br#"{"message_id":"fail-1","amount":7}"#;
     fx.publish(body, "fail-1").await;
     let calls = Arc::new(AtomicUsize::new(0));
-    // The consumer's max_deliver (3) caps the builder's 10 attempts.
-    let consumer = JetStreamConsumer::builder(fx.js.clone(), fx.consumer(Duration::from_secs(5), 3).await)
+    // The consumer's max_deliver (4) caps the builder's 10 attempts at 3:
+    // its last delivery is kept for settling.
+    let consumer = JetStreamConsumer::builder(fx.js.clone(), fx.consumer(Duration::from_secs(5), 4).await)
         .dead_letter_subject(&fx.dlq_subject)
         .max_attempts(10)
         .retry_backoff(fast_retries())
@@ -348,7 +391,11 @@ async fn failing_handler_ends_in_dead_letter_subject_after_max_deliver() {
     assert_eq!(dead.len(), 1);
     let dead = &dead[0];
     assert_eq!(&dead.payload[..], body, "body intact");
-    assert_eq!(header(dead, "Nats-Msg-Id"), "fail-1");
+    assert_eq!(header(dead, HEADER_MSG_ID), "fail-1", "the original's id, kept aside");
+    assert!(
+        header(dead, "Nats-Msg-Id").starts_with("idempotent-dead-letter-"),
+        "the dead letter's own id"
+    );
     assert_eq!(
         header(dead, HEADER_REASON),
         "payment gateway down (attempt 3)",
@@ -433,7 +480,7 @@ async fn poison_messages_are_dead_lettered_and_consumer_keeps_going() {
     assert_eq!(ledger.calls().len(), 1, "the handler only saw the good message");
     assert_eq!(fx.backlog().await, (0, 0));
     let dead = fx.dead_letters().await;
-    let by_id: HashMap<String, &StreamMessage> = dead.iter().map(|m| (header(m, "Nats-Msg-Id"), m)).collect();
+    let by_id: HashMap<String, &StreamMessage> = dead.iter().map(|m| (header(m, HEADER_MSG_ID), m)).collect();
     let bad_json = by_id["bad-json"];
     assert_eq!(&bad_json.payload[..], b"{not json");
     assert_eq!(header(bad_json, HEADER_KIND), "poison");
@@ -454,6 +501,9 @@ async fn graceful_shutdown_loses_nothing_and_applies_nothing_twice() {
     }
     let ledger = Ledger::default();
     let in_flight = Arc::new(AtomicUsize::new(0));
+    // Handler calls on a second or later delivery: a shutdown that hands
+    // messages back spends their deliveries.
+    let later_attempts = Arc::new(AtomicUsize::new(0));
 
     let start = |ledger: Ledger, in_flight: Arc<AtomicUsize>, pull: PullConsumer| {
         let consumer = JetStreamConsumer::builder(fx.js.clone(), pull)
@@ -464,9 +514,13 @@ async fn graceful_shutdown_loses_nothing_and_applies_nothing_twice() {
             .unwrap();
         let stats: ConsumerStats = consumer.stats();
         let shutdown = CancellationToken::new();
-        let run = tokio::spawn(consumer.run(
-            move |msg: Payment| {
+        let later = Arc::clone(&later_attempts);
+        let run = tokio::spawn(consumer.run_with_info(
+            move |msg: Payment, info: DeliveryInfo| {
                 let (ledger, in_flight) = (ledger.clone(), Arc::clone(&in_flight));
+                if info.attempt > 1 {
+                    later.fetch_add(1, Ordering::SeqCst);
+                }
                 async move {
                     in_flight.fetch_add(1, Ordering::SeqCst);
                     tokio::time::sleep(Duration::from_millis(100)).await;
@@ -515,7 +569,239 @@ async fn graceful_shutdown_loses_nothing_and_applies_nothing_twice() {
     assert!(effects.values().all(|&n| n == 1), "none applied twice: {effects:?}");
     let calls = ledger.calls();
     assert!(calls.values().all(|&n| n == 1), "no acked message came back: {calls:?}");
+    assert_eq!(
+        later_attempts.load(Ordering::SeqCst),
+        0,
+        "the shutdown spent no delivery: every handler call was a first attempt"
+    );
     assert_eq!(stats_a.acked + stats_b.acked, N as u64);
     assert_eq!(fx.backlog().await, (0, 0));
+    fx.cleanup().await;
+}
+
+/// Runs a consumer whose handler always fails with a permanent error, until
+/// `dead` dead letters were published; returns the handler calls.
+async fn dead_letter_all(fx: &Fixture, consumer: PullConsumer, dead: u64) -> usize {
+    let calls = Arc::new(AtomicUsize::new(0));
+    let consumer = JetStreamConsumer::builder(fx.js.clone(), consumer)
+        .dead_letter_subject(&fx.dlq_subject)
+        .retry_if(|_: &String| false)
+        .fetch_expiry(Duration::from_millis(300))
+        .build()
+        .unwrap();
+    let stats = consumer.stats();
+    let shutdown = CancellationToken::new();
+    let handler_calls = Arc::clone(&calls);
+    let run = tokio::spawn(consumer.run(
+        move |_: Payment| {
+            handler_calls.fetch_add(1, Ordering::SeqCst);
+            async { Err::<(), _>("refused".to_owned()) }
+        },
+        shutdown.clone(),
+    ));
+    wait_until("the dead letters", || stats.snapshot().dead_lettered == dead).await;
+    shutdown.cancel();
+    run.await.unwrap().unwrap();
+    calls.load(Ordering::SeqCst)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dead_letters_captured_by_the_input_stream_are_stored_not_deduplicated() {
+    // The README allows the dead-letter subject in the consumed stream when
+    // the consumer's filter leaves it out. The dead letter of a message
+    // carrying `Nats-Msg-Id` used to copy that id: the stream, which has
+    // just stored the original under it, acked the dead letter as a
+    // duplicate, the adapter terminated the original, and the message was
+    // gone.
+    let fx = Fixture::with("inside", Topology::InputStream, None).await;
+    fx.publish_payment("inside-1", 3).await;
+    let calls = dead_letter_all(&fx, fx.consumer(Duration::from_secs(5), -1).await, 1).await;
+    assert_eq!(calls, 1);
+    let dead = fx.dead_letters().await;
+    assert_eq!(dead.len(), 1, "the dead letter is in the stream");
+    assert_eq!(header(&dead[0], HEADER_MSG_ID), "inside-1");
+    assert_eq!(header(&dead[0], HEADER_KIND), "rejected");
+    assert_eq!(
+        serde_json::from_slice::<Payment>(&dead[0].payload).unwrap().message_id,
+        "inside-1"
+    );
+    assert_eq!(fx.backlog().await, (0, 0));
+    fx.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_messages_with_one_id_are_both_dead_lettered() {
+    // Two messages under one `Nats-Msg-Id` (published further apart than the
+    // input stream's duplicate window) both fail: both dead letters must be
+    // stored, though the dead-letter stream's window is 2 minutes.
+    let fx = Fixture::with("reused", Topology::OwnStream, Some(Duration::from_millis(200))).await;
+    fx.publish(br#"{"message_id":"reused-1","amount":1}"#, "same-id").await;
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    fx.publish(br#"{"message_id":"reused-1","amount":2}"#, "same-id").await;
+    let calls = dead_letter_all(&fx, fx.consumer(Duration::from_secs(5), -1).await, 2).await;
+    assert_eq!(calls, 2);
+    let mut amounts: Vec<i64> = fx
+        .dead_letters()
+        .await
+        .iter()
+        .map(|m| serde_json::from_slice::<Payment>(&m.payload).unwrap().amount)
+        .collect();
+    amounts.sort();
+    assert_eq!(amounts, [1, 2], "both dead letters stored");
+    fx.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_consumers_of_one_stream_each_dead_letter_the_message() {
+    let fx = Fixture::new("fanout").await;
+    fx.publish_payment("fanout-1", 1).await;
+    let subject = fx.subject.clone();
+    for name in ["billing", "shipping"] {
+        let consumer = fx.consumer_named(name, &subject, Duration::from_secs(5), -1).await;
+        assert_eq!(dead_letter_all(&fx, consumer, 1).await, 1);
+    }
+    let mut sources: Vec<String> = fx
+        .dead_letters()
+        .await
+        .iter()
+        .map(|m| header(m, HEADER_SOURCE))
+        .collect();
+    sources.sort();
+    assert_eq!(
+        sources,
+        [format!("{}/billing", fx.stream), format!("{}/shipping", fx.stream)],
+        "one dead letter per consumer"
+    );
+    fx.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_consumer_that_would_read_its_own_dead_letters_is_refused() {
+    let fx = Fixture::with("loop", Topology::InputStream, None).await;
+    for filter in [String::new(), "idem_test.>".to_owned()] {
+        let name = if filter.is_empty() { "all" } else { "wide" };
+        let consumer = fx.consumer_named(name, &filter, Duration::from_secs(5), -1).await;
+        let runner = JetStreamConsumer::builder(fx.js.clone(), consumer)
+            .dead_letter_subject(&fx.dlq_subject)
+            .build()
+            .unwrap();
+        let err = runner
+            .run(|_: Payment| async { Ok::<(), String>(()) }, CancellationToken::new())
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(&err, ConsumerError::Config(text) if text.contains("its own dead letters")),
+            "{err}"
+        );
+    }
+    fx.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_released_before_its_last_delivery_is_still_dead_lettered() {
+    // max_deliver 2: the first delivery's handler never finishes and the
+    // consumer is stopped (its shutdown timeout abandons the handler). The
+    // server delivers the message once more, its last time: it must be
+    // dead-lettered then, not run and abandoned again (nothing would ever
+    // deliver or dead-letter it after that).
+    let fx = Fixture::new("last").await;
+    fx.publish_payment("last-1", 1).await;
+    let calls = Arc::new(AtomicUsize::new(0));
+    let ack_wait = Duration::from_secs(1);
+    let start = |calls: Arc<AtomicUsize>, pull: PullConsumer| {
+        let consumer = JetStreamConsumer::builder(fx.js.clone(), pull)
+            .dead_letter_subject(&fx.dlq_subject)
+            .fetch_expiry(Duration::from_millis(300))
+            .shutdown_timeout(Duration::from_millis(200))
+            .build()
+            .unwrap();
+        let stats = consumer.stats();
+        let shutdown = CancellationToken::new();
+        let run = tokio::spawn(consumer.run(
+            move |_: Payment| {
+                calls.fetch_add(1, Ordering::SeqCst);
+                std::future::pending::<Result<(), String>>()
+            },
+            shutdown.clone(),
+        ));
+        (stats, shutdown, run)
+    };
+    let (_, shutdown_a, run_a) = start(Arc::clone(&calls), fx.consumer(ack_wait, 2).await);
+    wait_until("the first call", || calls.load(Ordering::SeqCst) == 1).await;
+    shutdown_a.cancel();
+    run_a.await.unwrap().unwrap();
+
+    let (stats_b, shutdown_b, run_b) = start(Arc::clone(&calls), fx.consumer(ack_wait, 2).await);
+    wait_until("the dead letter", || stats_b.snapshot().dead_lettered == 1).await;
+    shutdown_b.cancel();
+    run_b.await.unwrap().unwrap();
+    assert_eq!(calls.load(Ordering::SeqCst), 1, "not run again on its last delivery");
+    let dead = fx.dead_letters().await;
+    assert_eq!(dead.len(), 1);
+    assert_eq!(header(&dead[0], HEADER_KIND), "exhausted");
+    assert!(header(&dead[0], HEADER_REASON).contains("without being settled"));
+    assert_eq!(fx.backlog().await, (0, 0));
+    fx.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unusable_consumer_settings_are_refused_at_build() {
+    let fx = Fixture::new("settings").await;
+    let tiny = fx
+        .consumer_named("tiny", &fx.subject.clone(), Duration::from_millis(10), -1)
+        .await;
+    let err = JetStreamConsumer::builder(fx.js.clone(), tiny)
+        .dead_letter_subject(&fx.dlq_subject)
+        .build()
+        .unwrap_err();
+    assert!(err.to_string().contains("ack_wait"), "{err}");
+    let once = fx
+        .consumer_named("once", &fx.subject.clone(), Duration::from_secs(5), 1)
+        .await;
+    let err = JetStreamConsumer::builder(fx.js.clone(), once)
+        .dead_letter_subject(&fx.dlq_subject)
+        .build()
+        .unwrap_err();
+    assert!(err.to_string().contains("max_deliver 1"), "{err}");
+    fx.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn messages_arriving_during_shutdown_are_handled_without_spending_a_delivery() {
+    // An idle consumer has a pull request waiting; shutdown is requested;
+    // then messages arrive for that request. Handing them back (`nak`)
+    // would spend one of their deliveries (and on a consumer with
+    // `max_deliver`, possibly the last); they are handled instead.
+    let fx = Fixture::new("late").await;
+    let attempts: Arc<Mutex<Vec<u32>>> = Arc::default();
+    let consumer = JetStreamConsumer::builder(fx.js.clone(), fx.consumer(Duration::from_secs(30), -1).await)
+        .dead_letter_subject(&fx.dlq_subject)
+        .fetch_expiry(Duration::from_secs(2))
+        .build()
+        .unwrap();
+    let stats = consumer.stats();
+    let shutdown = CancellationToken::new();
+    let seen = Arc::clone(&attempts);
+    let run = tokio::spawn(consumer.run_with_info(
+        move |_: Payment, info: DeliveryInfo| {
+            seen.lock().unwrap().push(info.attempt);
+            async { Ok::<(), String>(()) }
+        },
+        shutdown.clone(),
+    ));
+    // Let the consumer's pull request reach the server, then stop it.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    shutdown.cancel();
+    for i in 0..3 {
+        fx.publish_payment(&format!("late-{i}"), 1).await;
+    }
+    let stats_a = run.await.unwrap().unwrap();
+    let handled_by_a = stats_a.acked;
+    assert_eq!(stats_a.released, 0, "nothing handed back");
+    // Whatever the pull request did not carry is still pending, untouched.
+    let (pending, ack_pending) = fx.backlog().await;
+    assert_eq!(ack_pending, 0);
+    assert_eq!(handled_by_a + pending, 3, "handled or still pending: {stats:?}");
+    assert!(attempts.lock().unwrap().iter().all(|&a| a == 1), "{attempts:?}");
     fx.cleanup().await;
 }

@@ -14,10 +14,11 @@ use std::time::Duration;
 
 use idempotent_runtime::lapin::message::BasicGetMessage;
 use idempotent_runtime::lapin::options::{
-    BasicGetOptions, BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions, QueueDeleteOptions,
+    BasicGetOptions, BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions, ExchangeDeleteOptions,
+    QueueBindOptions, QueueDeclareOptions, QueueDeleteOptions,
 };
 use idempotent_runtime::lapin::types::{AMQPValue, FieldTable, ShortString};
-use idempotent_runtime::lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
+use idempotent_runtime::lapin::{BasicProperties, Channel, Connection, ConnectionProperties, ExchangeKind};
 use idempotent_runtime::rabbitmq::{
     Backoff, CancellationToken, ConsumerStats, DeliveryInfo, HEADER_ATTEMPTS, HEADER_KIND, HEADER_REASON,
     HEADER_SOURCE, RabbitConsumer,
@@ -86,8 +87,20 @@ struct Fixture {
     dlq: String,
 }
 
+/// Queue arguments for a quorum queue.
+fn quorum() -> FieldTable {
+    let mut args = FieldTable::default();
+    args.insert("x-queue-type".into(), AMQPValue::LongString("quorum".into()));
+    args
+}
+
 impl Fixture {
     async fn new(name: &str) -> Fixture {
+        Fixture::with_args(name, FieldTable::default()).await
+    }
+
+    /// The queue and its `.dlq`, both declared with `args`.
+    async fn with_args(name: &str, args: FieldTable) -> Fixture {
         let conn = connect().await;
         let admin = conn.create_channel().await.unwrap();
         admin.confirm_select(ConfirmSelectOptions::default()).await.unwrap();
@@ -95,7 +108,7 @@ impl Fixture {
         let dlq = format!("{queue}.dlq");
         for q in [&queue, &dlq] {
             admin
-                .queue_declare(q.as_str().into(), QueueDeclareOptions::durable(), FieldTable::default())
+                .queue_declare(q.as_str().into(), QueueDeclareOptions::durable(), args.clone())
                 .await
                 .unwrap();
         }
@@ -105,6 +118,51 @@ impl Fixture {
             queue,
             dlq,
         }
+    }
+
+    /// An exchange of `kind` and, for each `(queue, binding key)`, a queue
+    /// bound to it.
+    async fn exchange(&self, kind: ExchangeKind, bindings: &[(&str, &str)]) -> String {
+        let exchange = unique("dlx");
+        self.admin
+            .exchange_declare(
+                exchange.as_str().into(),
+                kind,
+                ExchangeDeclareOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .unwrap();
+        for (queue, key) in bindings {
+            self.admin
+                .queue_declare((*queue).into(), QueueDeclareOptions::durable(), FieldTable::default())
+                .await
+                .unwrap();
+            self.admin
+                .queue_bind(
+                    (*queue).into(),
+                    exchange.as_str().into(),
+                    (*key).into(),
+                    QueueBindOptions::default(),
+                    FieldTable::default(),
+                )
+                .await
+                .unwrap();
+        }
+        exchange
+    }
+
+    async fn delete_exchange(&self, exchange: &str, queues: &[&str]) {
+        for queue in queues {
+            self.admin
+                .queue_delete((*queue).into(), QueueDeleteOptions::default())
+                .await
+                .unwrap();
+        }
+        self.admin
+            .exchange_delete(exchange.into(), ExchangeDeleteOptions::default())
+            .await
+            .unwrap();
     }
 
     async fn channel(&self) -> Channel {
@@ -585,5 +643,179 @@ async fn sigterm_stops_the_consumer_gracefully() {
         .unwrap();
     assert!(shutdown.is_cancelled());
     assert_eq!(stats.acked, 1);
+    fx.cleanup().await;
+}
+
+/// Runs a consumer built by `configure` whose handler always fails
+/// permanently, until `dead` dead letters were published; returns the run's
+/// counters.
+async fn dead_letter_all(
+    fx: &Fixture,
+    dead: u64,
+    configure: impl FnOnce(
+        idempotent_runtime::rabbitmq::RabbitConsumerBuilder,
+    ) -> idempotent_runtime::rabbitmq::RabbitConsumerBuilder,
+) -> idempotent_runtime::rabbitmq::RunStats {
+    let consumer = configure(RabbitConsumer::builder(fx.channel().await, &fx.queue).retry_backoff(fast_retries()))
+        .retry_if(|_: &String| false)
+        .build()
+        .unwrap();
+    let stats = consumer.stats();
+    let shutdown = CancellationToken::new();
+    let run = tokio::spawn(consumer.run(
+        |_: Payment| async { Err::<(), _>("refused".to_owned()) },
+        shutdown.clone(),
+    ));
+    wait_until("the dead letters", || stats.snapshot().dead_lettered == dead).await;
+    shutdown.cancel();
+    run.await.unwrap().unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dead_letters_reach_every_queue_an_exchange_routes_them_to() {
+    // The README allows a dead-letter exchange with a routing key: direct,
+    // topic and fanout exchanges each deliver it to their bound queues.
+    let fx = Fixture::new("dlx").await;
+    let (direct_q, topic_q, fan_a, fan_b) = (unique("direct"), unique("topic"), unique("fan.a"), unique("fan.b"));
+    let direct = fx.exchange(ExchangeKind::Direct, &[(&direct_q, "failed")]).await;
+    let topic = fx
+        .exchange(ExchangeKind::Topic, &[(&topic_q, "payments.*.failed")])
+        .await;
+    let fanout = fx.exchange(ExchangeKind::Fanout, &[(&fan_a, ""), (&fan_b, "")]).await;
+    for (n, (exchange, key, queues)) in [
+        (&direct, "failed", vec![direct_q.as_str()]),
+        (&topic, "payments.eu.failed", vec![topic_q.as_str()]),
+        (&fanout, "anything", vec![fan_a.as_str(), fan_b.as_str()]),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let id = format!("dlx-{n}");
+        fx.publish_payment(&id, 1).await;
+        let stats = dead_letter_all(&fx, 1, |b| b.dead_letter_exchange(exchange.as_str(), key)).await;
+        assert_eq!((stats.dead_lettered, stats.released), (1, 0));
+        for queue in queues {
+            let dead = fx.drain(queue).await;
+            assert_eq!(dead.len(), 1, "{queue}");
+            assert_eq!(
+                dead[0]
+                    .delivery
+                    .properties
+                    .message_id()
+                    .as_ref()
+                    .map(ShortString::as_str),
+                Some(id.as_str())
+            );
+            assert_eq!(header_text(&dead[0], HEADER_KIND), "rejected");
+        }
+        assert_eq!(fx.ready(&fx.queue).await, 0);
+    }
+    fx.delete_exchange(&direct, &[&direct_q]).await;
+    fx.delete_exchange(&topic, &[&topic_q]).await;
+    fx.delete_exchange(&fanout, &[&fan_a, &fan_b]).await;
+    fx.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unroutable_dead_letter_goes_back_to_its_queue_until_it_can_be_routed() {
+    let fx = Fixture::new("unroutable").await;
+    fx.publish_payment("unroutable-1", 1).await;
+    let bound = unique("late");
+    let exchange = fx.exchange(ExchangeKind::Direct, &[]).await;
+    let consumer = RabbitConsumer::builder(fx.channel().await, &fx.queue)
+        .retry_backoff(fast_retries())
+        .retry_if(|_: &String| false)
+        .dead_letter_exchange(exchange.as_str(), "failed")
+        .build()
+        .unwrap();
+    let stats = consumer.stats();
+    let shutdown = CancellationToken::new();
+    let run = tokio::spawn(consumer.run(
+        |_: Payment| async { Err::<(), _>("refused".to_owned()) },
+        shutdown.clone(),
+    ));
+    wait_until("the dead letter handed back", || stats.snapshot().released >= 2).await;
+    assert_eq!(stats.snapshot().dead_lettered, 0);
+    // Once a queue is bound, the next try gets through.
+    let admin = &fx.admin;
+    admin
+        .queue_declare(
+            bound.as_str().into(),
+            QueueDeclareOptions::durable(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    admin
+        .queue_bind(
+            bound.as_str().into(),
+            exchange.as_str().into(),
+            "failed".into(),
+            QueueBindOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    wait_until("the dead letter", || stats.snapshot().dead_lettered == 1).await;
+    shutdown.cancel();
+    run.await.unwrap().unwrap();
+    assert_eq!(fx.drain(&bound).await.len(), 1);
+    assert_eq!(fx.ready(&fx.queue).await, 0);
+    fx.delete_exchange(&exchange, &[&bound]).await;
+    fx.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_missing_dead_letter_exchange_is_reported_before_anything_is_consumed() {
+    let fx = Fixture::new("no-dlx").await;
+    fx.publish_payment("no-dlx-1", 1).await;
+    let consumer = RabbitConsumer::builder(fx.channel().await, &fx.queue)
+        .dead_letter_exchange(unique("missing"), "failed")
+        .build()
+        .unwrap();
+    let err = consumer
+        .run(
+            |_: Payment| async { Err::<(), _>("refused".to_owned()) },
+            CancellationToken::new(),
+        )
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("dead-letter exchange"), "{err}");
+    assert_eq!(fx.ready(&fx.queue).await, 1, "the message was not touched");
+    fx.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn quorum_queues_count_attempts_and_take_dead_letters() {
+    // Input and dead-letter queue are quorum queues (declared by the
+    // operator, so the consumer must not declare the dead-letter queue).
+    let fx = Fixture::with_args("quorum", quorum()).await;
+    fx.publish_payment("quorum-1", 1).await;
+    let calls = Arc::new(Mutex::new(Vec::new()));
+    let consumer = RabbitConsumer::builder(fx.channel().await, &fx.queue)
+        .max_attempts(3)
+        .retry_backoff(fast_retries())
+        .dead_letter_queue(&fx.dlq)
+        .declare_dead_letter_queue(false)
+        .build()
+        .unwrap();
+    let stats = consumer.stats();
+    let shutdown = CancellationToken::new();
+    let seen = Arc::clone(&calls);
+    let run = tokio::spawn(consumer.run_with_info(
+        move |_: Payment, info: DeliveryInfo| {
+            seen.lock().unwrap().push(info.attempt);
+            async { Err::<(), _>("down".to_owned()) }
+        },
+        shutdown.clone(),
+    ));
+    wait_until("the dead letter", || stats.snapshot().dead_lettered == 1).await;
+    shutdown.cancel();
+    run.await.unwrap().unwrap();
+    assert_eq!(*calls.lock().unwrap(), [1, 2, 3]);
+    let dead = fx.drain(&fx.dlq).await;
+    assert_eq!(dead.len(), 1);
+    assert_eq!(header_int(&dead[0], HEADER_ATTEMPTS), 3);
+    assert_eq!(fx.ready(&fx.queue).await, 0);
     fx.cleanup().await;
 }

@@ -58,3 +58,115 @@ pub async fn drop_mysql_table(pool: &sqlx::MySqlPool, table: &str) {
         .await
         .expect("drop table");
 }
+
+/// Server settings users change, to run the suites under each.
+pub mod settings {
+    /// PostgreSQL `default_transaction_isolation` of the pool's sessions
+    /// (what `ALTER ROLE .. SET` or `postgresql.conf` would set).
+    pub const PG_SERVER_DEFAULT: u8 = 0;
+    pub const PG_REPEATABLE_READ: u8 = 1;
+    pub const PG_SERIALIZABLE: u8 = 2;
+
+    /// MariaDB session `transaction_isolation` (the server's default is
+    /// REPEATABLE-READ).
+    pub const MY_SERVER_DEFAULT: u8 = 0;
+    pub const MY_READ_COMMITTED: u8 = 1;
+    pub const MY_REPEATABLE_READ: u8 = 2;
+    pub const MY_SERIALIZABLE: u8 = 3;
+
+    /// SQLite journal mode.
+    pub const LITE_WAL: u8 = 0;
+    pub const LITE_ROLLBACK_JOURNAL: u8 = 1;
+}
+
+/// A pool whose sessions default to the isolation level `setting`
+/// (`settings::PG_*`).
+pub async fn pg_pool_with(max_connections: u32, setting: u8) -> PgPool {
+    use std::str::FromStr;
+    let mut options = sqlx::postgres::PgConnectOptions::from_str(PG_URL).expect("PG_URL");
+    let level = match setting {
+        settings::PG_REPEATABLE_READ => Some("repeatable read"),
+        settings::PG_SERIALIZABLE => Some("serializable"),
+        _ => None,
+    };
+    if let Some(level) = level {
+        options = options.options([("default_transaction_isolation", level)]);
+    }
+    let pool = PgPoolOptions::new()
+        .max_connections(max_connections)
+        .connect_with(options)
+        .await
+        .expect("PostgreSQL at 127.0.0.1:5432 (run .ci/run to start it)");
+    if let Some(level) = level {
+        let shown: String = sqlx::query_scalar("SHOW default_transaction_isolation")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+        assert_eq!(shown, level, "the session default took effect");
+    }
+    pool
+}
+
+/// A pool whose sessions use the isolation level `setting`
+/// (`settings::MY_*`).
+pub async fn mysql_pool_with(max_connections: u32, setting: u8) -> sqlx::MySqlPool {
+    let level = match setting {
+        settings::MY_READ_COMMITTED => Some("READ COMMITTED"),
+        settings::MY_REPEATABLE_READ => Some("REPEATABLE READ"),
+        settings::MY_SERIALIZABLE => Some("SERIALIZABLE"),
+        _ => None,
+    };
+    let mut options = sqlx::mysql::MySqlPoolOptions::new().max_connections(max_connections);
+    if let Some(level) = level {
+        options = options.after_connect(move |conn, _meta| {
+            Box::pin(async move {
+                sqlx::query(sqlx::AssertSqlSafe(format!(
+                    "SET SESSION TRANSACTION ISOLATION LEVEL {level}"
+                )))
+                .execute(&mut *conn)
+                .await?;
+                Ok(())
+            })
+        });
+    }
+    let pool = options
+        .connect(MYSQL_URL)
+        .await
+        .expect("MariaDB at 127.0.0.1:3306 (run .ci/run to start it)");
+    if let Some(level) = level {
+        // MariaDB's name for it (MySQL 8: `transaction_isolation`).
+        let shown: String = sqlx::query_scalar("SELECT @@SESSION.tx_isolation")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+        assert_eq!(shown, level.replace(' ', "-"), "the session setting took effect");
+    }
+    pool
+}
+
+/// A SQLite store on a new file in `dir`, in the journal mode `setting`
+/// (`settings::LITE_*`): WAL as `SqliteStore::open` sets it, or the
+/// rollback journal (SQLite's default) with a busy timeout.
+pub async fn sqlite_store_with(dir: &std::path::Path, setting: u8) -> idempotent_runtime::SqliteStore {
+    if setting == settings::LITE_WAL {
+        return idempotent_runtime::SqliteStore::open(dir.join("markers.db"))
+            .await
+            .expect("open SQLite");
+    }
+    let options = sqlx::sqlite::SqliteConnectOptions::new()
+        .filename(dir.join("markers.db"))
+        .create_if_missing(true)
+        .journal_mode(sqlx::sqlite::SqliteJournalMode::Delete)
+        .busy_timeout(std::time::Duration::from_secs(5));
+    let pool = sqlx::sqlite::SqlitePoolOptions::new()
+        .max_connections(8)
+        .connect_with(options)
+        .await
+        .expect("open SQLite");
+    let mode: String = sqlx::query_scalar("PRAGMA journal_mode")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(mode, "delete");
+    idempotent_runtime::SqliteStore::new(pool)
+}

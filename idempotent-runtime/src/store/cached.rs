@@ -175,6 +175,10 @@ pub struct CacheStats {
 impl<S: Store> Store for CachedStore<S> {
     type Guard = CachedGuard<S::Guard>;
 
+    fn namespace(&self) -> Option<&'static str> {
+        self.inner.namespace()
+    }
+
     async fn claim(&self, req: &Request<'_>) -> Result<Claim<Self::Guard>, Error> {
         if self.cache.capacity == 0 {
             return Ok(match self.inner.claim(req).await? {

@@ -25,10 +25,21 @@ pub struct MemoryStore {
     inner: Arc<Inner>,
 }
 
-#[derive(Default)]
 struct Inner {
     entries: Mutex<HashMap<(String, String), Entry>>,
     next_token: AtomicU64,
+    /// Each store is a namespace of its own (its markers are its own).
+    namespace: &'static str,
+}
+
+impl Default for Inner {
+    fn default() -> Self {
+        Inner {
+            entries: Mutex::default(),
+            next_token: AtomicU64::new(0),
+            namespace: crate::scope::unique_namespace("memory"),
+        }
+    }
 }
 
 enum Entry {
@@ -91,6 +102,10 @@ impl std::fmt::Debug for MemoryStore {
 
 impl Store for MemoryStore {
     type Guard = MemoryGuard;
+
+    fn namespace(&self) -> Option<&'static str> {
+        Some(self.inner.namespace)
+    }
 
     async fn claim(&self, req: &Request<'_>) -> Result<Claim<MemoryGuard>, Error> {
         let id = (req.scope_name().to_owned(), req.key().to_owned());

@@ -185,6 +185,16 @@ pub trait Store: Send + Sync {
     /// fingerprint), or an error (`InProgress` for a live lease of another
     /// consumer, `KeyReused`, `Store`).
     fn claim(&self, req: &Request<'_>) -> impl Future<Output = Result<Claim<Self::Guard>, Error>> + Send;
+
+    /// What identifies the markers this store keeps (the database and table,
+    /// the key prefix...), interned with
+    /// [`intern_namespace`](crate::scope::intern_namespace). In one process,
+    /// two different handlers claiming one scope on stores with the same
+    /// namespace get [`Error::ScopeConflict`] (see [`crate::scope`]).
+    /// `None` (the default) leaves the store out of that check.
+    fn namespace(&self) -> Option<&'static str> {
+        None
+    }
 }
 
 /// A claim in progress. Dropping it without `complete` (panic, cancellation)
@@ -265,6 +275,9 @@ macro_rules! forward_store {
             type Guard = S::Guard;
             fn claim(&self, req: &Request<'_>) -> impl Future<Output = Result<Claim<Self::Guard>, Error>> + Send {
                 (**self).claim(req)
+            }
+            fn namespace(&self) -> Option<&'static str> {
+                (**self).namespace()
             }
         }
 

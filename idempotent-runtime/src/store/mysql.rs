@@ -96,11 +96,14 @@ const CLAIM_TAKEN_OVER: u64 = 2;
 pub struct MySqlStore {
     pool: MySqlPool,
     sql: Arc<MySqlSql>,
+    /// The server's durability settings were checked (on the first claim).
+    checked: Arc<tokio::sync::OnceCell<()>>,
 }
 
 #[derive(Debug)]
 struct MySqlSql {
     table: crate::TableName,
+    namespace: &'static str,
     claim: Arc<str>,
     read: Arc<str>,
     write_result: Arc<str>,
@@ -141,11 +144,13 @@ impl MySqlStore {
             purge: format!("DELETE FROM {t} WHERE {expired} LIMIT ?").into(),
             ddl: ddl(include_str!("../../sql/mysql.sql"), &table, '`'),
             purge_batch: u64::from(purge_batch),
+            namespace: namespace(&pool, &table),
             table,
         };
         MySqlStore {
             pool,
             sql: Arc::new(sql),
+            checked: Arc::default(),
         }
     }
 
@@ -324,7 +329,12 @@ fn backoff(attempt: u32) -> Duration {
 impl Store for MySqlStore {
     type Guard = SqlGuard<MySql>;
 
+    fn namespace(&self) -> Option<&'static str> {
+        Some(self.sql.namespace)
+    }
+
     async fn claim(&self, req: &Request<'_>) -> Result<Claim<Self::Guard>, Error> {
+        self.checked.get_or_init(|| warn_about_durability(&self.pool)).await;
         let mut retry = Retry::default();
         let attempt = loop {
             match self.try_claim(req).await {
@@ -345,6 +355,38 @@ impl Store for MySqlStore {
             }
         }
     }
+}
+
+/// Warns (once per store, on its first claim) when InnoDB does not flush its
+/// log at each commit: the message is acknowledged after the commit, and a
+/// server crash could then lose an acknowledged message's effect. The
+/// setting is global (a session cannot turn it back on), so this is a
+/// warning, not a fix.
+async fn warn_about_durability(pool: &MySqlPool) {
+    let flush: Result<i64, sqlx::Error> = sqlx::query_scalar("SELECT CAST(@@innodb_flush_log_at_trx_commit AS SIGNED)")
+        .fetch_one(pool)
+        .await;
+    if let Ok(flush) = flush
+        && flush != 1
+    {
+        tracing::warn!(
+            target: "idempotent",
+            innodb_flush_log_at_trx_commit = flush,
+            "InnoDB does not flush its log at each commit: a server crash can lose the last commits, whose \
+             messages were already acknowledged; set innodb_flush_log_at_trx_commit = 1 on the markers' server"
+        );
+    }
+}
+
+/// `mysql://host:port/database/table` (the socket path for a socket).
+fn namespace(pool: &MySqlPool, table: &crate::TableName) -> &'static str {
+    let options = pool.connect_options();
+    let host = match options.get_socket() {
+        Some(socket) => socket.display().to_string(),
+        None => format!("{}:{}", options.get_host(), options.get_port()),
+    };
+    let database = options.get_database().unwrap_or_default();
+    crate::scope::intern_namespace(format!("mysql://{host}/{database}/{table}"))
 }
 
 impl TransactionalStore for MySqlStore {

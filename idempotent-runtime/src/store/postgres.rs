@@ -9,23 +9,40 @@ use crate::Error;
 use crate::store::sql::{SqlGuard, SqlStoreBuilder, ddl, sql_backend};
 use crate::store::{Claim, Replay, Request, Store, TransactionalStore};
 
+/// Begins the claim's transaction at Read Committed, whatever
+/// `default_transaction_isolation` says.
+const BEGIN_READ_COMMITTED: &str = "BEGIN ISOLATION LEVEL READ COMMITTED";
+
+/// The same, for sessions whose `synchronous_commit` is `off`: a commit
+/// that returns before it is durable would let the broker's message be
+/// acknowledged for an effect that a server crash then loses.
+const BEGIN_READ_COMMITTED_DURABLE: &str = "BEGIN ISOLATION LEVEL READ COMMITTED; SET LOCAL synchronous_commit = on";
+
 /// A PostgreSQL store: the marker is inserted in the same transaction as the
 /// handler's effect, so both commit or neither does.
 ///
-/// A concurrent duplicate waits on the marker's primary key until the first
-/// call commits (then it replays the result) or rolls back (then it runs the
-/// body itself). Expiry is computed by the database clock.
+/// The transaction runs at Read Committed whatever the server's or role's
+/// `default_transaction_isolation`, and with `synchronous_commit` on when
+/// the sessions have it `off` (the message is acknowledged after the
+/// commit, so the commit must be durable). A concurrent duplicate waits on the
+/// marker's primary key until the first call commits (then it replays the
+/// result) or rolls back (then it runs the body itself). Expiry is computed
+/// by the database clock.
 ///
 /// Cloning is cheap: clones share the pool.
 #[derive(Clone, Debug)]
 pub struct PgStore {
     pool: PgPool,
     sql: Arc<PgSql>,
+    /// How claims begin, decided on the first claim from the sessions'
+    /// `synchronous_commit`.
+    begin: Arc<tokio::sync::OnceCell<&'static str>>,
 }
 
 #[derive(Debug)]
 struct PgSql {
     table: crate::TableName,
+    namespace: &'static str,
     claim: Arc<str>,
     read: Arc<str>,
     write_result: Arc<str>,
@@ -76,11 +93,13 @@ impl PgStore {
             .into(),
             ddl: ddl(include_str!("../../sql/postgres.sql"), &table, '"'),
             purge_batch: i64::from(purge_batch),
+            namespace: namespace(&pool, &table),
             table,
         };
         PgStore {
             pool,
             sql: Arc::new(sql),
+            begin: Arc::default(),
         }
     }
 
@@ -143,11 +162,46 @@ impl PgStore {
     }
 }
 
+impl PgStore {
+    /// The statement that begins a claim: with `synchronous_commit` forced
+    /// back on when the sessions run with it `off` (asked once per store).
+    async fn begin_statement(&self) -> Result<&'static str, Error> {
+        let begin = self
+            .begin
+            .get_or_try_init(|| async {
+                let setting: String = sqlx::query_scalar("SELECT current_setting('synchronous_commit')")
+                    .fetch_one(&self.pool)
+                    .await?;
+                if setting == "off" {
+                    tracing::info!(
+                        target: "idempotent",
+                        "synchronous_commit is off for this pool's sessions: claims set it on for their own \
+                         transactions, so an acknowledged message's effect cannot be lost by a server crash"
+                    );
+                    Ok::<_, Error>(BEGIN_READ_COMMITTED_DURABLE)
+                } else {
+                    Ok(BEGIN_READ_COMMITTED)
+                }
+            })
+            .await?;
+        Ok(begin)
+    }
+}
+
 impl Store for PgStore {
     type Guard = SqlGuard<Postgres>;
 
+    fn namespace(&self) -> Option<&'static str> {
+        Some(self.sql.namespace)
+    }
+
     async fn claim(&self, req: &Request<'_>) -> Result<Claim<Self::Guard>, Error> {
-        let mut tx = self.pool.begin().await?;
+        // Read Committed whatever the server's or role's default: at
+        // Repeatable Read or Serializable a concurrent duplicate fails with
+        // a serialization error (40001) instead of waiting for the first
+        // claim and then replaying its result.
+        let begin = self.begin_statement().await?;
+        let mut tx = self.pool.begin_with(begin).await?;
         let claimed = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.claim)))
             .bind(req.scope_name())
             .bind(req.key())
@@ -179,6 +233,17 @@ impl Store for PgStore {
         req.check_fingerprint(fingerprint.as_deref())?;
         Ok(Claim::Done(Replay::new(row.try_get("result")?)))
     }
+}
+
+/// `postgres://host:port/database/table` (the socket path for a socket).
+fn namespace(pool: &PgPool, table: &crate::TableName) -> &'static str {
+    let options = pool.connect_options();
+    let host = match options.get_socket() {
+        Some(socket) => socket.display().to_string(),
+        None => format!("{}:{}", options.get_host(), options.get_port()),
+    };
+    let database = options.get_database().unwrap_or(options.get_username());
+    crate::scope::intern_namespace(format!("postgres://{host}/{database}/{table}"))
 }
 
 impl TransactionalStore for PgStore {

@@ -110,7 +110,14 @@ return 0",
 pub struct RedisStore {
     conn: ConnectionManager,
     prefix: Arc<str>,
+    namespace: &'static str,
     renew: bool,
+    /// The server's settings were checked (on the first claim).
+    checked: Arc<tokio::sync::OnceCell<()>>,
+}
+
+fn namespace(prefix: &str) -> &'static str {
+    crate::scope::intern_namespace(format!("redis:{prefix}"))
 }
 
 impl RedisStore {
@@ -119,7 +126,9 @@ impl RedisStore {
         RedisStore {
             conn,
             prefix: Arc::from(DEFAULT_PREFIX),
+            namespace: namespace(DEFAULT_PREFIX),
             renew: true,
+            checked: Arc::default(),
         }
     }
 
@@ -198,8 +207,10 @@ impl RedisStoreBuilder {
         }
         Ok(RedisStore {
             conn: self.conn,
+            namespace: namespace(&prefix),
             prefix: Arc::from(prefix),
             renew: self.renew,
+            checked: Arc::default(),
         })
     }
 }
@@ -216,7 +227,14 @@ impl fmt::Debug for RedisStoreBuilder {
 impl Store for RedisStore {
     type Guard = RedisGuard;
 
+    /// `redis:{prefix}`: the connection manager does not tell which server
+    /// it talks to, so two stores with one prefix count as one.
+    fn namespace(&self) -> Option<&'static str> {
+        Some(self.namespace)
+    }
+
     async fn claim(&self, req: &Request<'_>) -> Result<Claim<RedisGuard>, Error> {
+        self.checked.get_or_init(|| warn_about_server(self.conn.clone())).await;
         let key = self.redis_key(req.scope_name(), req.key());
         let lease = format!("L{}", new_token());
         let lease_ms = req.lease_millis();
@@ -255,6 +273,40 @@ impl Store for RedisStore {
             }
             _ => Err(unrecognised(&key)),
         }
+    }
+}
+
+/// Warns (once per store, on its first claim) about server settings that
+/// lose markers: an eviction policy that may evict them under memory
+/// pressure, and no persistence at all. Servers that refuse `CONFIG GET`
+/// (managed services often do) are not checked.
+async fn warn_about_server(conn: ConnectionManager) {
+    let config = |name: &'static str| {
+        let mut conn = conn.clone();
+        async move {
+            let pair: redis::RedisResult<Vec<String>> =
+                redis::cmd("CONFIG").arg("GET").arg(name).query_async(&mut conn).await;
+            pair.ok().and_then(|pair| pair.into_iter().nth(1))
+        }
+    };
+    if let Some(policy) = config("maxmemory-policy").await
+        && policy != "noeviction"
+    {
+        tracing::warn!(
+            target: "idempotent",
+            maxmemory_policy = %policy,
+            "Redis may evict keys under memory pressure: an evicted marker makes a processed message look new \
+             and it would be processed again; set maxmemory-policy to noeviction on the markers' server"
+        );
+    }
+    let appendonly = config("appendonly").await;
+    let save = config("save").await;
+    if appendonly.as_deref() == Some("no") && save.as_deref() == Some("") {
+        tracing::warn!(
+            target: "idempotent",
+            "Redis keeps nothing on disk (appendonly no, no save points): a restart forgets every marker and \
+             processed messages would be processed again; enable appendonly"
+        );
     }
 }
 

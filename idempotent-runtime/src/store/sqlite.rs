@@ -38,6 +38,7 @@ pub struct SqliteStore {
 #[derive(Debug)]
 struct SqliteSql {
     table: crate::TableName,
+    namespace: &'static str,
     claim: Arc<str>,
     read: Arc<str>,
     write_result: Arc<str>,
@@ -86,6 +87,7 @@ impl SqliteStore {
             .into(),
             ddl: ddl(include_str!("../../sql/sqlite.sql"), &table, '"'),
             purge_batch: i64::from(purge_batch),
+            namespace: namespace(&pool, &table),
             table,
         };
         SqliteStore {
@@ -113,15 +115,20 @@ impl SqliteStore {
     }
 
     /// Opens (creating it if missing) the database file at `path` with the
-    /// settings a consumer wants (WAL journal, `synchronous = NORMAL`, a
+    /// settings a consumer wants (WAL journal, `synchronous = FULL`, a
     /// 5-second busy timeout, foreign keys on), and a store on it with the
     /// default table. Call [`migrate`](Self::migrate) next.
+    ///
+    /// `synchronous = FULL` makes each commit durable before the handler
+    /// returns, so the broker is never acknowledged for an effect that a
+    /// power loss could still roll back (in WAL mode, `NORMAL` only
+    /// survives application crashes).
     pub async fn open(path: impl AsRef<Path>) -> Result<Self, Error> {
         let options = SqliteConnectOptions::new()
             .filename(path)
             .create_if_missing(true)
             .journal_mode(SqliteJournalMode::Wal)
-            .synchronous(SqliteSynchronous::Normal)
+            .synchronous(SqliteSynchronous::Full)
             .busy_timeout(Duration::from_secs(5))
             .foreign_keys(true);
         let pool = SqlitePoolOptions::new()
@@ -208,6 +215,10 @@ fn is_busy(error: &sqlx::Error) -> bool {
 impl Store for SqliteStore {
     type Guard = SqlGuard<Sqlite>;
 
+    fn namespace(&self) -> Option<&'static str> {
+        Some(self.sql.namespace)
+    }
+
     async fn claim(&self, req: &Request<'_>) -> Result<Claim<Self::Guard>, Error> {
         let (mut tx, writer) = self.begin_immediate().await?;
         let claimed = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.claim)))
@@ -237,6 +248,18 @@ impl Store for SqliteStore {
         req.check_fingerprint(fingerprint.as_deref())?;
         Ok(Claim::Done(Replay::new(row.try_get("result")?)))
     }
+}
+
+/// `sqlite://file/table`; an in-memory database is private to its pool, so
+/// it gets a namespace of its own.
+fn namespace(pool: &SqlitePool, table: &crate::TableName) -> &'static str {
+    let options = pool.connect_options();
+    let file = options.get_filename();
+    if file.as_os_str().is_empty() || file.to_string_lossy().contains(":memory:") {
+        return crate::scope::unique_namespace(&format!("sqlite::memory:/{table}"));
+    }
+    let file = std::fs::canonicalize(file).unwrap_or_else(|_| file.to_path_buf());
+    crate::scope::intern_namespace(format!("sqlite://{}/{table}", file.display()))
 }
 
 impl TransactionalStore for SqliteStore {

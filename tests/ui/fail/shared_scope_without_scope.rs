@@ -1,0 +1,13 @@
+use idempotent_runtime::{MemoryStore, idempotent};
+
+#[derive(Debug, thiserror::Error)]
+#[error(transparent)]
+struct AppError(#[from] idempotent_runtime::Error);
+
+#[idempotent(key = "id", store = store, shared_scope = true)]
+async fn handle(store: &MemoryStore, id: String) -> Result<(), AppError> {
+    let _ = id;
+    Ok(())
+}
+
+fn main() {}
