@@ -270,9 +270,19 @@ fn log_claim<G>(claim: &Result<Claim<G>, Error>, scope: &str, span: &Span) {
         }
         Err(error) => {
             count(scope, "failed");
+            note_outage(error);
             tracing::warn!(target: "idempotent", outcome = "failed", %error, "claim failed")
         }
     });
+}
+
+/// A store that is down (or a key another consumer holds) is not the
+/// message's fault: tells a broker adapter running this call, so it retries
+/// without spending an attempt.
+fn note_outage(error: &Error) {
+    if matches!(error, Error::Store(_) | Error::InProgress { .. }) {
+        crate::signal::store_failed();
+    }
 }
 
 /// Counts one outcome (`processed`, `duplicate`, `failed`) of a handler's
@@ -391,6 +401,7 @@ pub async fn finish<G: Guard, T, E>(
                     Ok(Ok(value))
                 }
                 Err(error) => {
+                    note_outage(&error);
                     span.in_scope(|| tracing::warn!(target: "idempotent", outcome = "failed", %error, "commit failed"));
                     Err(error)
                 }

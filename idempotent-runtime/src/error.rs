@@ -95,6 +95,20 @@ impl Error {
     pub fn is_transient(&self) -> bool {
         matches!(self, Error::InProgress { .. } | Error::Store(_))
     }
+
+    /// What a broker adapter should do with a message that failed with this
+    /// error: an outage for a store that is down or a key another consumer
+    /// holds (keep the message, without spending an attempt), a rejection
+    /// for errors the same message will always produce (missing, invalid or
+    /// reused keys, a scope conflict, a result that cannot be stored).
+    #[cfg(any(feature = "rabbitmq", feature = "nats", feature = "redis-streams"))]
+    pub fn verdict(&self) -> crate::broker::Verdict {
+        if self.is_transient() {
+            crate::broker::Verdict::Outage
+        } else {
+            crate::broker::Verdict::Reject
+        }
+    }
 }
 
 #[cfg(feature = "sqlx")]

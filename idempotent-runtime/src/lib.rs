@@ -56,6 +56,7 @@ mod fingerprint;
 mod janitor;
 mod key;
 pub mod scope;
+mod signal;
 mod store;
 mod table;
 
@@ -86,12 +87,14 @@ pub use store::redis::{RedisGuard, RedisStore, RedisStoreBuilder};
 #[cfg(feature = "sqlite")]
 pub use store::sqlite::{SqliteStore, SqliteStoreBuilder};
 
-#[cfg(any(feature = "lapin", feature = "nats"))]
-mod broker;
+#[cfg(any(feature = "rabbitmq", feature = "nats", feature = "redis-streams"))]
+pub mod broker;
 #[cfg(feature = "nats")]
-pub mod nats;
-#[cfg(feature = "lapin")]
-pub mod rabbitmq;
+pub use broker::nats;
+#[cfg(feature = "rabbitmq")]
+pub use broker::rabbitmq;
+#[cfg(feature = "redis-streams")]
+pub use broker::redis_streams;
 
 /// The sqlx crate the stores are built on (features `postgres`, `sqlite`,
 /// `mysql`), so handlers use the very same version.
@@ -106,7 +109,7 @@ pub use uuid;
 pub use redis;
 
 /// The lapin crate the RabbitMQ adapter is built on.
-#[cfg(feature = "lapin")]
+#[cfg(feature = "rabbitmq")]
 pub use lapin;
 
 /// The async-nats crate the NATS JetStream adapter is built on.

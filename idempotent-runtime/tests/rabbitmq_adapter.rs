@@ -4,11 +4,10 @@
 //! at the end. The handlers are what `#[idempotent]` generates, written out
 //! by hand with a `MemoryStore`: claim the message id, apply the effect,
 //! complete the marker; a duplicate is skipped.
-#![cfg(feature = "lapin")]
+#![cfg(feature = "rabbitmq")]
 
 use std::collections::HashMap;
 use std::hash::{BuildHasher, Hasher};
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -20,8 +19,7 @@ use idempotent_runtime::lapin::options::{
 use idempotent_runtime::lapin::types::{AMQPValue, FieldTable, ShortString};
 use idempotent_runtime::lapin::{BasicProperties, Channel, Connection, ConnectionProperties, ExchangeKind};
 use idempotent_runtime::rabbitmq::{
-    Backoff, CancellationToken, ConsumerStats, DeliveryInfo, HEADER_ATTEMPTS, HEADER_KIND, HEADER_REASON,
-    HEADER_SOURCE, RabbitConsumer,
+    Backoff, CancellationToken, DeliveryInfo, HEADER_ATTEMPTS, HEADER_KIND, RabbitConsumer,
 };
 use idempotent_runtime::{Claim, Guard, MemoryStore, Request, Store};
 use serde::{Deserialize, Serialize};
@@ -73,10 +71,6 @@ impl Ledger {
 
     fn effects(&self) -> HashMap<String, u32> {
         self.effects.lock().unwrap().clone()
-    }
-
-    fn calls(&self) -> HashMap<String, u32> {
-        self.calls.lock().unwrap().clone()
     }
 }
 
@@ -163,10 +157,6 @@ impl Fixture {
             .exchange_delete(exchange.into(), ExchangeDeleteOptions::default())
             .await
             .unwrap();
-    }
-
-    async fn channel(&self) -> Channel {
-        self.conn.create_channel().await.unwrap()
     }
 
     async fn publish(&self, body: &[u8], message_id: &str) {
@@ -274,351 +264,13 @@ fn fast_retries() -> Backoff {
     Backoff::new(Duration::from_millis(10), Duration::from_millis(20))
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn ok_handler_acks_and_queue_is_empty() {
-    let fx = Fixture::new("ok").await;
-    for i in 0..3 {
-        fx.publish_payment(&format!("ok-{i}"), 10).await;
-    }
-    let ledger = Ledger::default();
-    let consumer = RabbitConsumer::builder(fx.channel().await, &fx.queue)
-        .concurrency(2)
-        .prefetch(4)
-        .build()
-        .unwrap();
-    let stats = consumer.stats();
-    let shutdown = CancellationToken::new();
-    let handler_ledger = ledger.clone();
-    let run = tokio::spawn(consumer.run(
-        move |msg: Payment| {
-            let ledger = handler_ledger.clone();
-            async move { ledger.process(&msg.message_id).await }
-        },
-        shutdown.clone(),
-    ));
-    wait_until("3 acks", || stats.snapshot().acked == 3).await;
-    shutdown.cancel();
-    let stats = run.await.unwrap().unwrap();
-
-    assert_eq!(
-        (stats.received, stats.acked, stats.failed, stats.dead_lettered),
-        (3, 3, 0, 0)
-    );
-    assert_eq!(ledger.effects().len(), 3);
-    assert_eq!(fx.ready(&fx.queue).await, 0, "nothing left or requeued");
-    assert_eq!(fx.ready(&fx.dlq).await, 0);
-    fx.cleanup().await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn consumer_dying_after_commit_before_ack_gets_redelivery_acked_once() {
-    let fx = Fixture::new("crash").await;
-    fx.publish_payment("crash-1", 42).await;
-    let ledger = Ledger::default();
-
-    // Consumer A on its own connection: the handler commits its marker and
-    // effect, then the connection dies before the adapter can ack.
-    let conn_a = Arc::new(connect().await);
-    let consumer_a = RabbitConsumer::builder(conn_a.create_channel().await.unwrap(), &fx.queue)
-        .concurrency(1)
-        .build()
-        .unwrap();
-    let (ledger_a, conn_kill) = (ledger.clone(), Arc::clone(&conn_a));
-    let result_a = tokio::time::timeout(
-        WAIT,
-        consumer_a.run(
-            move |msg: Payment| {
-                let (ledger, conn) = (ledger_a.clone(), Arc::clone(&conn_kill));
-                async move {
-                    let fresh = ledger.process(&msg.message_id).await?;
-                    assert!(fresh);
-                    // The process "dies": its connection goes, no ack is sent.
-                    let _ = conn.close(320, "simulated crash".into()).await;
-                    Ok::<_, idempotent_runtime::Error>(())
-                }
-            },
-            CancellationToken::new(),
-        ),
-    )
-    .await
-    .expect("consumer A stops when its connection dies");
-    assert!(
-        result_a.is_err(),
-        "consumer A reports the lost connection: {result_a:?}"
-    );
-    assert_eq!(ledger.effects().get("crash-1"), Some(&1));
-
-    // Consumer B gets the redelivery; the store recognises the duplicate.
-    let seen: Arc<Mutex<Vec<(DeliveryInfo, bool)>>> = Arc::default();
-    let consumer_b = RabbitConsumer::builder(fx.channel().await, &fx.queue).build().unwrap();
-    let stats_b = consumer_b.stats();
-    let shutdown = CancellationToken::new();
-    let (ledger_b, seen_b) = (ledger.clone(), Arc::clone(&seen));
-    let run_b = tokio::spawn(consumer_b.run_with_info(
-        move |msg: Payment, info: DeliveryInfo| {
-            let (ledger, seen) = (ledger_b.clone(), Arc::clone(&seen_b));
-            async move {
-                let fresh = ledger.process(&msg.message_id).await?;
-                seen.lock().unwrap().push((info, fresh));
-                Ok::<_, idempotent_runtime::Error>(())
-            }
-        },
-        shutdown.clone(),
-    ));
-    wait_until("the redelivery to be acked", || stats_b.snapshot().acked == 1).await;
-    shutdown.cancel();
-    let stats_b = run_b.await.unwrap().unwrap();
-
-    let seen = seen.lock().unwrap().clone();
-    assert_eq!(seen.len(), 1);
-    let (info, fresh) = &seen[0];
-    assert!(info.redelivered, "the broker flags the redelivery");
-    assert_eq!(info.message_id.as_deref(), Some("crash-1"));
-    assert!(!fresh, "the redelivery is a duplicate for the store");
-    assert_eq!(
-        ledger.calls().get("crash-1"),
-        Some(&2),
-        "the handler saw the message twice"
-    );
-    assert_eq!(ledger.effects().get("crash-1"), Some(&1), "the effect stayed single");
-    assert_eq!(stats_b.acked, 1);
-    assert_eq!(fx.ready(&fx.queue).await, 0);
-    fx.cleanup().await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn failing_handler_ends_in_dead_letter_queue_after_max_attempts() {
-    let fx = Fixture::new("fail").await;
-    let body = br#"{"message_id":"fail-1","amount":7}"#;
-    fx.publish(body, "fail-1").await;
-    let calls = Arc::new(AtomicUsize::new(0));
-    let consumer = RabbitConsumer::builder(fx.channel().await, &fx.queue)
-        .max_attempts(3)
-        .retry_backoff(fast_retries())
-        .dead_letter_queue(&fx.dlq)
-        .build()
-        .unwrap();
-    let stats = consumer.stats();
-    let shutdown = CancellationToken::new();
-    let handler_calls = Arc::clone(&calls);
-    let run = tokio::spawn(consumer.run_with_info(
-        move |_: Payment, info: DeliveryInfo| {
-            let n = handler_calls.fetch_add(1, Ordering::SeqCst) + 1;
-            async move {
-                assert_eq!(
-                    info.attempt as usize, n,
-                    "attempts are counted across the republished copies"
-                );
-                Err::<(), _>(format!("payment gateway down (attempt {})", info.attempt))
-            }
-        },
-        shutdown.clone(),
-    ));
-    wait_until("the dead letter", || stats.snapshot().dead_lettered == 1).await;
-    shutdown.cancel();
-    let stats = run.await.unwrap().unwrap();
-
-    assert_eq!(calls.load(Ordering::SeqCst), 3);
-    assert_eq!(
-        (
-            stats.received,
-            stats.failed,
-            stats.retried,
-            stats.dead_lettered,
-            stats.acked
-        ),
-        (3, 3, 2, 1, 0)
-    );
-    assert_eq!(fx.ready(&fx.queue).await, 0);
-    let dead = fx.drain(&fx.dlq).await;
-    assert_eq!(dead.len(), 1);
-    let dead = &dead[0];
-    assert_eq!(dead.delivery.data, body, "body intact");
-    assert_eq!(
-        dead.delivery.properties.message_id().as_ref().map(ShortString::as_str),
-        Some("fail-1")
-    );
-    assert_eq!(header_text(dead, HEADER_REASON), "payment gateway down (attempt 3)");
-    assert_eq!(header_text(dead, HEADER_KIND), "exhausted");
-    assert_eq!(header_int(dead, HEADER_ATTEMPTS), 3);
-    assert_eq!(header_text(dead, HEADER_SOURCE), fx.queue);
-    fx.cleanup().await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn permanent_errors_and_panics() {
-    let fx = Fixture::new("permanent").await;
-    fx.publish_payment("permanent-1", 1).await;
-    fx.publish_payment("panics-1", 2).await;
-    let calls = Arc::new(Mutex::new(HashMap::<String, u32>::new()));
-    let consumer = RabbitConsumer::builder(fx.channel().await, &fx.queue)
-        .max_attempts(2)
-        .retry_backoff(fast_retries())
-        .retry_if(|err: &idempotent_runtime::Error| err.is_transient())
-        .build()
-        .unwrap();
-    let stats = consumer.stats();
-    let shutdown = CancellationToken::new();
-    let handler_calls = Arc::clone(&calls);
-    let run = tokio::spawn(consumer.run(
-        move |msg: Payment| {
-            *handler_calls.lock().unwrap().entry(msg.message_id.clone()).or_default() += 1;
-            async move {
-                if msg.message_id == "panics-1" {
-                    panic!("handler bug");
-                }
-                // A key error never succeeds on a retry.
-                Err::<(), _>(idempotent_runtime::Error::MissingKey {
-                    scope: "payments".into(),
-                })
-            }
-        },
-        shutdown.clone(),
-    ));
-    wait_until("two dead letters", || stats.snapshot().dead_lettered == 2).await;
-    shutdown.cancel();
-    let stats = run.await.unwrap().unwrap();
-
-    let calls = calls.lock().unwrap().clone();
-    assert_eq!(calls.get("permanent-1"), Some(&1), "a permanent error is not retried");
-    assert_eq!(calls.get("panics-1"), Some(&2), "a panic is a failed attempt, retried");
-    assert_eq!((stats.failed, stats.retried, stats.dead_lettered), (3, 1, 2));
-    let mut dead = fx.drain(&fx.dlq).await;
-    dead.sort_by_key(|m| header_text(m, HEADER_KIND));
-    assert_eq!(header_text(&dead[0], HEADER_KIND), "exhausted");
-    assert!(header_text(&dead[0], HEADER_REASON).contains("handler panicked: handler bug"));
-    assert_eq!(header_text(&dead[1], HEADER_KIND), "rejected");
-    assert!(header_text(&dead[1], HEADER_REASON).contains("no idempotency key"));
-    assert_eq!(header_int(&dead[1], HEADER_ATTEMPTS), 1);
-    fx.cleanup().await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn poison_messages_are_dead_lettered_and_consumer_keeps_going() {
-    let fx = Fixture::new("poison").await;
-    fx.publish(b"{not json", "bad-json").await;
-    fx.publish(br#"{"amount":5}"#, "no-key").await;
-    fx.publish_payment("good-1", 5).await;
-    let ledger = Ledger::default();
-    let consumer = RabbitConsumer::builder(fx.channel().await, &fx.queue)
-        .concurrency(1)
-        .build()
-        .unwrap();
-    let stats = consumer.stats();
-    let shutdown = CancellationToken::new();
-    let handler_ledger = ledger.clone();
-    let run = tokio::spawn(consumer.run(
-        move |msg: Payment| {
-            let ledger = handler_ledger.clone();
-            async move { ledger.process(&msg.message_id).await }
-        },
-        shutdown.clone(),
-    ));
-    wait_until("2 poison + 1 ack", || {
-        let s = stats.snapshot();
-        s.poison == 2 && s.acked == 1
-    })
-    .await;
-    shutdown.cancel();
-    let stats = run.await.unwrap().unwrap();
-
-    assert_eq!((stats.received, stats.poison, stats.acked, stats.failed), (3, 2, 1, 0));
-    assert_eq!(ledger.calls().len(), 1, "the handler only saw the good message");
-    assert_eq!(ledger.effects().get("good-1"), Some(&1));
-    let dead = fx.drain(&fx.dlq).await;
-    let by_id: HashMap<String, &BasicGetMessage> = dead
-        .iter()
-        .map(|m| (m.delivery.properties.message_id().as_ref().unwrap().to_string(), m))
-        .collect();
-    let bad_json = by_id["bad-json"];
-    assert_eq!(bad_json.delivery.data, b"{not json");
-    assert_eq!(header_text(bad_json, HEADER_KIND), "poison");
-    assert!(header_text(bad_json, HEADER_REASON).contains("cannot decode JSON body"));
-    assert_eq!(header_int(bad_json, HEADER_ATTEMPTS), 0);
-    let no_key = by_id["no-key"];
-    assert_eq!(no_key.delivery.data, br#"{"amount":5}"#);
-    assert!(header_text(no_key, HEADER_REASON).contains("missing field `message_id`"));
-    assert_eq!(fx.ready(&fx.queue).await, 0);
-    fx.cleanup().await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn graceful_shutdown_loses_nothing_and_applies_nothing_twice() {
-    const N: usize = 24;
-    let fx = Fixture::new("shutdown").await;
-    for i in 0..N {
-        fx.publish_payment(&format!("msg-{i:02}"), i as i64).await;
-    }
-    let ledger = Ledger::default();
-    let in_flight = Arc::new(AtomicUsize::new(0));
-
-    let start = |ledger: Ledger, in_flight: Arc<AtomicUsize>, channel: Channel| {
-        let consumer = RabbitConsumer::builder(channel, &fx.queue)
-            .concurrency(4)
-            .prefetch(8)
-            .build()
-            .unwrap();
-        let stats: ConsumerStats = consumer.stats();
-        let shutdown = CancellationToken::new();
-        let run = tokio::spawn(consumer.run(
-            move |msg: Payment| {
-                let (ledger, in_flight) = (ledger.clone(), Arc::clone(&in_flight));
-                async move {
-                    in_flight.fetch_add(1, Ordering::SeqCst);
-                    tokio::time::sleep(Duration::from_millis(100)).await;
-                    let result = ledger.process(&msg.message_id).await;
-                    in_flight.fetch_sub(1, Ordering::SeqCst);
-                    result
-                }
-            },
-            shutdown.clone(),
-        ));
-        (stats, shutdown, run)
-    };
-
-    let (_, shutdown_a, run_a) = start(ledger.clone(), Arc::clone(&in_flight), fx.channel().await);
-    wait_until("some progress with handlers in flight", || {
-        ledger.calls().len() >= 6 && in_flight.load(Ordering::SeqCst) > 0
-    })
-    .await;
-    shutdown_a.cancel();
-    let stats_a = tokio::time::timeout(WAIT, run_a)
-        .await
-        .expect("A stops promptly")
-        .unwrap()
-        .unwrap();
-    assert_eq!(
-        in_flight.load(Ordering::SeqCst),
-        0,
-        "in-flight handlers finished before run returned"
-    );
-    let calls_a: u32 = ledger.calls().values().sum();
-    assert_eq!(stats_a.acked, u64::from(calls_a), "every handler A started was acked");
-    assert!(stats_a.acked < N as u64, "stopped mid-way");
-
-    let (stats_b, shutdown_b, run_b) = start(ledger.clone(), Arc::clone(&in_flight), fx.channel().await);
-    wait_until("all effects", || ledger.effects().len() == N).await;
-    wait_until("all acks", || stats_a.acked + stats_b.snapshot().acked == N as u64).await;
-    shutdown_b.cancel();
-    let stats_b = run_b.await.unwrap().unwrap();
-
-    let effects = ledger.effects();
-    assert_eq!(effects.len(), N, "none lost");
-    assert!(effects.values().all(|&n| n == 1), "none applied twice: {effects:?}");
-    let calls = ledger.calls();
-    assert!(calls.values().all(|&n| n == 1), "no acked message came back: {calls:?}");
-    assert_eq!(stats_a.acked + stats_b.acked, N as u64);
-    assert_eq!(fx.ready(&fx.queue).await, 0);
-    fx.cleanup().await;
-}
-
 #[cfg(unix)]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_stops_the_consumer_gracefully() {
     let fx = Fixture::new("signal").await;
     fx.publish_payment("signal-1", 1).await;
     let ledger = Ledger::default();
-    let consumer = RabbitConsumer::builder(fx.channel().await, &fx.queue).build().unwrap();
+    let consumer = RabbitConsumer::builder(AMQP_URL, &fx.queue).build().unwrap();
     let stats = consumer.stats();
     let shutdown = idempotent_runtime::rabbitmq::shutdown_on_signal();
     let handler_ledger = ledger.clone();
@@ -656,7 +308,7 @@ async fn dead_letter_all(
         idempotent_runtime::rabbitmq::RabbitConsumerBuilder,
     ) -> idempotent_runtime::rabbitmq::RabbitConsumerBuilder,
 ) -> idempotent_runtime::rabbitmq::RunStats {
-    let consumer = configure(RabbitConsumer::builder(fx.channel().await, &fx.queue).retry_backoff(fast_retries()))
+    let consumer = configure(RabbitConsumer::builder(AMQP_URL, &fx.queue).retry_backoff(fast_retries()))
         .retry_if(|_: &String| false)
         .build()
         .unwrap();
@@ -722,7 +374,7 @@ async fn an_unroutable_dead_letter_goes_back_to_its_queue_until_it_can_be_routed
     fx.publish_payment("unroutable-1", 1).await;
     let bound = unique("late");
     let exchange = fx.exchange(ExchangeKind::Direct, &[]).await;
-    let consumer = RabbitConsumer::builder(fx.channel().await, &fx.queue)
+    let consumer = RabbitConsumer::builder(AMQP_URL, &fx.queue)
         .retry_backoff(fast_retries())
         .retry_if(|_: &String| false)
         .dead_letter_exchange(exchange.as_str(), "failed")
@@ -769,7 +421,7 @@ async fn an_unroutable_dead_letter_goes_back_to_its_queue_until_it_can_be_routed
 async fn a_missing_dead_letter_exchange_is_reported_before_anything_is_consumed() {
     let fx = Fixture::new("no-dlx").await;
     fx.publish_payment("no-dlx-1", 1).await;
-    let consumer = RabbitConsumer::builder(fx.channel().await, &fx.queue)
+    let consumer = RabbitConsumer::builder(AMQP_URL, &fx.queue)
         .dead_letter_exchange(unique("missing"), "failed")
         .build()
         .unwrap();
@@ -792,7 +444,7 @@ async fn quorum_queues_count_attempts_and_take_dead_letters() {
     let fx = Fixture::with_args("quorum", quorum()).await;
     fx.publish_payment("quorum-1", 1).await;
     let calls = Arc::new(Mutex::new(Vec::new()));
-    let consumer = RabbitConsumer::builder(fx.channel().await, &fx.queue)
+    let consumer = RabbitConsumer::builder(AMQP_URL, &fx.queue)
         .max_attempts(3)
         .retry_backoff(fast_retries())
         .dead_letter_queue(&fx.dlq)
@@ -818,4 +470,104 @@ async fn quorum_queues_count_attempts_and_take_dead_letters() {
     assert_eq!(header_int(&dead[0], HEADER_ATTEMPTS), 3);
     assert_eq!(fx.ready(&fx.queue).await, 0);
     fx.cleanup().await;
+}
+
+/// Whether `queue` exists (a passive declare on a channel of its own).
+async fn exists(conn: &Connection, queue: &str) -> bool {
+    let channel = conn.create_channel().await.unwrap();
+    let passive = QueueDeclareOptions {
+        passive: true,
+        ..QueueDeclareOptions::default()
+    };
+    channel
+        .queue_declare(queue.into(), passive, FieldTable::default())
+        .await
+        .is_ok()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_missing_queue_is_declared_and_a_refusal_declares_nothing() {
+    let conn = connect().await;
+    let admin = conn.create_channel().await.unwrap();
+    admin.confirm_select(ConfirmSelectOptions::default()).await.unwrap();
+
+    // As the README runs it against an empty broker: queue and dead-letter
+    // queue are declared, the message is processed.
+    let queue = unique("declared");
+    let dlq = format!("{queue}.dlq");
+    let ledger = Ledger::default();
+    let consumer = RabbitConsumer::builder(AMQP_URL, &queue).build().unwrap();
+    let stats = consumer.stats();
+    let shutdown = CancellationToken::new();
+    let handler_ledger = ledger.clone();
+    let run = tokio::spawn(consumer.run(
+        move |msg: Payment| {
+            let ledger = handler_ledger.clone();
+            async move { ledger.process(&msg.message_id).await }
+        },
+        shutdown.clone(),
+    ));
+    for _ in 0..200 {
+        if exists(&conn, &queue).await {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(
+        exists(&conn, &queue).await && exists(&conn, &dlq).await,
+        "both declared"
+    );
+    let body = serde_json::to_vec(&Payment {
+        message_id: "declared-1".into(),
+        amount: 1,
+    })
+    .unwrap();
+    admin
+        .basic_publish(
+            "".into(),
+            queue.as_str().into(),
+            BasicPublishOptions::default(),
+            &body,
+            BasicProperties::default(),
+        )
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    wait_until("the ack", || stats.snapshot().acked == 1).await;
+    shutdown.cancel();
+    run.await.unwrap().unwrap();
+    assert_eq!(ledger.effects().len(), 1);
+    for q in [&queue, &dlq] {
+        admin
+            .queue_delete(q.as_str().into(), QueueDeleteOptions::default())
+            .await
+            .unwrap();
+    }
+
+    // A queue that must exist and does not: an error, and its dead-letter
+    // queue is not declared either.
+    let queue = unique("absent");
+    let err = RabbitConsumer::builder(AMQP_URL, &queue)
+        .declare_queue(false)
+        .build()
+        .unwrap()
+        .run(|_: Payment| async { Ok::<(), String>(()) }, CancellationToken::new())
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("does not exist"), "{err}");
+    assert!(!exists(&conn, &format!("{queue}.dlq")).await, "nothing half-declared");
+
+    // A missing dead-letter exchange: the queue is not declared.
+    let queue = unique("no-exchange");
+    let err = RabbitConsumer::builder(AMQP_URL, &queue)
+        .dead_letter_exchange(unique("missing"), "failed")
+        .build()
+        .unwrap()
+        .run(|_: Payment| async { Ok::<(), String>(()) }, CancellationToken::new())
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("dead-letter exchange"), "{err}");
+    assert!(!exists(&conn, &queue).await, "nothing half-declared");
+    let _ = conn.close(200, "test done".into()).await;
 }

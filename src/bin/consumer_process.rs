@@ -18,7 +18,6 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use std::sync::Arc;
 
-use idempotent_runtime::lapin::{Connection, ConnectionProperties};
 use idempotent_runtime::rabbitmq::{Backoff, DeliveryInfo, RabbitConsumer, shutdown_on_signal};
 use idempotent_runtime::sqlx::{self, AssertSqlSafe, PgConnection, PgPool};
 use idempotent_runtime::{PgStore, idempotent};
@@ -124,8 +123,7 @@ async fn chaos(args: &[&str]) -> Result<(), Box<dyn std::error::Error>> {
         log: (*log).to_owned(),
         fail_percent: fail_percent.parse()?,
     });
-    let connection = Connection::connect(AMQP_URL, ConnectionProperties::default()).await?;
-    let rabbit = RabbitConsumer::builder(connection.create_channel().await?, *queue)
+    let rabbit = RabbitConsumer::builder(AMQP_URL, *queue)
         .prefetch(8)
         .concurrency(4)
         .max_attempts(5)

@@ -1,6 +1,8 @@
 //! Helpers shared by the integration tests: service URLs, unique names.
 #![allow(dead_code)]
 
+pub mod servers;
+
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{SystemTime, UNIX_EPOCH};
 

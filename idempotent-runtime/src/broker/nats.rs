@@ -1,0 +1,653 @@
+//! NATS JetStream consumer (feature `nats`): ack after the handler's
+//! commit, `nak` with backoff, `term` after dead-lettering, reconnection,
+//! graceful shutdown.
+//!
+//! [`JetStreamConsumer`] pulls from a durable JetStream pull consumer with
+//! explicit acks, decodes each message (JSON by default, see [`Decoder`]),
+//! calls the handler, and settles the message from the handler's result:
+//!
+//! | handler | what happens |
+//! | --- | --- |
+//! | `Ok` | the message is acknowledged (`+ACK`, confirmed by the server), only now (so after the marker's commit) |
+//! | `Err`, attempts left and the error retryable | `-NAK` with an exponential delay: JetStream redelivers it and counts the delivery |
+//! | `Err` on the last attempt, or not retryable ([`RetryPolicy`]) | the payload is published unchanged to the dead-letter subject with `x-idempotent-reason`, `-kind`, `-attempts` and `-source` headers (and the original's headers), then the message is terminated (`+TERM`) |
+//! | a dependency down (the `#[idempotent]` store failed, or [`Verdict::Outage`]) | the message is kept (in progress) and the handler run again after a backoff, without spending a delivery |
+//! | undecodable payload (poison) | dead-lettered and terminated at once, the decoder's error as reason |
+//! | panic | counts as a failed attempt |
+//!
+//! The attempt number is the server's delivery count, so a consumer that
+//! dies before its ack (the server redelivers after `ack_wait`) also uses an
+//! attempt. The attempts allowed are the builder's
+//! [`max_attempts`](ConsumerBuilder::max_attempts), capped by the
+//! consumer's `max_deliver` minus one when it has one: the server's **last
+//! delivery is kept for settling**. A message that reaches it (its earlier
+//! deliveries were lost to crashes, shutdown timeouts or dead letters that
+//! could not be published) is dead-lettered without running the handler
+//! again, and on that delivery a dead-letter publish that fails is retried
+//! (with in-progress acks) instead of handed back, since the server would
+//! not deliver it again. A message is never released on its last delivery.
+//!
+//! The dead-letter subject must be captured by a stream: the dead letter is
+//! published with a JetStream acknowledgement, and when that fails the
+//! message is `nak`ed instead of terminated, never dropped. The dead letter
+//! does not carry the original's `Nats-Msg-Id` (that id goes in
+//! `x-idempotent-msg-id`): its own id is derived from the stream, consumer
+//! and stream sequence, so JetStream's duplicate window can never drop a
+//! dead letter as a copy of another message, while a dead letter published
+//! twice (the first `+TERM` lost) is stored once. The dead-letter subject may
+//! be captured by the consumed stream itself, as long as the consumer's
+//! filter excludes it: `run` refuses a consumer that would read its own dead
+//! letters. While a handler runs longer than half the consumer's `ack_wait`,
+//! the adapter sends "in progress" (`+WPI`) so the server does not redeliver
+//! it meanwhile.
+//!
+//! # Connection loss
+//!
+//! The NATS client reconnects by itself; the consumer notices (its pulls
+//! fail, or the client's connection count moves), reports it, waits for the
+//! client to be connected again, gets its JetStream consumer back (creating
+//! it again from its configuration if the server lost it) and resumes.
+//! Messages in flight on the lost connection are not acknowledged on the
+//! new one: the server redelivers them after `ack_wait` and the idempotent
+//! handler recognises the duplicates.
+//!
+//! ```no_run
+//! use idempotent_runtime::async_nats::jetstream::{self, consumer::PullConsumer};
+//! use idempotent_runtime::nats::{shutdown_on_signal, JetStreamConsumer};
+//!
+//! #[derive(serde::Deserialize)]
+//! struct PaymentMessage { message_id: String, order_id: String, amount: i64 }
+//!
+//! # async fn process_payment(_: &PaymentMessage) -> Result<(), idempotent_runtime::Error> { Ok(()) }
+//! # async fn demo() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+//! let js = jetstream::new(idempotent_runtime::async_nats::connect("127.0.0.1:4222").await?);
+//! let pull: PullConsumer = js.get_stream("PAYMENTS").await?.get_consumer("payments").await?;
+//! let consumer = JetStreamConsumer::builder(js.clone(), pull)
+//!     .dead_letter_subject("payments.dlq")
+//!     .concurrency(8)
+//!     .max_attempts(5)
+//!     .build()?;
+//!
+//! let shutdown = shutdown_on_signal(); // cancelled on Ctrl-C or SIGTERM
+//! let stats = consumer
+//!     .run(|msg: PaymentMessage| async move { process_payment(&msg).await }, shutdown)
+//!     .await?;
+//! println!("acked {} dead-lettered {}", stats.acked, stats.dead_lettered);
+//! # Ok(()) }
+//! ```
+
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use async_nats::HeaderMap;
+use async_nats::jetstream::consumer::pull::{self, Batch};
+use async_nats::jetstream::consumer::{AckPolicy, FromConsumer, PullConsumer};
+use async_nats::jetstream::{self, AckKind};
+use futures_util::StreamExt;
+
+use super::pipeline::{self, Broker, Connect, Letter, Meta, Next, Settle};
+pub use super::{
+    Backoff, CancellationToken, Classify, ConsumerError, ConsumerOptions, ConsumerStats, Decoder, DeliveryInfo,
+    HEADER_ATTEMPTS, HEADER_KIND, HEADER_MSG_ID, HEADER_REASON, HEADER_SOURCE, Json, Reconnect, RetryAll, RetryPolicy,
+    RunStats, Verdict, shutdown_on_signal,
+};
+use super::{Consumer, ConsumerBuilder, TRACING_TARGET};
+
+/// Default lifetime of one pull request.
+pub const DEFAULT_FETCH_EXPIRY: Duration = Duration::from_secs(2);
+/// The shortest consumer `ack_wait` the adapter accepts: in-progress acks
+/// go out every `ack_wait / 2`.
+pub const MIN_ACK_WAIT: Duration = Duration::from_millis(100);
+
+/// A consumer of a JetStream pull consumer; see the [module documentation](self).
+pub type JetStreamConsumer<D = Json, R = RetryAll> = Consumer<JetStream, D, R>;
+
+/// Configures a [`JetStreamConsumer`]; from [`JetStreamConsumer::builder`].
+pub type JetStreamConsumerBuilder<D = Json, R = RetryAll> = ConsumerBuilder<JetStream, D, R>;
+
+/// What a [`JetStreamConsumer`] consumes: the JetStream context, the pull
+/// consumer and the dead-letter subject (the JetStream half of the
+/// builder).
+pub struct JetStream {
+    context: jetstream::Context,
+    consumer: PullConsumer,
+    dead_letter_subject: Option<String>,
+    prefetch: Option<usize>,
+    fetch_expiry: Duration,
+    /// Set by `prepare`.
+    ready: Option<Ready>,
+}
+
+#[derive(Clone)]
+struct Ready {
+    dead_letter_subject: String,
+    prefetch: usize,
+    max_deliver: Option<u32>,
+    progress: Option<Duration>,
+}
+
+impl fmt::Debug for JetStream {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let info = self.consumer.cached_info();
+        f.debug_struct("JetStream")
+            .field("stream", &info.stream_name)
+            .field("consumer", &info.name)
+            .field("dead_letter_subject", &self.dead_letter_subject)
+            .field("prefetch", &self.prefetch)
+            .finish_non_exhaustive()
+    }
+}
+
+impl JetStreamConsumer {
+    /// Starts configuring a runner for `consumer` (a pull consumer with
+    /// explicit acks); `context` publishes the dead letters.
+    pub fn builder(context: jetstream::Context, consumer: PullConsumer) -> JetStreamConsumerBuilder {
+        ConsumerBuilder::new(JetStream {
+            context,
+            consumer,
+            dead_letter_subject: None,
+            prefetch: None,
+            fetch_expiry: DEFAULT_FETCH_EXPIRY,
+            ready: None,
+        })
+    }
+}
+
+impl<D, R> ConsumerBuilder<JetStream, D, R> {
+    /// Subject the dead letters are published to (required). A stream must
+    /// capture it.
+    pub fn dead_letter_subject(mut self, subject: impl Into<String>) -> Self {
+        self.broker.dead_letter_subject = Some(subject.into());
+        self
+    }
+
+    /// Largest number of messages one pull request asks for (default: the
+    /// concurrency). The adapter never asks for more messages than it has
+    /// free handler slots, so messages do not wait in the client while
+    /// their `ack_wait` runs.
+    pub fn prefetch(mut self, prefetch: usize) -> Self {
+        self.broker.prefetch = Some(prefetch);
+        self
+    }
+
+    /// Lifetime of one pull request (default [`DEFAULT_FETCH_EXPIRY`]).
+    /// Shorter means a faster shutdown and more requests on an idle stream.
+    pub fn fetch_expiry(mut self, expiry: Duration) -> Self {
+        self.broker.fetch_expiry = expiry;
+        self
+    }
+}
+
+impl Broker for JetStream {
+    const NAME: &'static str = "nats";
+    type Session = Session;
+
+    /// Fails without a dead-letter subject, with a zero prefetch, for a
+    /// consumer whose ack policy is not `explicit` (with `all`, one ack
+    /// would settle other messages still in flight; with `none`, nothing
+    /// could be retried), whose `max_deliver` is 1 (no delivery would be
+    /// left to settle a failure on), or whose `ack_wait` is below
+    /// [`MIN_ACK_WAIT`]. Caps `max_attempts` at `max_deliver - 1`.
+    fn prepare(&mut self, options: &mut ConsumerOptions) -> Result<(), ConsumerError> {
+        let info = self.consumer.cached_info().clone();
+        let config = &info.config;
+        let dead_letter_subject = match &self.dead_letter_subject {
+            Some(subject) if valid_publish_subject(subject) => subject.clone(),
+            Some(subject) => {
+                return Err(ConsumerError::Config(format!(
+                    "dead-letter subject `{subject}` is not a valid subject to publish to"
+                )));
+            }
+            None => return Err(ConsumerError::Config("a dead-letter subject is required".into())),
+        };
+        if config.ack_policy != AckPolicy::Explicit {
+            return Err(ConsumerError::Config(format!(
+                "consumer `{}` of stream `{}` must use the explicit ack policy, not {:?}",
+                info.name, info.stream_name, config.ack_policy
+            )));
+        }
+        if self.prefetch == Some(0) {
+            return Err(ConsumerError::Config("prefetch must be at least 1".into()));
+        }
+        let max_deliver = u32::try_from(config.max_deliver).ok().filter(|&n| n > 0);
+        match max_deliver {
+            Some(1) => {
+                return Err(ConsumerError::Config(format!(
+                    "consumer `{}` of stream `{}` has max_deliver 1: no delivery would be left to retry or to \
+                     dead-letter a failed message on; use at least 2, or -1 (unlimited)",
+                    info.name, info.stream_name
+                )));
+            }
+            Some(max_deliver) => {
+                if max_deliver <= options.max_attempts {
+                    tracing::info!(
+                        target: TRACING_TARGET,
+                        consumer = %info.name,
+                        max_deliver,
+                        max_attempts = options.max_attempts,
+                        "the consumer's max_deliver caps the attempts at max_deliver - 1 (the last delivery is \
+                         kept for settling)"
+                    );
+                }
+                options.max_attempts = (max_deliver - 1).min(options.max_attempts);
+            }
+            None => {}
+        }
+        if !config.ack_wait.is_zero() && config.ack_wait < MIN_ACK_WAIT {
+            return Err(ConsumerError::Config(format!(
+                "consumer `{}` of stream `{}` has ack_wait {:?}: in-progress acks are sent every ack_wait / 2, \
+                 so it must be at least {MIN_ACK_WAIT:?}",
+                info.name, info.stream_name, config.ack_wait
+            )));
+        }
+        self.ready = Some(Ready {
+            dead_letter_subject,
+            prefetch: self.prefetch.unwrap_or(options.concurrency),
+            max_deliver,
+            progress: (!config.ack_wait.is_zero()).then(|| (config.ack_wait / 2).max(Duration::from_millis(1))),
+        });
+        Ok(())
+    }
+
+    fn source(&self) -> String {
+        let info = self.consumer.cached_info();
+        format!("{}/{}", info.stream_name, info.name)
+    }
+
+    async fn connect(&self, _options: &ConsumerOptions) -> Result<Session, Connect> {
+        let ready = self
+            .ready
+            .clone()
+            .ok_or_else(|| Connect::Fatal(ConsumerError::Config("the consumer was not built".into())))?;
+        let client = self.context.client();
+        if client.connection_state() != async_nats::connection::State::Connected {
+            return Err(Connect::Failed("the NATS client is not connected".into()));
+        }
+        let generation = client.statistics().connects.load(Ordering::Relaxed);
+        let info = self.consumer.cached_info();
+        let stream = self
+            .context
+            .get_stream(&info.stream_name)
+            .await
+            .map_err(|err| Connect::Failed(format!("cannot get stream `{}`: {err}", info.stream_name)))?;
+        check_not_consuming_dead_letters(stream.cached_info(), info, &ready.dead_letter_subject)
+            .map_err(Connect::Fatal)?;
+        // The consumer as the server has it now; created again from its
+        // configuration if the server lost it.
+        let config = <pull::Config as FromConsumer>::try_from_consumer_config(info.config.clone())
+            .map_err(|err| Connect::Fatal(ConsumerError::Config(format!("not a pull consumer: {err}"))))?;
+        let consumer: PullConsumer = stream
+            .get_or_create_consumer(&info.name, config)
+            .await
+            .map_err(|err| Connect::Failed(format!("cannot get consumer `{}`: {err}", info.name)))?;
+        Ok(Session {
+            shared: Arc::new(Shared {
+                context: self.context.clone(),
+                client,
+                generation,
+                ready,
+            }),
+            consumer,
+            fetch_expiry: self.fetch_expiry,
+            batch: None,
+            pull: None,
+            stopping: false,
+        })
+    }
+}
+
+/// Refuses a consumer that would read its own dead letters: its stream
+/// captures the dead-letter subject and its filter does not exclude it.
+fn check_not_consuming_dead_letters(
+    stream: &jetstream::stream::Info,
+    consumer: &jetstream::consumer::Info,
+    dead_letter_subject: &str,
+) -> Result<(), ConsumerError> {
+    let captured = stream
+        .config
+        .subjects
+        .iter()
+        .any(|pattern| subject_matches(pattern, dead_letter_subject));
+    let config = &consumer.config;
+    let filters: Vec<&String> = std::iter::once(&config.filter_subject)
+        .filter(|f| !f.is_empty())
+        .chain(&config.filter_subjects)
+        .collect();
+    let read = filters.is_empty() || filters.iter().any(|f| subject_matches(f, dead_letter_subject));
+    if captured && read {
+        return Err(ConsumerError::Config(format!(
+            "stream `{}` captures the dead-letter subject `{dead_letter_subject}` and consumer `{}` reads it \
+             (filter {:?}): it would consume its own dead letters; filter the consumer on the input subjects, \
+             or dead-letter to a subject of another stream",
+            consumer.stream_name, consumer.name, filters
+        )));
+    }
+    Ok(())
+}
+
+/// Whether the subject `pattern` (with `*` and `>` wildcards) matches the
+/// concrete `subject`.
+fn subject_matches(pattern: &str, subject: &str) -> bool {
+    let mut tokens = subject.split('.');
+    for part in pattern.split('.') {
+        match (part, tokens.next()) {
+            (">", Some(_)) => return true,
+            ("*", Some(_)) => {}
+            (part, Some(token)) if part == token => {}
+            _ => return false,
+        }
+    }
+    tokens.next().is_none()
+}
+
+/// A concrete subject: non-empty tokens, no wildcards, no whitespace.
+fn valid_publish_subject(subject: &str) -> bool {
+    !subject.is_empty()
+        && subject
+            .split('.')
+            .all(|token| !token.is_empty() && token != "*" && token != ">")
+        && !subject.contains(char::is_whitespace)
+}
+
+/// What the messages of one session share.
+struct Shared {
+    context: jetstream::Context,
+    client: async_nats::Client,
+    /// The client's connection count when the session started: a message
+    /// of an earlier connection is not settled on a later one.
+    generation: u64,
+    ready: Ready,
+}
+
+impl Shared {
+    fn is_current(&self) -> bool {
+        self.client.statistics().connects.load(Ordering::Relaxed) == self.generation
+            && self.client.connection_state() == async_nats::connection::State::Connected
+    }
+}
+
+type PullFuture = Pin<Box<dyn Future<Output = Result<Batch, String>> + Send>>;
+
+/// A pull subscription on one connection.
+pub struct Session {
+    shared: Arc<Shared>,
+    consumer: PullConsumer,
+    fetch_expiry: Duration,
+    /// The pull request being answered.
+    batch: Option<Batch>,
+    /// A pull request being sent (kept across cancelled `next` calls).
+    pull: Option<PullFuture>,
+    stopping: bool,
+}
+
+impl pipeline::Session for Session {
+    type Delivery = Delivery;
+
+    async fn next(&mut self, room: usize) -> Next<Delivery> {
+        loop {
+            if !self.shared.is_current() {
+                return Next::Lost("the NATS connection was lost or made again".into());
+            }
+            if let Some(batch) = &mut self.batch {
+                match batch.next().await {
+                    Some(Ok(msg)) => return Next::Delivery(Delivery::new(Arc::clone(&self.shared), msg)),
+                    Some(Err(err)) => {
+                        self.batch = None;
+                        if self.stopping {
+                            return Next::End;
+                        }
+                        if !self.shared.is_current() {
+                            return Next::Lost(format!("pull request failed: {err}"));
+                        }
+                        tracing::debug!(target: TRACING_TARGET, error = %err, "pull request ended");
+                        return Next::Idle;
+                    }
+                    None => {
+                        self.batch = None;
+                        if self.stopping {
+                            return Next::End;
+                        }
+                        return Next::Idle;
+                    }
+                }
+            }
+            if self.stopping {
+                return Next::End;
+            }
+            let want = room.clamp(1, self.shared.ready.prefetch);
+            let pull = self.pull.get_or_insert_with(|| {
+                let (consumer, expiry) = (self.consumer.clone(), self.fetch_expiry);
+                Box::pin(async move {
+                    consumer
+                        .batch()
+                        .max_messages(want)
+                        .expires(expiry)
+                        .messages()
+                        .await
+                        .map_err(|err| err.to_string())
+                })
+            });
+            let pulled = pull.await;
+            self.pull = None;
+            match pulled {
+                Ok(batch) => self.batch = Some(batch),
+                Err(err) => return Next::Lost(format!("pull request failed: {err}")),
+            }
+        }
+    }
+
+    async fn stop(&mut self) {
+        // The pull request being answered keeps delivering until it
+        // expires; those messages are handled, not handed back (that would
+        // spend one of their deliveries).
+        self.stopping = true;
+    }
+
+    async fn close(self) {}
+}
+
+/// One JetStream message.
+pub struct Delivery {
+    shared: Arc<Shared>,
+    msg: jetstream::Message,
+    meta: Meta,
+    /// The dead letter's own `Nats-Msg-Id`: derived from the stream,
+    /// consumer, stream sequence and publish time, so it is the same for
+    /// every attempt to dead-letter this message and differs from any
+    /// other's.
+    dead_letter_id: Option<String>,
+}
+
+impl Delivery {
+    fn new(shared: Arc<Shared>, msg: jetstream::Message) -> Delivery {
+        let (delivered, stream_sequence, dead_letter_id) = match msg.info() {
+            Ok(info) => (
+                info.delivered,
+                info.stream_sequence,
+                Some(dead_letter_id(
+                    info.stream,
+                    info.consumer,
+                    info.stream_sequence,
+                    &format!("{:?}", info.published),
+                )),
+            ),
+            Err(_) => (1, 0, None),
+        };
+        let attempt = u32::try_from(delivered.max(1)).unwrap_or(u32::MAX);
+        let message_id = msg
+            .headers
+            .as_ref()
+            .and_then(|headers| headers.get(async_nats::header::NATS_MESSAGE_ID))
+            .map(|id| id.as_str().to_owned());
+        let meta = Meta {
+            attempt,
+            redelivered: attempt > 1,
+            message_id,
+            last: shared.ready.max_deliver.is_some_and(|max| attempt >= max),
+            position: format!("stream_sequence={stream_sequence} subject={}", msg.subject),
+        };
+        Delivery {
+            shared,
+            msg,
+            meta,
+            dead_letter_id,
+        }
+    }
+}
+
+fn lost(err: impl fmt::Display) -> Settle {
+    Settle::Lost(format!("NATS: {err}"))
+}
+
+impl pipeline::Delivery for Delivery {
+    fn body(&self) -> &[u8] {
+        &self.msg.payload
+    }
+
+    fn meta(&self) -> &Meta {
+        &self.meta
+    }
+
+    fn is_current(&self) -> bool {
+        self.shared.is_current()
+    }
+
+    fn heartbeat(&self) -> Option<Duration> {
+        self.shared.ready.progress
+    }
+
+    async fn progress(&self) {
+        if let Err(err) = self.msg.ack_with(AckKind::Progress).await {
+            tracing::debug!(target: TRACING_TARGET, error = %err, "in-progress ack failed");
+        }
+    }
+
+    async fn ack(&self) -> Result<(), Settle> {
+        self.msg.double_ack().await.map_err(lost)
+    }
+
+    async fn retry(&self, _next_attempt: u32, delay: Duration, _shutdown: &CancellationToken) -> Result<(), Settle> {
+        self.msg.ack_with(AckKind::Nak(Some(delay))).await.map_err(lost)
+    }
+
+    async fn dead_letter(&self, letter: &Letter<'_>) -> Result<(), Settle> {
+        let mut headers = HeaderMap::new();
+        if let Some(original) = &self.msg.headers {
+            for (name, values) in original.iter() {
+                let name_str: &str = name.as_ref();
+                // The original's id, publish expectations, TTLs, rollups...
+                // must not apply to the dead letter: above all its id, or
+                // the duplicate window could swallow the dead letter.
+                if name_str.starts_with("Nats-") || name_str.eq_ignore_ascii_case(HEADER_MSG_ID) {
+                    continue;
+                }
+                for value in values {
+                    headers.append(name.clone(), value.clone());
+                }
+            }
+        }
+        let one_line = |s: &str| s.replace(['\r', '\n'], " ");
+        if let Some(id) = &self.meta.message_id {
+            headers.insert(HEADER_MSG_ID, one_line(id));
+        }
+        if let Some(id) = &self.dead_letter_id {
+            headers.insert(async_nats::header::NATS_MESSAGE_ID, id.as_str());
+        }
+        headers.insert(HEADER_REASON, letter.reason);
+        headers.insert(HEADER_KIND, letter.kind);
+        headers.insert(HEADER_ATTEMPTS, letter.attempts.to_string());
+        headers.insert(HEADER_SOURCE, one_line(letter.source));
+        headers.insert("x-idempotent-subject", one_line(self.msg.subject.as_str()));
+
+        let ready = &self.shared.ready;
+        let ack = self
+            .shared
+            .context
+            .publish_with_headers(ready.dead_letter_subject.clone(), headers, self.msg.payload.clone())
+            .await
+            .map_err(|err| Settle::Refused(err.to_string()))?
+            .await
+            .map_err(|err| Settle::Refused(err.to_string()))?;
+        // A duplicate counts as stored only for the id derived here (this
+        // very dead letter was stored by an earlier attempt).
+        if ack.duplicate && self.dead_letter_id.is_none() {
+            return Err(Settle::Refused(format!(
+                "stream `{}` took the dead letter for a duplicate and did not store it",
+                ack.stream
+            )));
+        }
+        if let Err(err) = self.msg.double_ack_with(AckKind::Term).await {
+            tracing::warn!(
+                target: TRACING_TARGET,
+                error = %err,
+                "terminating a dead-lettered message failed: it may be dead-lettered again (stored once)"
+            );
+        }
+        Ok(())
+    }
+
+    async fn release(&self, delay: Duration) -> Result<(), Settle> {
+        let delay = (!delay.is_zero()).then_some(delay);
+        self.msg.ack_with(AckKind::Nak(delay)).await.map_err(lost)
+    }
+}
+
+/// The `Nats-Msg-Id` of the dead letter of one stream message as seen by
+/// one consumer.
+fn dead_letter_id(stream: &str, consumer: &str, stream_sequence: u64, published: &str) -> String {
+    use sha2::{Digest, Sha256};
+    let mut hash = Sha256::new();
+    for part in [stream, consumer, &stream_sequence.to_string(), published] {
+        hash.update((part.len() as u64).to_be_bytes());
+        hash.update(part.as_bytes());
+    }
+    let digest = hash.finalize();
+    let hex: String = digest[..16].iter().map(|b| format!("{b:02x}")).collect();
+    format!("idempotent-dead-letter-{hex}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{dead_letter_id, subject_matches, valid_publish_subject};
+
+    #[test]
+    fn subjects_match_patterns_token_by_token() {
+        assert!(subject_matches("orders.*", "orders.dlq"));
+        assert!(subject_matches("orders.>", "orders.a.b"));
+        assert!(subject_matches(">", "x"));
+        assert!(subject_matches("orders.in", "orders.in"));
+        assert!(!subject_matches("orders.in", "orders.dlq"));
+        assert!(!subject_matches("orders.*", "orders.a.b"));
+        assert!(!subject_matches("orders.>", "orders"));
+        assert!(!subject_matches("orders.*.x", "orders.a"));
+    }
+
+    #[test]
+    fn dead_letter_ids_differ_by_stream_consumer_and_sequence() {
+        let a = dead_letter_id("S", "c", 1, "t");
+        assert_eq!(a, dead_letter_id("S", "c", 1, "t"));
+        for other in [
+            dead_letter_id("S", "c", 2, "t"),
+            dead_letter_id("S", "d", 1, "t"),
+            dead_letter_id("T", "c", 1, "t"),
+            dead_letter_id("S", "c", 1, "u"),
+            dead_letter_id("Sc", "", 1, "t"),
+        ] {
+            assert_ne!(a, other);
+        }
+    }
+
+    #[test]
+    fn dead_letter_subject_must_be_concrete() {
+        assert!(valid_publish_subject("payments.dlq"));
+        assert!(!valid_publish_subject(""));
+        assert!(!valid_publish_subject("payments.*"));
+        assert!(!valid_publish_subject("payments.>"));
+        assert!(!valid_publish_subject("payments..dlq"));
+        assert!(!valid_publish_subject("pay ments"));
+    }
+}

@@ -1,0 +1,306 @@
+//! The configuration every consumer shares, and the builder and consumer
+//! types each broker instantiates: `RabbitConsumer` is
+//! `Consumer<Rabbit, ..>`, `JetStreamConsumer` is `Consumer<JetStream, ..>`,
+//! `StreamConsumer` is `Consumer<RedisStream, ..>`. The settings below are
+//! written once here; each broker adds only its own (queue, dead-letter
+//! destination...).
+
+use std::fmt;
+use std::future::Future;
+use std::time::Duration;
+
+use super::pipeline::{self, Broker};
+use super::policy::{Backoff, Classify, Json, Reconnect, RetryAll, Verdict};
+use super::{CancellationToken, ConsumerError, ConsumerStats, Decoder, DeliveryInfo, RetryPolicy, RunStats};
+
+/// Default number of handlers running at once.
+pub const DEFAULT_CONCURRENCY: usize = 8;
+/// Default number of handler runs per message before it is dead-lettered.
+pub const DEFAULT_MAX_ATTEMPTS: u32 = 5;
+/// Default time in-flight handlers get to finish after shutdown is requested.
+pub const DEFAULT_SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Settings every consumer has, whatever its broker.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct ConsumerOptions {
+    /// Handlers running at once.
+    pub concurrency: usize,
+    /// Handler runs per message before it is dead-lettered.
+    pub max_attempts: u32,
+    /// Delay between attempts (how the broker waits depends on it).
+    pub retry_backoff: Backoff,
+    /// Delay before running a handler again after an outage.
+    pub outage_backoff: Backoff,
+    /// How a lost connection is made again.
+    pub reconnect: Reconnect,
+    /// How long in-flight handlers get once shutdown is requested.
+    pub shutdown_timeout: Duration,
+    /// Stop once nothing arrived and nothing ran for this long.
+    pub stop_when_idle: Option<Duration>,
+}
+
+impl Default for ConsumerOptions {
+    fn default() -> Self {
+        ConsumerOptions {
+            concurrency: DEFAULT_CONCURRENCY,
+            max_attempts: DEFAULT_MAX_ATTEMPTS,
+            retry_backoff: Backoff::default(),
+            outage_backoff: Backoff::new(Duration::from_millis(200), Duration::from_secs(10)),
+            reconnect: Reconnect::default(),
+            shutdown_timeout: DEFAULT_SHUTDOWN_TIMEOUT,
+            stop_when_idle: None,
+        }
+    }
+}
+
+impl ConsumerOptions {
+    fn validate(&self) -> Result<(), ConsumerError> {
+        if self.concurrency == 0 {
+            return Err(ConsumerError::Config("concurrency must be at least 1".into()));
+        }
+        if self.max_attempts == 0 {
+            return Err(ConsumerError::Config("max_attempts must be at least 1".into()));
+        }
+        if self.stop_when_idle.is_some_and(|idle| idle.is_zero()) {
+            return Err(ConsumerError::Config("stop_when_idle must be longer than zero".into()));
+        }
+        Ok(())
+    }
+}
+
+/// Configures a consumer of broker `B`; from the consumer type's
+/// `builder`. The setters here are every consumer's; each broker's module
+/// adds its own.
+#[must_use = "call `.build()` to get the consumer"]
+pub struct ConsumerBuilder<B, D = Json, R = RetryAll> {
+    pub(crate) broker: B,
+    pub(crate) options: ConsumerOptions,
+    decoder: D,
+    retry: R,
+}
+
+impl<B: fmt::Debug, D, R> fmt::Debug for ConsumerBuilder<B, D, R> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ConsumerBuilder")
+            .field("broker", &self.broker)
+            .field("options", &self.options)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<B> ConsumerBuilder<B> {
+    pub(crate) fn new(broker: B) -> Self {
+        ConsumerBuilder {
+            broker,
+            options: ConsumerOptions::default(),
+            decoder: Json,
+            retry: RetryAll,
+        }
+    }
+}
+
+impl<B, D, R> ConsumerBuilder<B, D, R> {
+    /// How many handlers run at once (each in its own task). Default
+    /// [`DEFAULT_CONCURRENCY`]; `1` processes messages one at a time.
+    pub fn concurrency(mut self, concurrency: usize) -> Self {
+        self.options.concurrency = concurrency;
+        self
+    }
+
+    /// How many times the handler may run on one message before it is
+    /// dead-lettered (at least 1). Default [`DEFAULT_MAX_ATTEMPTS`]. Outage
+    /// retries do not count.
+    pub fn max_attempts(mut self, max_attempts: u32) -> Self {
+        self.options.max_attempts = max_attempts;
+        self
+    }
+
+    /// Delay between attempts. Default 1 s doubling up to 30 s.
+    pub fn retry_backoff(mut self, backoff: Backoff) -> Self {
+        self.options.retry_backoff = backoff;
+        self
+    }
+
+    /// Delay before a handler runs again after an outage (its store, or
+    /// what [`classify`](Self::classify) calls an outage, was down): the
+    /// message is kept meanwhile. Default 200 ms doubling up to 10 s.
+    pub fn outage_backoff(mut self, backoff: Backoff) -> Self {
+        self.options.outage_backoff = backoff;
+        self
+    }
+
+    /// How the consumer gets its connection back when it is lost. Default:
+    /// forever, 100 ms doubling up to 10 s ([`Reconnect::default`]).
+    pub fn reconnect(mut self, reconnect: Reconnect) -> Self {
+        self.options.reconnect = reconnect;
+        self
+    }
+
+    /// How long in-flight handlers get to finish once shutdown is requested;
+    /// after it they are abandoned unsettled (the broker redelivers them).
+    /// Default [`DEFAULT_SHUTDOWN_TIMEOUT`].
+    pub fn shutdown_timeout(mut self, timeout: Duration) -> Self {
+        self.options.shutdown_timeout = timeout;
+        self
+    }
+
+    /// Stop on its own once nothing arrived and no handler ran for `idle`,
+    /// as if shutdown had been requested: for tests, batch jobs and one-shot
+    /// replays of a dead-letter queue ("consume until drained").
+    pub fn stop_when_idle(mut self, idle: Duration) -> Self {
+        self.options.stop_when_idle = Some(idle);
+        self
+    }
+
+    /// Replaces the body decoder (default [`Json`]), e.g. with a closure
+    /// `|body: &[u8]| -> Result<M, E>`.
+    pub fn decoder<D2>(self, decoder: D2) -> ConsumerBuilder<B, D2, R> {
+        ConsumerBuilder {
+            broker: self.broker,
+            options: self.options,
+            decoder,
+            retry: self.retry,
+        }
+    }
+
+    /// Decides which handler errors are retried (default [`RetryAll`]); a
+    /// closure `|err: &E| -> bool` works. Errors it calls permanent are
+    /// dead-lettered at once.
+    pub fn retry_if<R2>(self, retry: R2) -> ConsumerBuilder<B, D, R2> {
+        ConsumerBuilder {
+            broker: self.broker,
+            options: self.options,
+            decoder: self.decoder,
+            retry,
+        }
+    }
+
+    /// Decides what each handler error means, [`Verdict::Retry`],
+    /// [`Verdict::Reject`] or [`Verdict::Outage`] (a dependency down: the
+    /// message is kept and the handler run again without spending an
+    /// attempt).
+    pub fn classify<F, E>(self, classify: F) -> ConsumerBuilder<B, D, Classify<F>>
+    where
+        F: Fn(&E) -> Verdict + Send + Sync + 'static,
+    {
+        self.retry_if(Classify(classify))
+    }
+
+    /// The settings so far.
+    pub fn options(&self) -> &ConsumerOptions {
+        &self.options
+    }
+}
+
+impl<B: Broker, D, R> ConsumerBuilder<B, D, R> {
+    /// Checks the configuration and builds the consumer.
+    pub fn build(mut self) -> Result<Consumer<B, D, R>, ConsumerError> {
+        self.options.validate()?;
+        self.broker.prepare(&mut self.options)?;
+        Ok(Consumer {
+            broker: self.broker,
+            options: self.options,
+            decoder: self.decoder,
+            retry: self.retry,
+            stats: ConsumerStats::default(),
+        })
+    }
+}
+
+/// Consumes from broker `B` with an idempotent handler; see the broker's
+/// module for its delivery rules.
+pub struct Consumer<B, D = Json, R = RetryAll> {
+    pub(crate) broker: B,
+    pub(crate) options: ConsumerOptions,
+    decoder: D,
+    retry: R,
+    stats: ConsumerStats,
+}
+
+impl<B: fmt::Debug, D, R> fmt::Debug for Consumer<B, D, R> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Consumer")
+            .field("broker", &self.broker)
+            .field("options", &self.options)
+            .field("stats", &self.stats.snapshot())
+            .finish_non_exhaustive()
+    }
+}
+
+impl<B: Broker, D, R> Consumer<B, D, R> {
+    /// A live view of this consumer's counters, readable while
+    /// [`run`](Self::run) is going.
+    pub fn stats(&self) -> ConsumerStats {
+        self.stats.clone()
+    }
+
+    /// The settings it runs with (after the broker's adjustments, such as
+    /// JetStream's `max_deliver` capping `max_attempts`).
+    pub fn options(&self) -> &ConsumerOptions {
+        &self.options
+    }
+
+    /// The attempts allowed per message.
+    pub fn max_attempts(&self) -> u32 {
+        self.options.max_attempts
+    }
+
+    /// Consumes until `shutdown` is cancelled (or, with
+    /// [`stop_when_idle`](ConsumerBuilder::stop_when_idle), until idle),
+    /// calling `handler` with each decoded message; returns the run's
+    /// counters.
+    ///
+    /// A lost connection is made again within the
+    /// [reconnection policy](ConsumerBuilder::reconnect); what was in
+    /// flight on it is not settled on the new one (the broker redelivers
+    /// it, and the idempotent handler recognises the duplicate). On
+    /// shutdown the consumer stops taking new deliveries, still handles
+    /// those the broker had already sent, waits for the handlers in flight
+    /// (up to the [shutdown timeout](ConsumerBuilder::shutdown_timeout)),
+    /// and returns.
+    ///
+    /// Returns an error for a configuration or topology the broker refuses,
+    /// and for a connection it could not get back within the policy.
+    pub async fn run<M, H, Fut, T, E>(self, handler: H, shutdown: CancellationToken) -> Result<RunStats, ConsumerError>
+    where
+        M: Send + 'static,
+        D: Decoder<M>,
+        R: RetryPolicy<E>,
+        H: Fn(M) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<T, E>> + Send + 'static,
+        T: Send + 'static,
+        E: fmt::Display + Send + 'static,
+    {
+        self.run_with_info(move |msg, _info| handler(msg), shutdown).await
+    }
+
+    /// Like [`run`](Self::run), with the handler also given what the
+    /// adapter knows about the delivery ([`DeliveryInfo`]: message id,
+    /// attempt number, redelivered flag).
+    pub async fn run_with_info<M, H, Fut, T, E>(
+        self,
+        handler: H,
+        shutdown: CancellationToken,
+    ) -> Result<RunStats, ConsumerError>
+    where
+        M: Send + 'static,
+        D: Decoder<M>,
+        R: RetryPolicy<E>,
+        H: Fn(M, DeliveryInfo) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<T, E>> + Send + 'static,
+        T: Send + 'static,
+        E: fmt::Display + Send + 'static,
+    {
+        pipeline::run(
+            self.broker,
+            self.options,
+            self.decoder,
+            self.retry,
+            handler,
+            self.stats,
+            shutdown,
+        )
+        .await
+    }
+}

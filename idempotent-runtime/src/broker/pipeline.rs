@@ -1,0 +1,736 @@
+//! The delivery pipeline, written once for every broker.
+//!
+//! [`run`] keeps a [`Session`] (a live connection and subscription),
+//! making it again with backoff when it is lost, and takes deliveries while
+//! handler slots are free. Each delivery goes through [`process`]: its span,
+//! the last-delivery rule, decoding (a body that does not decode is
+//! dead-lettered as poison), the handler call (panics caught, progress sent
+//! while it runs), the verdict on a failure (outage: run again in place;
+//! retry: hand it to the broker with a delay; otherwise dead-letter), and
+//! the settlement, never on a connection other than the one it came on.
+//! On shutdown, [`drain`] gives the handlers in flight their time, then
+//! asks them to let go.
+//!
+//! A broker supplies a [`Broker`] (how to connect), a [`Session`] (how to
+//! receive) and a [`Delivery`] (how to settle one message): implement them
+//! to run the pipeline on a broker of your own, as
+//! [`rabbitmq`](super::rabbitmq), [`nats`](super::nats) and
+//! [`redis_streams`](super::redis_streams) do.
+
+use std::fmt;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::task::JoinSet;
+use tokio::time::Instant;
+use tracing::Instrument;
+
+use super::options::ConsumerOptions;
+use super::stats::{ConnectionEvent, DeadKind, Outcome, Recorder};
+use super::{
+    Called, CancellationToken, ConsumerError, ConsumerStats, Decoder, DeliveryInfo, RetryPolicy, RunStats,
+    TRACING_TARGET, Verdict, sleep_unless_cancelled, truncate_reason,
+};
+
+/// How long handlers that were asked to let go (after the shutdown timeout)
+/// get to release their deliveries before their tasks are aborted.
+const ABANDON_GRACE: Duration = Duration::from_secs(5);
+
+/// A broker: how a consumer connects to it and what it checks at build.
+pub trait Broker: Send + Sync + 'static {
+    /// The `broker` label of spans and metrics.
+    const NAME: &'static str;
+    /// A connection with its subscription.
+    type Session: Session;
+
+    /// Checks the consumer's settings against the broker's and adjusts them
+    /// (at build).
+    fn prepare(&mut self, options: &mut ConsumerOptions) -> Result<(), ConsumerError>;
+
+    /// Where it consumes from (queue, `stream/consumer`...).
+    fn source(&self) -> String;
+
+    /// Connects, sets up what it needs (declarations, checks) and
+    /// subscribes.
+    fn connect(&self, options: &ConsumerOptions) -> impl Future<Output = Result<Self::Session, Connect>> + Send;
+}
+
+/// Why [`Broker::connect`] failed.
+pub enum Connect {
+    /// Retrying cannot help (configuration, topology): `run` returns it.
+    Fatal(ConsumerError),
+    /// The broker could not be reached: try again within the policy.
+    Failed(String),
+}
+
+/// A live connection and subscription.
+pub trait Session: Send + 'static {
+    /// One delivery of this session.
+    type Delivery: Delivery;
+
+    /// The next delivery, asking the broker for at most `room` at a time.
+    /// Cancel-safe: a call dropped before it returns loses nothing.
+    fn next(&mut self, room: usize) -> impl Future<Output = Next<Self::Delivery>> + Send;
+
+    /// Stops new deliveries (shutdown): what the broker already sent keeps
+    /// coming from [`next`](Self::next), then [`Next::End`].
+    fn stop(&mut self) -> impl Future<Output = ()> + Send;
+
+    /// Closes the connection after a stop.
+    fn close(self) -> impl Future<Output = ()> + Send;
+}
+
+/// What [`Session::next`] came to.
+pub enum Next<D> {
+    /// A message.
+    Delivery(D),
+    /// Nothing for now (a pull request expired empty).
+    Idle,
+    /// The subscription ended: after [`Session::stop`], or the broker
+    /// cancelled it.
+    End,
+    /// The connection is gone.
+    Lost(String),
+}
+
+/// What the pipeline knows of a delivery.
+#[derive(Debug, Clone)]
+pub struct Meta {
+    /// From 1.
+    pub attempt: u32,
+    /// The broker delivered it before.
+    pub redelivered: bool,
+    /// The broker-level message id.
+    pub message_id: Option<String>,
+    /// The broker will not deliver it again if it is handed back.
+    pub last: bool,
+    /// Where it is in the broker (delivery tag, stream sequence, entry
+    /// id), for the span.
+    pub position: String,
+}
+
+/// A dead letter to publish.
+pub struct Letter<'a> {
+    /// `poison`, `exhausted` or `rejected` (the `x-idempotent-kind` header).
+    pub kind: &'static str,
+    /// Why, on one line, at most 4 KiB.
+    pub reason: &'a str,
+    /// Handler runs.
+    pub attempts: u32,
+    /// Where the message was consumed from.
+    pub source: &'a str,
+}
+
+/// Why a settlement did not happen.
+#[derive(Debug)]
+pub enum Settle {
+    /// The broker would not take a publish (unroutable, refused): the
+    /// delivery can still be handed back.
+    Refused(String),
+    /// The connection is gone: the broker redelivers the message.
+    Lost(String),
+}
+
+impl fmt::Display for Settle {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Settle::Refused(why) | Settle::Lost(why) => f.write_str(why),
+        }
+    }
+}
+
+/// One message, and how to settle it.
+pub trait Delivery: Send + Sync + 'static {
+    /// The message's bytes, for the decoder.
+    fn body(&self) -> &[u8];
+    /// What the pipeline needs to know about it.
+    fn meta(&self) -> &Meta;
+
+    /// Why the delivery cannot carry a message at all (poison before
+    /// decoding), if so.
+    fn malformed(&self) -> Option<String> {
+        None
+    }
+
+    /// The connection it came on is still the live one: settling it is
+    /// allowed.
+    fn is_current(&self) -> bool;
+
+    /// How often to send [`progress`](Self::progress) while its handler
+    /// runs (brokers that redeliver what looks stuck).
+    fn heartbeat(&self) -> Option<Duration> {
+        None
+    }
+
+    /// "Still working on it".
+    fn progress(&self) -> impl Future<Output = ()> + Send {
+        async {}
+    }
+
+    /// Done: remove it from the broker.
+    fn ack(&self) -> impl Future<Output = Result<(), Settle>> + Send;
+
+    /// Have it delivered again as attempt `next_attempt` after `delay`.
+    fn retry(
+        &self,
+        next_attempt: u32,
+        delay: Duration,
+        shutdown: &CancellationToken,
+    ) -> impl Future<Output = Result<(), Settle>> + Send;
+
+    /// Publish it to the dead-letter destination, then remove it.
+    fn dead_letter(&self, letter: &Letter<'_>) -> impl Future<Output = Result<(), Settle>> + Send;
+
+    /// Give it back for another delivery, after `delay` where the broker
+    /// can wait.
+    fn release(&self, delay: Duration) -> impl Future<Output = Result<(), Settle>> + Send;
+}
+
+/// What the delivery tasks share.
+struct Worker<D, R, H> {
+    source: String,
+    broker: &'static str,
+    options: ConsumerOptions,
+    decoder: D,
+    retry: R,
+    handler: H,
+    recorder: Recorder,
+    shutdown: CancellationToken,
+    /// Cancelled at the shutdown timeout: handlers still running let go.
+    abandon: CancellationToken,
+}
+
+/// Runs a consumer of `broker` until shutdown (or idle, or a fatal error).
+pub(crate) async fn run<B, M, D, R, H, Fut, T, E>(
+    broker: B,
+    options: ConsumerOptions,
+    decoder: D,
+    retry: R,
+    handler: H,
+    stats: ConsumerStats,
+    shutdown: CancellationToken,
+) -> Result<RunStats, ConsumerError>
+where
+    B: Broker,
+    M: Send + 'static,
+    D: Decoder<M>,
+    R: RetryPolicy<E>,
+    H: Fn(M, DeliveryInfo) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = Result<T, E>> + Send + 'static,
+    T: Send + 'static,
+    E: fmt::Display + Send + 'static,
+{
+    let source = broker.source();
+    let recorder = Recorder::new(B::NAME, &source, stats.clone());
+    let worker = Arc::new(Worker {
+        source: source.clone(),
+        broker: B::NAME,
+        options: options.clone(),
+        decoder,
+        retry,
+        handler,
+        recorder: recorder.clone(),
+        shutdown: shutdown.clone(),
+        abandon: CancellationToken::new(),
+    });
+    let concurrency = options.concurrency;
+    let mut tasks: JoinSet<()> = JoinSet::new();
+    let mut fatal: Option<ConsumerError> = None;
+    // Connection attempts failed in a row, and whether one was ever lost.
+    let mut failures = 0u32;
+    let mut lost = false;
+    let mut last_activity = Instant::now();
+    // The session that ended with the stop: closed after the drain, so the
+    // handlers still running can settle on it.
+    let mut stopped: Option<B::Session> = None;
+
+    'connect: while !shutdown.is_cancelled() {
+        let mut session = match broker.connect(&options).await {
+            Ok(session) => session,
+            Err(Connect::Fatal(err)) => {
+                fatal = Some(err);
+                break;
+            }
+            Err(Connect::Failed(why)) => {
+                failures = failures.saturating_add(1);
+                if options.reconnect.max_attempts.is_some_and(|max| failures > max) {
+                    tracing::error!(target: TRACING_TARGET, source = %source, error = %why, failures, "cannot connect: giving up");
+                    fatal = Some(ConsumerError::Disconnected(format!(
+                        "cannot connect to {} for `{source}` after {failures} attempts: {why}",
+                        B::NAME
+                    )));
+                    break;
+                }
+                let delay = options.reconnect.backoff.delay(failures);
+                tracing::warn!(
+                    target: TRACING_TARGET,
+                    source = %source,
+                    error = %why,
+                    failures,
+                    delay_ms = millis(delay),
+                    "cannot connect: retrying"
+                );
+                sleep_unless_cancelled(delay, &shutdown).await;
+                continue;
+            }
+        };
+        if lost {
+            recorder.connection(ConnectionEvent::Reconnected);
+            tracing::info!(target: TRACING_TARGET, broker = B::NAME, source = %source, after = failures, "reconnected");
+        } else {
+            tracing::info!(
+                target: TRACING_TARGET,
+                broker = B::NAME,
+                source = %source,
+                concurrency,
+                max_attempts = options.max_attempts,
+                "consumer started"
+            );
+        }
+        failures = 0;
+        let mut stopping = false;
+        loop {
+            while let Some(done) = tasks.try_join_next() {
+                note_task(done);
+                last_activity = Instant::now();
+            }
+            let room = concurrency.saturating_sub(tasks.len());
+            let idle_at = options
+                .stop_when_idle
+                .filter(|_| !stopping && tasks.is_empty())
+                .map(|idle| last_activity + idle);
+            tokio::select! {
+                biased;
+                _ = shutdown.cancelled(), if !stopping => {
+                    session.stop().await;
+                    stopping = true;
+                }
+                _ = sleep_until(idle_at), if idle_at.is_some() => {
+                    tracing::info!(target: TRACING_TARGET, source = %source, "idle: stopping");
+                    session.stop().await;
+                    stopping = true;
+                }
+                Some(done) = tasks.join_next(), if !tasks.is_empty() => {
+                    note_task(done);
+                    last_activity = Instant::now();
+                }
+                next = session.next(room), if room > 0 => match next {
+                    Next::Delivery(delivery) => {
+                        recorder.received();
+                        last_activity = Instant::now();
+                        tasks.spawn(process(Arc::clone(&worker), delivery));
+                    }
+                    Next::Idle => {}
+                    Next::End if stopping => {
+                        stopped = Some(session);
+                        break 'connect;
+                    }
+                    Next::End => {
+                        fatal = Some(ConsumerError::Cancelled(source.clone()));
+                        stopped = Some(session);
+                        break 'connect;
+                    }
+                    Next::Lost(why) => {
+                        recorder.connection(ConnectionEvent::Lost);
+                        lost = true;
+                        tracing::warn!(
+                            target: TRACING_TARGET,
+                            broker = B::NAME,
+                            source = %source,
+                            error = %why,
+                            in_flight = tasks.len(),
+                            "connection lost: reconnecting; what was in flight is redelivered by the broker"
+                        );
+                        if stopping {
+                            break 'connect;
+                        }
+                        continue 'connect;
+                    }
+                },
+            }
+        }
+    }
+
+    tracing::info!(target: TRACING_TARGET, source = %source, in_flight = tasks.len(), "consumer stopping");
+    drain(&mut tasks, options.shutdown_timeout, &worker.abandon, &source).await;
+    if let Some(session) = stopped {
+        session.close().await;
+    }
+    let stats = stats.snapshot();
+    tracing::info!(target: TRACING_TARGET, source = %source, ?stats, "consumer stopped");
+    match fatal {
+        Some(err) => Err(err),
+        None => Ok(stats),
+    }
+}
+
+async fn sleep_until(at: Option<Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
+}
+
+fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
+/// Logs a delivery task that did not end normally (the handler's own panics
+/// are caught inside the task: this is the adapter's).
+fn note_task(done: Result<(), tokio::task::JoinError>) {
+    if let Err(err) = done
+        && err.is_panic()
+    {
+        tracing::error!(target: TRACING_TARGET, error = %err, "delivery task panicked");
+    }
+}
+
+/// Waits for the in-flight delivery tasks, at most `timeout`; then asks
+/// them to let go (they release their deliveries), and after a grace
+/// period aborts what is left (those deliveries stay unsettled and the
+/// broker redelivers them).
+async fn drain(tasks: &mut JoinSet<()>, timeout: Duration, abandon: &CancellationToken, source: &str) {
+    let deadline = tokio::time::sleep(timeout);
+    tokio::pin!(deadline);
+    loop {
+        tokio::select! {
+            done = tasks.join_next() => match done {
+                Some(done) => note_task(done),
+                None => return,
+            },
+            _ = &mut deadline => break,
+        }
+    }
+    tracing::warn!(
+        target: TRACING_TARGET,
+        source,
+        abandoned = tasks.len(),
+        "shutdown timeout: abandoning in-flight handlers, their messages go back to the broker"
+    );
+    abandon.cancel();
+    let grace = tokio::time::sleep(ABANDON_GRACE);
+    tokio::pin!(grace);
+    loop {
+        tokio::select! {
+            done = tasks.join_next() => match done {
+                Some(done) => note_task(done),
+                None => return,
+            },
+            _ = &mut grace => {
+                tasks.shutdown().await;
+                return;
+            }
+        }
+    }
+}
+
+/// One delivery, from its span to its settlement.
+async fn process<Dl, M, D, R, H, Fut, T, E>(worker: Arc<Worker<D, R, H>>, delivery: Dl)
+where
+    Dl: Delivery,
+    D: Decoder<M>,
+    R: RetryPolicy<E>,
+    H: Fn(M, DeliveryInfo) -> Fut,
+    Fut: Future<Output = Result<T, E>>,
+    E: fmt::Display,
+{
+    let meta = delivery.meta();
+    let span = tracing::info_span!(
+        target: TRACING_TARGET,
+        "delivery",
+        broker = worker.broker,
+        source = %worker.source,
+        position = %meta.position,
+        message_id = tracing::field::Empty,
+        attempt = meta.attempt,
+        redelivered = meta.redelivered,
+        outcome = tracing::field::Empty,
+    );
+    if let Some(id) = &meta.message_id {
+        span.record("message_id", id.as_str());
+    }
+    worker.handle(&delivery).instrument(span).await;
+}
+
+impl<D, R, H> Worker<D, R, H> {
+    async fn handle<Dl, M, Fut, T, E>(&self, delivery: &Dl)
+    where
+        Dl: Delivery,
+        D: Decoder<M>,
+        R: RetryPolicy<E>,
+        H: Fn(M, DeliveryInfo) -> Fut,
+        Fut: Future<Output = Result<T, E>>,
+        E: fmt::Display,
+    {
+        let meta = delivery.meta();
+        let attempt = meta.attempt;
+        if meta.last {
+            // Its earlier deliveries ended unsettled (crash, shutdown
+            // timeout, a dead letter refused): settle it now, on the
+            // delivery the broker will not repeat.
+            let reason = format!(
+                "delivered {attempt} times (as often as the broker allows) without being settled: the consumer \
+                 crashed or stopped while handling it, or its dead letter could not be published; the last \
+                 delivery is kept for dead-lettering it"
+            );
+            tracing::error!(target: TRACING_TARGET, attempt, "last allowed delivery: dead-lettering the message");
+            self.dead_letter(
+                delivery,
+                DeadKind::Exhausted,
+                &reason,
+                attempt.saturating_sub(1),
+                Outcome::DeadLettered,
+            )
+            .await;
+            return;
+        }
+        if let Some(reason) = delivery.malformed() {
+            tracing::error!(target: TRACING_TARGET, %reason, "malformed (poison) message: dead-lettering it");
+            self.dead_letter(delivery, DeadKind::Poison, &reason, 0, Outcome::Poison)
+                .await;
+            return;
+        }
+        let mut outages = 0u32;
+        let (reason, verdict) = loop {
+            let decoded = match self.decoder.decode(delivery.body()) {
+                Ok(decoded) => decoded,
+                Err(reason) => {
+                    tracing::error!(target: TRACING_TARGET, %reason, "undecodable (poison) message: dead-lettering it");
+                    self.dead_letter(delivery, DeadKind::Poison, &reason, 0, Outcome::Poison)
+                        .await;
+                    return;
+                }
+            };
+            let info = DeliveryInfo {
+                message_id: meta.message_id.clone(),
+                attempt,
+                redelivered: meta.redelivered,
+            };
+            let call = super::call((self.handler)(decoded, info), &self.recorder);
+            let Some((called, store_failed)) = self.watched(delivery, call).await else {
+                self.let_go(delivery).await;
+                return;
+            };
+            let (reason, verdict) = match called {
+                Called::Ok => {
+                    self.ack(delivery).await;
+                    return;
+                }
+                Called::Err(err) if store_failed => (err.to_string(), Verdict::Outage),
+                Called::Err(err) => {
+                    let verdict = self.retry.verdict(&err);
+                    (err.to_string(), verdict)
+                }
+                Called::Panicked(reason) => (reason, Verdict::Retry),
+            };
+            self.recorder.handler_failed();
+            if verdict != Verdict::Outage {
+                break (reason, verdict);
+            }
+            // A dependency is down: keep the message, run it again later,
+            // without spending an attempt.
+            outages = outages.saturating_add(1);
+            self.recorder.outage_retry();
+            let delay = self.options.outage_backoff.delay(outages);
+            tracing::warn!(
+                target: TRACING_TARGET,
+                error = %reason,
+                outages,
+                delay_ms = millis(delay),
+                "a dependency is down: keeping the message and running it again"
+            );
+            if self
+                .watched(delivery, sleep_unless_cancelled(delay, &self.shutdown))
+                .await
+                .is_none()
+                || self.shutdown.is_cancelled()
+            {
+                self.let_go(delivery).await;
+                return;
+            }
+        };
+
+        if verdict == Verdict::Retry && attempt < self.options.max_attempts {
+            let delay = self.options.retry_backoff.delay(attempt);
+            tracing::warn!(
+                target: TRACING_TARGET,
+                error = %reason,
+                attempt,
+                max_attempts = self.options.max_attempts,
+                delay_ms = millis(delay),
+                "handler failed: retrying"
+            );
+            let retried = if delivery.is_current() {
+                delivery.retry(attempt + 1, delay, &self.shutdown).await
+            } else {
+                Err(Settle::Lost("the connection it came on was lost".into()))
+            };
+            match retried {
+                Ok(()) => self.recorder.outcome(Outcome::Retried),
+                Err(Settle::Refused(why)) => {
+                    tracing::error!(target: TRACING_TARGET, error = %why, "could not schedule the retry: handing the message back");
+                    self.release(delivery).await;
+                }
+                Err(Settle::Lost(why)) => {
+                    tracing::warn!(target: TRACING_TARGET, error = %why, "connection lost: the broker redelivers the message");
+                    self.recorder.outcome(Outcome::Released);
+                }
+            }
+            return;
+        }
+        let kind = if verdict == Verdict::Reject {
+            DeadKind::Rejected
+        } else {
+            DeadKind::Exhausted
+        };
+        tracing::error!(
+            target: TRACING_TARGET,
+            error = %reason,
+            attempt,
+            max_attempts = self.options.max_attempts,
+            kind = kind.as_str(),
+            "handler failed: dead-lettering the message"
+        );
+        self.dead_letter(delivery, kind, &reason, attempt, Outcome::DeadLettered)
+            .await;
+    }
+
+    /// Runs `fut` while sending the delivery's progress; `None` when the
+    /// consumer asks in-flight handlers to let go (shutdown timeout).
+    async fn watched<Dl: Delivery, F: Future>(&self, delivery: &Dl, fut: F) -> Option<F::Output> {
+        tokio::pin!(fut);
+        let Some(period) = delivery.heartbeat() else {
+            return tokio::select! {
+                biased;
+                out = &mut fut => Some(out),
+                _ = self.abandon.cancelled() => None,
+            };
+        };
+        let period = period.max(Duration::from_millis(1));
+        let mut ticker = tokio::time::interval_at(Instant::now() + period, period);
+        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                biased;
+                out = &mut fut => return Some(out),
+                _ = self.abandon.cancelled() => return None,
+                _ = ticker.tick() => delivery.progress().await,
+            }
+        }
+    }
+
+    /// Acknowledges a processed delivery, on its own connection only.
+    async fn ack<Dl: Delivery>(&self, delivery: &Dl) {
+        let acked = if delivery.is_current() {
+            delivery.ack().await
+        } else {
+            Err(Settle::Lost("the connection it came on was lost".into()))
+        };
+        match acked {
+            Ok(()) => {
+                self.recorder.outcome(Outcome::Processed);
+                tracing::debug!(target: TRACING_TARGET, "processed and acknowledged");
+            }
+            Err(err) => {
+                self.recorder.outcome(Outcome::AckFailed);
+                tracing::warn!(
+                    target: TRACING_TARGET,
+                    error = %err,
+                    "acknowledgement failed: the broker will redeliver the message (a duplicate for the handler)"
+                );
+            }
+        }
+    }
+
+    /// Hands a delivery back after the consumer stopped wanting it.
+    async fn let_go<Dl: Delivery>(&self, delivery: &Dl) {
+        tracing::warn!(target: TRACING_TARGET, "the consumer is stopping: handing the message back");
+        if delivery.is_current()
+            && let Err(err) = delivery.release(Duration::ZERO).await
+        {
+            tracing::debug!(target: TRACING_TARGET, error = %err, "release failed: the broker redelivers it");
+        }
+        self.recorder.outcome(Outcome::Released);
+    }
+
+    /// Hands a delivery back after a publish the broker refused.
+    async fn release<Dl: Delivery>(&self, delivery: &Dl) {
+        if delivery.is_current()
+            && let Err(err) = delivery.release(self.options.retry_backoff.initial).await
+        {
+            tracing::debug!(target: TRACING_TARGET, error = %err, "release failed: the broker redelivers it");
+        }
+        self.recorder.outcome(Outcome::Released);
+    }
+
+    /// Publishes the dead letter and removes the delivery; hands it back
+    /// when the publish is refused, except on its last delivery, where the
+    /// publish is tried again until it works or the consumer stops.
+    async fn dead_letter<Dl: Delivery>(
+        &self,
+        delivery: &Dl,
+        kind: DeadKind,
+        reason: &str,
+        attempts: u32,
+        outcome: Outcome,
+    ) {
+        let reason = truncate_reason(reason);
+        let letter = Letter {
+            kind: kind.as_str(),
+            reason: &reason,
+            attempts,
+            source: &self.source,
+        };
+        let last = delivery.meta().last;
+        let mut failures = 0u32;
+        loop {
+            let published = if delivery.is_current() {
+                delivery.dead_letter(&letter).await
+            } else {
+                Err(Settle::Lost("the connection it came on was lost".into()))
+            };
+            match published {
+                Ok(()) => {
+                    self.recorder.outcome(outcome);
+                    return;
+                }
+                Err(Settle::Lost(why)) => {
+                    tracing::warn!(target: TRACING_TARGET, error = %why, "connection lost before the dead letter: the broker redelivers the message");
+                    self.recorder.outcome(Outcome::Released);
+                    return;
+                }
+                Err(Settle::Refused(why)) if last && !self.shutdown.is_cancelled() => {
+                    failures = failures.saturating_add(1);
+                    tracing::error!(
+                        target: TRACING_TARGET,
+                        error = %why,
+                        failures,
+                        "could not publish the dead letter of a message on its last delivery: retrying"
+                    );
+                    delivery.progress().await;
+                    sleep_unless_cancelled(self.options.retry_backoff.delay(failures), &self.shutdown).await;
+                }
+                Err(Settle::Refused(why)) if last => {
+                    tracing::error!(
+                        target: TRACING_TARGET,
+                        error = %why,
+                        "could not publish the dead letter of a message on its last delivery before shutdown: the \
+                         broker keeps it but will not deliver it again (see its max-deliveries advisory)"
+                    );
+                    self.recorder.outcome(Outcome::Released);
+                    return;
+                }
+                Err(Settle::Refused(why)) => {
+                    tracing::error!(
+                        target: TRACING_TARGET,
+                        error = %why,
+                        "could not publish the dead letter: handing the message back"
+                    );
+                    self.release(delivery).await;
+                    return;
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,668 @@
+//! RabbitMQ consumer (feature `rabbitmq`): ack after the handler's commit,
+//! bounded retries, dead-lettering, reconnection, graceful shutdown.
+//!
+//! [`RabbitConsumer`] connects to a broker (it owns its connection, so it
+//! can make it again), makes sure its queues exist, consumes one queue,
+//! decodes each delivery (JSON by default, see [`Decoder`]), calls the
+//! handler, and settles the delivery from the handler's result:
+//!
+//! | handler | what happens |
+//! | --- | --- |
+//! | `Ok` | the delivery is acknowledged, only now (so after the marker's commit) |
+//! | `Err`, attempts left and the error retryable | after a backoff, a copy carrying `x-idempotent-attempt: n + 1` is published to the queue with publisher confirms, then the original is acknowledged |
+//! | `Err` on the last attempt, or not retryable ([`RetryPolicy`]) | the body is published unchanged to the dead-letter queue with `x-idempotent-reason`, `-kind`, `-attempts` and `-source` headers, then acknowledged |
+//! | a dependency down (the `#[idempotent]` store failed, or [`Verdict::Outage`]) | the delivery is kept and the handler run again after a backoff, without spending an attempt |
+//! | undecodable body (poison) | dead-lettered at once, the decoder's error as reason |
+//! | panic | counts as a failed attempt |
+//!
+//! RabbitMQ's own `basic.nack(requeue)` does not count attempts on classic
+//! queues, hence the republish. Publishing the copy before acknowledging the
+//! original means a crash between the two leaves *two* copies: the
+//! idempotent handler absorbs that, as it absorbs every other redelivery.
+//! Nothing is ever dropped: when a copy or a dead letter cannot be published
+//! (unroutable, refused by the broker), the original is handed back with
+//! `basic.nack(requeue)` instead.
+//!
+//! A delivery redelivered by the broker after a crash (the consumer died
+//! before its ack) keeps its attempt number on classic queues; on quorum
+//! queues the broker's `x-delivery-count` is added to it, and their
+//! `delivery-limit` bounds crash loops.
+//!
+//! # Topology
+//!
+//! On each connection, before consuming, the consumer checks what it
+//! needs: the queue, the dead-letter queue or exchange. It declares the
+//! queues that are missing (durable, no arguments) unless told not to
+//! ([`declare_queue(false)`](ConsumerBuilder::declare_queue),
+//! [`declare_dead_letter_queue(false)`](ConsumerBuilder::declare_dead_letter_queue));
+//! it never declares an exchange. Everything is checked before anything is
+//! declared, so a refusal (a missing exchange, a queue that must exist)
+//! leaves nothing half-declared. Existing queues are used as they are, so
+//! quorum queues and queues with arguments work.
+//!
+//! # Connection loss
+//!
+//! A lost connection is made again within the
+//! [reconnection policy](ConsumerBuilder::reconnect) (forever by default),
+//! and the topology checked again. Deliveries in flight on the lost
+//! connection cannot be acknowledged on the new one: RabbitMQ requeues them
+//! and the idempotent handler recognises the duplicates.
+//!
+//! ```no_run
+//! use idempotent_runtime::rabbitmq::{shutdown_on_signal, RabbitConsumer};
+//!
+//! #[derive(serde::Deserialize)]
+//! struct PaymentMessage { message_id: String, order_id: String, amount: i64 }
+//!
+//! # async fn process_payment(_: &PaymentMessage) -> Result<(), idempotent_runtime::Error> { Ok(()) }
+//! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+//! let consumer = RabbitConsumer::builder("amqp://127.0.0.1:5672/%2f", "payments")
+//!     .prefetch(32)
+//!     .concurrency(8)
+//!     .max_attempts(5)
+//!     .dead_letter_queue("payments.dlq")
+//!     .retry_if(|err: &idempotent_runtime::Error| err.is_transient())
+//!     .build()?;
+//!
+//! let shutdown = shutdown_on_signal(); // cancelled on Ctrl-C or SIGTERM
+//! let stats = consumer
+//!     .run(|msg: PaymentMessage| async move { process_payment(&msg).await }, shutdown)
+//!     .await?;
+//! println!("acked {} dead-lettered {}", stats.acked, stats.dead_lettered);
+//! # Ok(()) }
+//! ```
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_util::StreamExt;
+use lapin::message::Delivery as AmqpDelivery;
+use lapin::options::{
+    BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicNackOptions, BasicPublishOptions, BasicQosOptions,
+    ConfirmSelectOptions, ExchangeDeclareOptions, QueueDeclareOptions,
+};
+use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
+use lapin::{BasicProperties, Channel, Confirmation, Connection, ConnectionProperties, ExchangeKind};
+
+use super::pipeline::{self, Broker, Connect, Letter, Meta, Next, Settle};
+pub use super::{
+    Backoff, CancellationToken, Classify, ConsumerError, ConsumerOptions, ConsumerStats, Decoder, DeliveryInfo,
+    HEADER_ATTEMPT, HEADER_ATTEMPTS, HEADER_KIND, HEADER_REASON, HEADER_SOURCE, Json, Reconnect, RetryAll, RetryPolicy,
+    RunStats, Verdict, shutdown_on_signal,
+};
+use super::{Consumer, ConsumerBuilder, TRACING_TARGET, sleep_unless_cancelled};
+
+/// Header RabbitMQ quorum queues set to the number of earlier deliveries.
+const DELIVERY_COUNT: &str = "x-delivery-count";
+
+/// Default prefetch (`basic.qos`).
+pub const DEFAULT_PREFETCH: u16 = 32;
+
+/// A consumer of a RabbitMQ queue; see the [module documentation](self).
+pub type RabbitConsumer<D = Json, R = RetryAll> = Consumer<Rabbit, D, R>;
+
+/// Configures a [`RabbitConsumer`]; from [`RabbitConsumer::builder`].
+pub type RabbitConsumerBuilder<D = Json, R = RetryAll> = ConsumerBuilder<Rabbit, D, R>;
+
+/// Where failed and poison messages go.
+#[derive(Debug, Clone)]
+enum DeadLetter {
+    /// A queue, through the default exchange.
+    Queue(ShortString),
+    /// An exchange and routing key (declared by the user).
+    Exchange {
+        exchange: ShortString,
+        routing_key: ShortString,
+    },
+}
+
+/// What a [`RabbitConsumer`] consumes: the broker's address, the queue and
+/// its dead-letter destination (the RabbitMQ half of the builder).
+pub struct Rabbit {
+    uri: String,
+    properties: ConnectionProperties,
+    queue: String,
+    consumer_tag: String,
+    prefetch: u16,
+    dead_letter_queue: Option<String>,
+    dead_letter_exchange: Option<(String, String)>,
+    declare_queue: bool,
+    declare_dead_letter_queue: bool,
+    /// Set by `prepare`.
+    ready: Option<Ready>,
+}
+
+/// The validated settings.
+#[derive(Debug, Clone)]
+struct Ready {
+    queue: ShortString,
+    consumer_tag: ShortString,
+    dead_letter: DeadLetter,
+}
+
+impl fmt::Debug for Rabbit {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Rabbit")
+            .field("queue", &self.queue)
+            .field("prefetch", &self.prefetch)
+            .field("dead_letter_queue", &self.dead_letter_queue)
+            .field("dead_letter_exchange", &self.dead_letter_exchange)
+            .field("declare_queue", &self.declare_queue)
+            .finish_non_exhaustive()
+    }
+}
+
+impl RabbitConsumer {
+    /// Starts configuring a consumer of `queue` on the broker at `uri`
+    /// (`amqp://user:password@host:5672/%2f`).
+    pub fn builder(uri: impl Into<String>, queue: impl Into<String>) -> RabbitConsumerBuilder {
+        ConsumerBuilder::new(Rabbit {
+            uri: uri.into(),
+            properties: ConnectionProperties::default(),
+            queue: queue.into(),
+            consumer_tag: String::new(),
+            prefetch: DEFAULT_PREFETCH,
+            dead_letter_queue: None,
+            dead_letter_exchange: None,
+            declare_queue: true,
+            declare_dead_letter_queue: true,
+            ready: None,
+        })
+    }
+}
+
+impl<D, R> ConsumerBuilder<Rabbit, D, R> {
+    /// Maximum number of unacknowledged deliveries the broker sends to this
+    /// consumer (`basic.qos`, per consumer). Default [`DEFAULT_PREFETCH`].
+    /// `0` means no limit; keep it at least the concurrency.
+    pub fn prefetch(mut self, prefetch: u16) -> Self {
+        self.broker.prefetch = prefetch;
+        self
+    }
+
+    /// The connection's properties (client name, executor...).
+    pub fn connection_properties(mut self, properties: ConnectionProperties) -> Self {
+        self.broker.properties = properties;
+        self
+    }
+
+    /// Dead-letter queue, published to through the default exchange.
+    /// Default: `"<queue>.dlq"`.
+    pub fn dead_letter_queue(mut self, queue: impl Into<String>) -> Self {
+        self.broker.dead_letter_queue = Some(queue.into());
+        self.broker.dead_letter_exchange = None;
+        self
+    }
+
+    /// Dead-letters to an exchange with a routing key instead of a queue.
+    /// The exchange must exist (checked when the consumer connects) and
+    /// route the key to a queue: an unroutable dead letter is not dropped,
+    /// the original goes back to its queue.
+    pub fn dead_letter_exchange(mut self, exchange: impl Into<String>, routing_key: impl Into<String>) -> Self {
+        self.broker.dead_letter_exchange = Some((exchange.into(), routing_key.into()));
+        self.broker.dead_letter_queue = None;
+        self
+    }
+
+    /// Whether to declare the queue when it does not exist (durable, no
+    /// arguments; default `true`). With `false` a missing queue is an error.
+    pub fn declare_queue(mut self, declare: bool) -> Self {
+        self.broker.declare_queue = declare;
+        self
+    }
+
+    /// Whether to declare the dead-letter queue when it does not exist
+    /// (durable, no arguments; default `true`). With `false` a missing
+    /// dead-letter queue is an error.
+    pub fn declare_dead_letter_queue(mut self, declare: bool) -> Self {
+        self.broker.declare_dead_letter_queue = declare;
+        self
+    }
+
+    /// Consumer tag shown in the management UI; default empty (the broker
+    /// generates one).
+    pub fn consumer_tag(mut self, tag: impl Into<String>) -> Self {
+        self.broker.consumer_tag = tag.into();
+        self
+    }
+}
+
+fn short(what: &str, value: &str) -> Result<ShortString, ConsumerError> {
+    ShortString::try_new(value.to_owned()).map_err(|err| ConsumerError::Config(format!("{what} `{value}`: {err}")))
+}
+
+impl Broker for Rabbit {
+    const NAME: &'static str = "rabbitmq";
+    type Session = Session;
+
+    fn prepare(&mut self, options: &mut ConsumerOptions) -> Result<(), ConsumerError> {
+        if self.queue.is_empty() {
+            return Err(ConsumerError::Config("the queue name is empty".into()));
+        }
+        if self.prefetch != 0 && usize::from(self.prefetch) < options.concurrency {
+            tracing::warn!(
+                target: TRACING_TARGET,
+                queue = %self.queue,
+                prefetch = self.prefetch,
+                concurrency = options.concurrency,
+                "prefetch below concurrency: at most `prefetch` handlers will run at once"
+            );
+        }
+        let queue = short("queue", &self.queue)?;
+        let consumer_tag = short("consumer tag", &self.consumer_tag)?;
+        let dead_letter = match (&self.dead_letter_exchange, &self.dead_letter_queue) {
+            (Some((exchange, routing_key)), _) => DeadLetter::Exchange {
+                exchange: short("dead-letter exchange", exchange)?,
+                routing_key: short("dead-letter routing key", routing_key)?,
+            },
+            (None, name) => {
+                let name = name.clone().unwrap_or_else(|| format!("{}.dlq", self.queue));
+                if name == self.queue {
+                    return Err(ConsumerError::Config(
+                        "the dead-letter queue is the consumed queue".into(),
+                    ));
+                }
+                DeadLetter::Queue(short("dead-letter queue", &name)?)
+            }
+        };
+        self.ready = Some(Ready {
+            queue,
+            consumer_tag,
+            dead_letter,
+        });
+        Ok(())
+    }
+
+    fn source(&self) -> String {
+        self.queue.clone()
+    }
+
+    async fn connect(&self, _options: &ConsumerOptions) -> Result<Session, Connect> {
+        let ready = self
+            .ready
+            .clone()
+            .ok_or_else(|| Connect::Fatal(ConsumerError::Config("the consumer was not built".into())))?;
+        let conn = Connection::connect(&self.uri, self.properties.clone())
+            .await
+            .map_err(|err| Connect::Failed(format!("cannot connect to RabbitMQ: {err}")))?;
+        let result = async {
+            self.ensure_topology(&conn, &ready).await?;
+            let channel = conn.create_channel().await.map_err(lost)?;
+            channel
+                .confirm_select(ConfirmSelectOptions::default())
+                .await
+                .map_err(lost)?;
+            channel
+                .basic_qos(self.prefetch, BasicQosOptions::default())
+                .await
+                .map_err(lost)?;
+            let consumer = channel
+                .basic_consume(
+                    ready.queue.clone(),
+                    ready.consumer_tag.clone(),
+                    BasicConsumeOptions::default(),
+                    FieldTable::default(),
+                )
+                .await
+                .map_err(lost)?;
+            Ok((channel, consumer))
+        }
+        .await;
+        let (channel, consumer) = match result {
+            Ok(parts) => parts,
+            Err(err) => {
+                let _ = conn
+                    .close(200, ShortString::from("idempotent consumer setup failed"))
+                    .await;
+                return Err(err);
+            }
+        };
+        Ok(Session {
+            shared: Arc::new(Shared {
+                channel,
+                queue: ready.queue,
+                dead_letter: ready.dead_letter,
+            }),
+            conn,
+            tag: consumer.tag(),
+            consumer,
+        })
+    }
+}
+
+fn lost(err: lapin::Error) -> Connect {
+    Connect::Failed(format!("RabbitMQ: {err}"))
+}
+
+fn is_not_found(err: &lapin::Error) -> bool {
+    matches!(err.kind(), lapin::ErrorKind::ProtocolError(e) if e.get_id() == 404)
+}
+
+impl Rabbit {
+    /// Checks the queue, the dead-letter queue and exchange, then declares
+    /// the missing queues it may declare. A refusal declares nothing.
+    async fn ensure_topology(&self, conn: &Connection, ready: &Ready) -> Result<(), Connect> {
+        let mut declare: Vec<&ShortString> = Vec::new();
+        if !self.queue_exists(conn, &ready.queue).await? {
+            if !self.declare_queue {
+                return Err(Connect::Fatal(ConsumerError::Config(format!(
+                    "queue `{}` does not exist (and declare_queue is off)",
+                    ready.queue
+                ))));
+            }
+            declare.push(&ready.queue);
+        }
+        match &ready.dead_letter {
+            DeadLetter::Queue(dlq) => {
+                if !self.queue_exists(conn, dlq).await? {
+                    if !self.declare_dead_letter_queue {
+                        return Err(Connect::Fatal(ConsumerError::Config(format!(
+                            "dead-letter queue `{dlq}` does not exist (and declare_dead_letter_queue is off)"
+                        ))));
+                    }
+                    declare.push(dlq);
+                }
+            }
+            DeadLetter::Exchange { exchange, .. } => {
+                let channel = conn.create_channel().await.map_err(lost)?;
+                let passive = ExchangeDeclareOptions {
+                    passive: true,
+                    ..ExchangeDeclareOptions::default()
+                };
+                match channel
+                    .exchange_declare(exchange.clone(), ExchangeKind::Direct, passive, FieldTable::default())
+                    .await
+                {
+                    Ok(()) => {
+                        let _ = channel.close(200, ShortString::from("checked")).await;
+                    }
+                    Err(err) if is_not_found(&err) => {
+                        return Err(Connect::Fatal(ConsumerError::Config(format!(
+                            "the dead-letter exchange `{exchange}` does not exist: declare it and bind a queue to it"
+                        ))));
+                    }
+                    Err(err) => return Err(lost(err)),
+                }
+            }
+        }
+        if declare.is_empty() {
+            return Ok(());
+        }
+        let channel = conn.create_channel().await.map_err(lost)?;
+        for queue in declare {
+            tracing::info!(target: TRACING_TARGET, queue = %queue, "declaring the missing queue (durable)");
+            channel
+                .queue_declare(queue.clone(), QueueDeclareOptions::durable(), FieldTable::default())
+                .await
+                .map_err(|err| {
+                    Connect::Fatal(ConsumerError::Config(format!("cannot declare queue `{queue}`: {err}")))
+                })?;
+        }
+        let _ = channel.close(200, ShortString::from("declared")).await;
+        Ok(())
+    }
+
+    /// Whether `queue` exists (a passive declare, on a channel of its own:
+    /// a missing queue closes the channel).
+    async fn queue_exists(&self, conn: &Connection, queue: &ShortString) -> Result<bool, Connect> {
+        let channel = conn.create_channel().await.map_err(lost)?;
+        let passive = QueueDeclareOptions {
+            passive: true,
+            ..QueueDeclareOptions::default()
+        };
+        match channel
+            .queue_declare(queue.clone(), passive, FieldTable::default())
+            .await
+        {
+            Ok(_) => {
+                let _ = channel.close(200, ShortString::from("checked")).await;
+                Ok(true)
+            }
+            Err(err) if is_not_found(&err) => Ok(false),
+            Err(err) => Err(lost(err)),
+        }
+    }
+}
+
+/// What the deliveries of one connection share.
+struct Shared {
+    channel: Channel,
+    queue: ShortString,
+    dead_letter: DeadLetter,
+}
+
+/// A connection consuming the queue.
+pub struct Session {
+    shared: Arc<Shared>,
+    conn: Connection,
+    tag: ShortString,
+    consumer: lapin::Consumer,
+}
+
+impl pipeline::Session for Session {
+    type Delivery = Delivery;
+
+    async fn next(&mut self, _room: usize) -> Next<Delivery> {
+        match self.consumer.next().await {
+            Some(Ok(delivery)) => Next::Delivery(Delivery::new(Arc::clone(&self.shared), delivery)),
+            Some(Err(err)) => Next::Lost(err.to_string()),
+            None if self.shared.channel.status().connected() => Next::End,
+            None => Next::Lost("the channel closed".into()),
+        }
+    }
+
+    async fn stop(&mut self) {
+        // Deliveries the broker already sent keep coming until the
+        // subscription ends.
+        if self.shared.channel.status().connected()
+            && let Err(err) = self
+                .shared
+                .channel
+                .basic_cancel(self.tag.clone(), BasicCancelOptions::default())
+                .await
+        {
+            tracing::warn!(target: TRACING_TARGET, queue = %self.shared.queue, error = %err, "basic.cancel failed");
+        }
+    }
+
+    async fn close(self) {
+        if self.conn.status().connected()
+            && let Err(err) = self
+                .conn
+                .close(200, ShortString::from("idempotent consumer stopped"))
+                .await
+        {
+            tracing::debug!(target: TRACING_TARGET, error = %err, "closing the connection failed");
+        }
+    }
+}
+
+/// One RabbitMQ delivery.
+pub struct Delivery {
+    shared: Arc<Shared>,
+    delivery: AmqpDelivery,
+    meta: Meta,
+}
+
+impl Delivery {
+    fn new(shared: Arc<Shared>, delivery: AmqpDelivery) -> Delivery {
+        let meta = Meta {
+            attempt: attempt_of(&delivery.properties),
+            redelivered: delivery.redelivered,
+            message_id: delivery.properties.message_id().as_ref().map(ToString::to_string),
+            last: false,
+            position: format!("delivery_tag={}", delivery.delivery_tag),
+        };
+        Delivery { shared, delivery, meta }
+    }
+
+    /// Publishes with `mandatory` and waits for the broker's confirm.
+    async fn publish(
+        &self,
+        exchange: &ShortString,
+        routing_key: &ShortString,
+        props: BasicProperties,
+    ) -> Result<(), Settle> {
+        let options = BasicPublishOptions {
+            mandatory: true,
+            immediate: false,
+        };
+        let confirm = self
+            .shared
+            .channel
+            .basic_publish(
+                exchange.clone(),
+                routing_key.clone(),
+                options,
+                &self.delivery.data,
+                props,
+            )
+            .await
+            .map_err(lost_settle)?
+            .await
+            .map_err(lost_settle)?;
+        match confirm {
+            Confirmation::Ack(None) | Confirmation::NotRequested => Ok(()),
+            Confirmation::Ack(Some(returned)) => Err(Settle::Refused(format!(
+                "unroutable to exchange `{exchange}` with routing key `{routing_key}`: {} {}",
+                returned.reply_code, returned.reply_text
+            ))),
+            Confirmation::Nack(_) => Err(Settle::Refused(format!(
+                "the broker refused the message for `{routing_key}` (nack)"
+            ))),
+        }
+    }
+}
+
+fn lost_settle(err: lapin::Error) -> Settle {
+    Settle::Lost(format!("RabbitMQ: {err}"))
+}
+
+impl pipeline::Delivery for Delivery {
+    fn body(&self) -> &[u8] {
+        &self.delivery.data
+    }
+
+    fn meta(&self) -> &Meta {
+        &self.meta
+    }
+
+    fn is_current(&self) -> bool {
+        self.shared.channel.status().connected()
+    }
+
+    async fn ack(&self) -> Result<(), Settle> {
+        match self.delivery.acker.ack(BasicAckOptions::default()).await {
+            Ok(true) => Ok(()),
+            Ok(false) => Err(Settle::Lost(format!(
+                "the channel consuming `{}` closed before delivery {} was settled",
+                self.shared.queue, self.delivery.delivery_tag
+            ))),
+            Err(err) => Err(lost_settle(err)),
+        }
+    }
+
+    async fn retry(&self, next_attempt: u32, delay: Duration, shutdown: &CancellationToken) -> Result<(), Settle> {
+        sleep_unless_cancelled(delay, shutdown).await;
+        let props = edit_headers(&self.delivery.properties, |headers| {
+            headers.remove(DELIVERY_COUNT);
+            headers.insert(
+                ShortString::from(HEADER_ATTEMPT),
+                AMQPValue::LongLongInt(i64::from(next_attempt)),
+            );
+        });
+        self.publish(&ShortString::default(), &self.shared.queue, props).await?;
+        self.ack().await
+    }
+
+    async fn dead_letter(&self, letter: &Letter<'_>) -> Result<(), Settle> {
+        let props = edit_headers(&self.delivery.properties, |headers| {
+            headers.remove(HEADER_ATTEMPT);
+            headers.remove(DELIVERY_COUNT);
+            let text = |s: &str| AMQPValue::LongString(LongString::from(s.as_bytes()));
+            headers.insert(ShortString::from(HEADER_REASON), text(letter.reason));
+            headers.insert(ShortString::from(HEADER_KIND), text(letter.kind));
+            headers.insert(
+                ShortString::from(HEADER_ATTEMPTS),
+                AMQPValue::LongLongInt(i64::from(letter.attempts)),
+            );
+            headers.insert(ShortString::from(HEADER_SOURCE), text(letter.source));
+        });
+        match &self.shared.dead_letter {
+            DeadLetter::Queue(queue) => self.publish(&ShortString::default(), queue, props).await?,
+            DeadLetter::Exchange { exchange, routing_key } => self.publish(exchange, routing_key, props).await?,
+        }
+        self.ack().await
+    }
+
+    async fn release(&self, delay: Duration) -> Result<(), Settle> {
+        tokio::time::sleep(delay).await;
+        let options = BasicNackOptions {
+            multiple: false,
+            requeue: true,
+        };
+        match self.delivery.acker.nack(options).await {
+            Ok(true) => Ok(()),
+            Ok(false) => Err(Settle::Lost("the channel closed".into())),
+            Err(err) => Err(lost_settle(err)),
+        }
+    }
+}
+
+/// The attempt number of a delivery: our header (1 when absent) plus the
+/// quorum queues' count of earlier deliveries of this copy.
+fn attempt_of(props: &BasicProperties) -> u32 {
+    let headers = props.headers().as_ref().map(FieldTable::inner);
+    let header = |name: &str| headers.and_then(|h| h.get(name)).and_then(as_u64);
+    let attempt = header(HEADER_ATTEMPT)
+        .unwrap_or(1)
+        .max(1)
+        .saturating_add(header(DELIVERY_COUNT).unwrap_or(0));
+    u32::try_from(attempt).unwrap_or(u32::MAX)
+}
+
+fn as_u64(value: &AMQPValue) -> Option<u64> {
+    match value {
+        AMQPValue::ShortShortInt(v) => u64::try_from(*v).ok(),
+        AMQPValue::ShortShortUInt(v) => Some(u64::from(*v)),
+        AMQPValue::ShortInt(v) => u64::try_from(*v).ok(),
+        AMQPValue::ShortUInt(v) => Some(u64::from(*v)),
+        AMQPValue::LongInt(v) => u64::try_from(*v).ok(),
+        AMQPValue::LongUInt(v) => Some(u64::from(*v)),
+        AMQPValue::LongLongInt(v) => u64::try_from(*v).ok(),
+        AMQPValue::LongString(v) => std::str::from_utf8(v.as_bytes()).ok()?.trim().parse().ok(),
+        AMQPValue::ShortString(v) => v.as_str().trim().parse().ok(),
+        _ => None,
+    }
+}
+
+fn edit_headers(props: &BasicProperties, edit: impl FnOnce(&mut BTreeMap<ShortString, AMQPValue>)) -> BasicProperties {
+    let mut headers = props.headers().as_ref().map(|h| h.inner().clone()).unwrap_or_default();
+    edit(&mut headers);
+    props.clone().with_headers(FieldTable::from(headers))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn attempt_reads_our_header_and_delivery_count() {
+        let props = BasicProperties::default();
+        assert_eq!(attempt_of(&props), 1);
+        let props = edit_headers(&props, |h| {
+            h.insert(ShortString::from(HEADER_ATTEMPT), AMQPValue::LongLongInt(3));
+        });
+        assert_eq!(attempt_of(&props), 3);
+        let props = edit_headers(&props, |h| {
+            h.insert(ShortString::from(DELIVERY_COUNT), AMQPValue::LongInt(2));
+        });
+        assert_eq!(attempt_of(&props), 5);
+        let props = edit_headers(&BasicProperties::default(), |h| {
+            h.insert(ShortString::from(HEADER_ATTEMPT), AMQPValue::LongString("junk".into()));
+        });
+        assert_eq!(attempt_of(&props), 1);
+    }
+}

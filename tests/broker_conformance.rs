@@ -1,0 +1,885 @@
+//! One behavioural suite, run against every broker adapter.
+//!
+//! The promises every consumer keeps, whatever its broker, instantiated by
+//! `conformance!` at the bottom for RabbitMQ, NATS JetStream and Redis
+//! Streams on the real servers: ack after commit, a crash between commit and
+//! ack redelivered and recognised by the marker, bounded retries then the
+//! dead-letter destination with the body intact, permanent errors and poison
+//! dead-lettered at once, a graceful shutdown that loses nothing, "consume
+//! until drained", and a store outage that is retried in place without
+//! spending attempts or dead-lettering. Broker-specific behaviour
+//! (topologies, JetStream's delivery counts, RabbitMQ exchanges, Redis
+//! claims) is tested in `idempotent-runtime/tests/*_adapter.rs`.
+
+mod common;
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use idempotent_runtime::broker::{
+    Backoff, CancellationToken, Consumer, ConsumerBuilder, DeliveryInfo, HEADER_ATTEMPTS, HEADER_KIND, HEADER_REASON,
+    HEADER_SOURCE, RunStats, pipeline::Broker,
+};
+use idempotent_runtime::{Error, MemoryStore, PgStore, Store, idempotent};
+
+const WAIT: Duration = Duration::from_secs(20);
+
+/// A broker set up fresh (own queue, stream or key) per test.
+pub trait Fixture: Sized + Send + Sync + 'static {
+    type B: Broker;
+    /// How long a message held by a consumer that died takes to come back.
+    const REDELIVERY: Duration;
+    fn setup(name: &str) -> impl Future<Output = Self> + Send;
+    /// A consumer of this fixture's source, dead-lettering to its
+    /// destination, with short delays.
+    fn builder(&self) -> ConsumerBuilder<Self::B>;
+    fn publish(&self, body: &[u8], id: &str) -> impl Future<Output = ()> + Send;
+    /// Every dead letter so far: body and headers (as text).
+    fn dead_letters(&self) -> impl Future<Output = Vec<(Vec<u8>, HashMap<String, String>)>> + Send;
+    /// Messages neither settled nor dead-lettered (ready or held).
+    fn backlog(&self) -> impl Future<Output = u64> + Send;
+    fn teardown(self) -> impl Future<Output = ()> + Send;
+}
+
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub struct Payment {
+    pub message_id: String,
+    pub amount: i64,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum AppError {
+    #[error(transparent)]
+    Idem(#[from] Error),
+    #[error(transparent)]
+    Db(#[from] idempotent_runtime::sqlx::Error),
+    #[error("{0}")]
+    Failed(String),
+}
+
+/// The service: an `#[idempotent]` handler whose effect is counted.
+pub struct Ledger<S> {
+    store: S,
+    effects: Mutex<HashMap<String, u32>>,
+    calls: Mutex<HashMap<String, u32>>,
+}
+
+impl<S: Store> Ledger<S> {
+    fn new(store: S) -> Arc<Self> {
+        Arc::new(Ledger {
+            store,
+            effects: Mutex::default(),
+            calls: Mutex::default(),
+        })
+    }
+
+    #[idempotent(key = "msg.message_id", store = self.store, scope = "conformance.payments")]
+    async fn pay(&self, msg: &Payment) -> Result<(), AppError> {
+        *self.effects.lock().unwrap().entry(msg.message_id.clone()).or_default() += 1;
+        Ok(())
+    }
+
+    async fn handle(&self, msg: &Payment) -> Result<(), AppError> {
+        *self.calls.lock().unwrap().entry(msg.message_id.clone()).or_default() += 1;
+        self.pay(msg).await
+    }
+
+    fn effects(&self) -> HashMap<String, u32> {
+        self.effects.lock().unwrap().clone()
+    }
+
+    fn calls(&self, id: &str) -> u32 {
+        self.calls.lock().unwrap().get(id).copied().unwrap_or(0)
+    }
+}
+
+fn payment(id: &str) -> Vec<u8> {
+    serde_json::to_vec(&Payment {
+        message_id: id.to_owned(),
+        amount: 1,
+    })
+    .unwrap()
+}
+
+fn fast() -> Backoff {
+    Backoff::new(Duration::from_millis(10), Duration::from_millis(40))
+}
+
+async fn wait_until(what: &str, mut cond: impl FnMut() -> bool) {
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while !cond() {
+        assert!(tokio::time::Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Runs `consumer` with the ledger's handler until `done`, then stops it.
+async fn run_until<B: Broker, S: Store + 'static>(
+    consumer: Consumer<B>,
+    ledger: &Arc<Ledger<S>>,
+    what: &str,
+    done: impl Fn(&RunStats) -> bool,
+) -> RunStats {
+    let stats = consumer.stats();
+    let shutdown = CancellationToken::new();
+    let handler_ledger = Arc::clone(ledger);
+    let run = tokio::spawn(consumer.run(
+        move |msg: Payment| {
+            let ledger = Arc::clone(&handler_ledger);
+            async move { ledger.handle(&msg).await }
+        },
+        shutdown.clone(),
+    ));
+    wait_until(what, || done(&stats.snapshot())).await;
+    shutdown.cancel();
+    tokio::time::timeout(WAIT, run)
+        .await
+        .expect("the consumer stops")
+        .unwrap()
+        .unwrap()
+}
+
+pub async fn ok_handlers_are_acknowledged<F: Fixture>() {
+    let fx = F::setup("ok").await;
+    for i in 0..3 {
+        fx.publish(&payment(&format!("ok-{i}")), &format!("ok-{i}")).await;
+    }
+    let ledger = Ledger::new(MemoryStore::new());
+    let stats = run_until(fx.builder().build().unwrap(), &ledger, "3 acks", |s| s.acked == 3).await;
+    assert_eq!(
+        (stats.received, stats.acked, stats.failed, stats.dead_lettered),
+        (3, 3, 0, 0)
+    );
+    assert_eq!(ledger.effects().len(), 3);
+    assert_eq!(fx.backlog().await, 0, "nothing left or waiting for an ack");
+    assert!(fx.dead_letters().await.is_empty());
+    fx.teardown().await;
+}
+
+pub async fn a_crash_between_commit_and_ack_is_redelivered_and_recognised<F: Fixture>() {
+    let fx = F::setup("crash").await;
+    fx.publish(&payment("crash-1"), "crash-1").await;
+    let ledger = Ledger::new(MemoryStore::new());
+
+    // Consumer A commits, then its process "dies" before the ack.
+    let consumer_a = fx.builder().concurrency(1).build().unwrap();
+    let committed = Arc::new(tokio::sync::Notify::new());
+    let (ledger_a, committed_a) = (Arc::clone(&ledger), Arc::clone(&committed));
+    let run_a = tokio::spawn(consumer_a.run(
+        move |msg: Payment| {
+            let (ledger, committed) = (Arc::clone(&ledger_a), Arc::clone(&committed_a));
+            async move {
+                ledger.handle(&msg).await?;
+                committed.notify_one();
+                std::future::pending::<()>().await;
+                Ok::<_, AppError>(())
+            }
+        },
+        CancellationToken::new(),
+    ));
+    tokio::time::timeout(WAIT, committed.notified())
+        .await
+        .expect("A committed");
+    run_a.abort();
+    assert!(run_a.await.unwrap_err().is_cancelled());
+    assert_eq!(ledger.effects().get("crash-1"), Some(&1));
+
+    // Consumer B gets it back and the marker makes it a duplicate.
+    let seen: Arc<Mutex<Vec<DeliveryInfo>>> = Arc::default();
+    let consumer_b = fx.builder().build().unwrap();
+    let stats_b = consumer_b.stats();
+    let shutdown = CancellationToken::new();
+    let (ledger_b, seen_b) = (Arc::clone(&ledger), Arc::clone(&seen));
+    let run_b = tokio::spawn(consumer_b.run_with_info(
+        move |msg: Payment, info: DeliveryInfo| {
+            let (ledger, seen) = (Arc::clone(&ledger_b), Arc::clone(&seen_b));
+            async move {
+                seen.lock().unwrap().push(info);
+                ledger.handle(&msg).await
+            }
+        },
+        shutdown.clone(),
+    ));
+    wait_until("the redelivery to be acked", || stats_b.snapshot().acked == 1).await;
+    shutdown.cancel();
+    run_b.await.unwrap().unwrap();
+    let seen = seen.lock().unwrap().clone();
+    assert_eq!(seen.len(), 1);
+    assert!(seen[0].redelivered, "flagged as a redelivery: {:?}", seen[0]);
+    assert_eq!(seen[0].message_id.as_deref(), Some("crash-1"));
+    assert_eq!(ledger.calls("crash-1"), 2, "the handler saw it twice");
+    assert_eq!(ledger.effects().get("crash-1"), Some(&1), "the effect stayed single");
+    assert_eq!(fx.backlog().await, 0);
+    fx.teardown().await;
+}
+
+pub async fn failing_messages_are_dead_lettered_after_their_attempts<F: Fixture>() {
+    let fx = F::setup("fail").await;
+    let body = br#"{"message_id":"fail-1","amount":7}"#;
+    fx.publish(body, "fail-1").await;
+    let calls = Arc::new(Mutex::new(Vec::new()));
+    let consumer = fx.builder().max_attempts(3).build().unwrap();
+    let stats = consumer.stats();
+    let shutdown = CancellationToken::new();
+    let seen = Arc::clone(&calls);
+    let run = tokio::spawn(consumer.run_with_info(
+        move |_: Payment, info: DeliveryInfo| {
+            seen.lock().unwrap().push(info.attempt);
+            async move { Err::<(), _>(format!("gateway down\n(attempt {})", info.attempt)) }
+        },
+        shutdown.clone(),
+    ));
+    wait_until("the dead letter", || stats.snapshot().dead_lettered == 1).await;
+    shutdown.cancel();
+    let stats = run.await.unwrap().unwrap();
+    assert_eq!(*calls.lock().unwrap(), [1, 2, 3], "attempts counted across retries");
+    assert_eq!(
+        (stats.failed, stats.retried, stats.dead_lettered, stats.acked),
+        (3, 2, 1, 0)
+    );
+    let dead = fx.dead_letters().await;
+    assert_eq!(dead.len(), 1);
+    let (dead_body, headers) = &dead[0];
+    assert_eq!(dead_body, body, "body intact");
+    assert_eq!(headers[HEADER_KIND], "exhausted");
+    assert_eq!(headers[HEADER_ATTEMPTS], "3");
+    assert_eq!(headers[HEADER_REASON], "gateway down (attempt 3)", "one line");
+    assert!(!headers[HEADER_SOURCE].is_empty());
+    assert_eq!(fx.backlog().await, 0);
+    fx.teardown().await;
+}
+
+pub async fn permanent_errors_and_poison_are_dead_lettered_at_once<F: Fixture>() {
+    let fx = F::setup("permanent").await;
+    fx.publish(&payment("permanent-1"), "permanent-1").await;
+    fx.publish(b"{not json", "bad-json").await;
+    fx.publish(br#"{"amount":5}"#, "no-key").await;
+    fx.publish(&payment("good-1"), "good-1").await;
+    let calls = Arc::new(AtomicUsize::new(0));
+    let consumer = fx
+        .builder()
+        .retry_if(|err: &AppError| match err {
+            AppError::Idem(e) => e.is_transient(),
+            _ => true,
+        })
+        .build()
+        .unwrap();
+    let stats = consumer.stats();
+    let shutdown = CancellationToken::new();
+    let handler_calls = Arc::clone(&calls);
+    let run = tokio::spawn(consumer.run(
+        move |msg: Payment| {
+            handler_calls.fetch_add(1, Ordering::SeqCst);
+            async move {
+                if msg.message_id == "good-1" {
+                    return Ok(());
+                }
+                // A missing key never gets better.
+                Err::<(), _>(AppError::Idem(Error::MissingKey {
+                    scope: "payments".into(),
+                }))
+            }
+        },
+        shutdown.clone(),
+    ));
+    wait_until("1 rejected, 2 poison, 1 ack", || {
+        let s = stats.snapshot();
+        s.dead_lettered == 1 && s.poison == 2 && s.acked == 1
+    })
+    .await;
+    shutdown.cancel();
+    run.await.unwrap().unwrap();
+    assert_eq!(calls.load(Ordering::SeqCst), 2, "poison never reaches the handler");
+    let dead = fx.dead_letters().await;
+    let kinds: Vec<&str> = {
+        let mut k: Vec<&str> = dead.iter().map(|(_, h)| h[HEADER_KIND].as_str()).collect();
+        k.sort();
+        k
+    };
+    assert_eq!(kinds, ["poison", "poison", "rejected"]);
+    let rejected = dead.iter().find(|(_, h)| h[HEADER_KIND] == "rejected").unwrap();
+    assert_eq!(rejected.1[HEADER_ATTEMPTS], "1");
+    assert!(rejected.1[HEADER_REASON].contains("no idempotency key"));
+    let poison: Vec<&Vec<u8>> = dead
+        .iter()
+        .filter(|(_, h)| h[HEADER_KIND] == "poison")
+        .map(|(b, _)| b)
+        .collect();
+    assert!(poison.contains(&&b"{not json".to_vec()) && poison.contains(&&br#"{"amount":5}"#.to_vec()));
+    assert_eq!(fx.backlog().await, 0);
+    fx.teardown().await;
+}
+
+pub async fn a_panicking_handler_is_a_failed_attempt<F: Fixture>() {
+    let fx = F::setup("panic").await;
+    fx.publish(&payment("panic-1"), "panic-1").await;
+    let calls = Arc::new(AtomicUsize::new(0));
+    let consumer = fx.builder().max_attempts(2).build().unwrap();
+    let stats = consumer.stats();
+    let shutdown = CancellationToken::new();
+    let handler_calls = Arc::clone(&calls);
+    let run = tokio::spawn(consumer.run(
+        move |_: Payment| {
+            handler_calls.fetch_add(1, Ordering::SeqCst);
+            async {
+                if true {
+                    panic!("handler bug");
+                }
+                Ok::<(), AppError>(())
+            }
+        },
+        shutdown.clone(),
+    ));
+    wait_until("the dead letter", || stats.snapshot().dead_lettered == 1).await;
+    shutdown.cancel();
+    let stats = run.await.unwrap().unwrap();
+    assert_eq!(calls.load(Ordering::SeqCst), 2, "a panic is retried like an error");
+    assert_eq!((stats.failed, stats.retried), (2, 1));
+    let dead = fx.dead_letters().await;
+    assert_eq!(dead[0].1[HEADER_KIND], "exhausted");
+    assert!(dead[0].1[HEADER_REASON].contains("handler panicked: handler bug"));
+    fx.teardown().await;
+}
+
+pub async fn a_graceful_shutdown_loses_nothing_and_applies_nothing_twice<F: Fixture>() {
+    const N: usize = 24;
+    let fx = F::setup("shutdown").await;
+    for i in 0..N {
+        fx.publish(&payment(&format!("msg-{i:02}")), &format!("msg-{i:02}"))
+            .await;
+    }
+    let ledger = Ledger::new(MemoryStore::new());
+    let in_flight = Arc::new(AtomicUsize::new(0));
+    let start = || {
+        let consumer = fx.builder().concurrency(4).build().unwrap();
+        let stats = consumer.stats();
+        let shutdown = CancellationToken::new();
+        let (ledger, in_flight) = (Arc::clone(&ledger), Arc::clone(&in_flight));
+        let run = tokio::spawn(consumer.run(
+            move |msg: Payment| {
+                let (ledger, in_flight) = (Arc::clone(&ledger), Arc::clone(&in_flight));
+                async move {
+                    in_flight.fetch_add(1, Ordering::SeqCst);
+                    tokio::time::sleep(Duration::from_millis(60)).await;
+                    let result = ledger.handle(&msg).await;
+                    in_flight.fetch_sub(1, Ordering::SeqCst);
+                    result
+                }
+            },
+            shutdown.clone(),
+        ));
+        (stats, shutdown, run)
+    };
+    let (_, shutdown_a, run_a) = start();
+    wait_until("progress with handlers in flight", || {
+        ledger.effects().len() >= 6 && in_flight.load(Ordering::SeqCst) > 0
+    })
+    .await;
+    shutdown_a.cancel();
+    let stats_a = tokio::time::timeout(WAIT, run_a)
+        .await
+        .expect("A stops")
+        .unwrap()
+        .unwrap();
+    assert_eq!(in_flight.load(Ordering::SeqCst), 0, "in-flight handlers finished first");
+    assert_eq!(stats_a.released, 0, "nothing handed back");
+    assert!(stats_a.acked < N as u64, "stopped mid-way");
+    let (stats_b, shutdown_b, run_b) = start();
+    wait_until("all effects", || ledger.effects().len() == N).await;
+    wait_until("all acks", || stats_a.acked + stats_b.snapshot().acked == N as u64).await;
+    shutdown_b.cancel();
+    run_b.await.unwrap().unwrap();
+    let effects = ledger.effects();
+    assert!(effects.values().all(|&n| n == 1), "none applied twice: {effects:?}");
+    assert_eq!(fx.backlog().await, 0);
+    fx.teardown().await;
+}
+
+pub async fn a_consumer_can_stop_once_drained<F: Fixture>() {
+    let fx = F::setup("drained").await;
+    for i in 0..5 {
+        fx.publish(&payment(&format!("drain-{i}")), &format!("drain-{i}")).await;
+    }
+    let ledger = Ledger::new(MemoryStore::new());
+    let consumer = fx.builder().stop_when_idle(Duration::from_millis(700)).build().unwrap();
+    let handler_ledger = Arc::clone(&ledger);
+    let stats = tokio::time::timeout(
+        WAIT,
+        consumer.run(
+            move |msg: Payment| {
+                let ledger = Arc::clone(&handler_ledger);
+                async move { ledger.handle(&msg).await }
+            },
+            CancellationToken::new(),
+        ),
+    )
+    .await
+    .expect("returns on its own once idle")
+    .unwrap();
+    assert_eq!(stats.acked, 5);
+    assert_eq!(ledger.effects().len(), 5);
+    assert_eq!(fx.backlog().await, 0);
+    fx.teardown().await;
+}
+
+pub async fn a_store_outage_is_retried_without_spending_attempts<F: Fixture>() {
+    // The marker table is gone (a database that is down, a failover, a
+    // migration in progress: `Error::Store`). The messages must neither be
+    // dead-lettered nor burn their attempts; once the table is back they
+    // are processed, once.
+    let fx = F::setup("outage").await;
+    let pool = common::pg_pool(4).await;
+    let table = common::unique("outage");
+    let store = PgStore::builder(pool.clone()).table(&table).build().unwrap();
+    for i in 0..3 {
+        fx.publish(&payment(&format!("outage-{i}")), &format!("outage-{i}"))
+            .await;
+    }
+    let ledger = Ledger::new(store.clone());
+    let attempts = Arc::new(Mutex::new(Vec::new()));
+    let consumer = fx
+        .builder()
+        .max_attempts(2)
+        .outage_backoff(Backoff::new(Duration::from_millis(50), Duration::from_millis(200)))
+        .build()
+        .unwrap();
+    let stats = consumer.stats();
+    let shutdown = CancellationToken::new();
+    let (handler_ledger, seen) = (Arc::clone(&ledger), Arc::clone(&attempts));
+    let run = tokio::spawn(consumer.run_with_info(
+        move |msg: Payment, info: DeliveryInfo| {
+            let ledger = Arc::clone(&handler_ledger);
+            seen.lock().unwrap().push(info.attempt);
+            async move { ledger.handle(&msg).await }
+        },
+        shutdown.clone(),
+    ));
+    wait_until("outage retries", || stats.snapshot().outage_retries >= 9).await;
+    assert_eq!(stats.snapshot().dead_lettered, 0, "an outage never dead-letters");
+    store.migrate().await.unwrap();
+    wait_until("the messages once the store is back", || stats.snapshot().acked == 3).await;
+    shutdown.cancel();
+    let stats = run.await.unwrap().unwrap();
+    assert_eq!((stats.dead_lettered, stats.retried), (0, 0));
+    assert!(attempts.lock().unwrap().iter().all(|&a| a == 1), "no attempt spent");
+    assert!(ledger.effects().values().all(|&n| n == 1));
+    assert_eq!(ledger.effects().len(), 3);
+    assert_eq!(fx.backlog().await, 0);
+    assert!(fx.dead_letters().await.is_empty());
+    common::drop_pg_table(&pool, &table).await;
+    fx.teardown().await;
+}
+
+macro_rules! conformance {
+    ($module:ident, $fixture:ty) => {
+        mod $module {
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn ok_handlers_are_acknowledged() {
+                super::ok_handlers_are_acknowledged::<$fixture>().await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_crash_between_commit_and_ack_is_redelivered_and_recognised() {
+                super::a_crash_between_commit_and_ack_is_redelivered_and_recognised::<$fixture>().await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn failing_messages_are_dead_lettered_after_their_attempts() {
+                super::failing_messages_are_dead_lettered_after_their_attempts::<$fixture>().await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn permanent_errors_and_poison_are_dead_lettered_at_once() {
+                super::permanent_errors_and_poison_are_dead_lettered_at_once::<$fixture>().await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_panicking_handler_is_a_failed_attempt() {
+                super::a_panicking_handler_is_a_failed_attempt::<$fixture>().await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_graceful_shutdown_loses_nothing_and_applies_nothing_twice() {
+                super::a_graceful_shutdown_loses_nothing_and_applies_nothing_twice::<$fixture>().await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_consumer_can_stop_once_drained() {
+                super::a_consumer_can_stop_once_drained::<$fixture>().await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_store_outage_is_retried_without_spending_attempts() {
+                super::a_store_outage_is_retried_without_spending_attempts::<$fixture>().await
+            }
+        }
+    };
+}
+
+// ---- fixtures ----------------------------------------------------------
+
+mod rabbit {
+    use idempotent_runtime::lapin::message::BasicGetMessage;
+    use idempotent_runtime::lapin::options::{
+        BasicGetOptions, BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions, QueueDeleteOptions,
+    };
+    use idempotent_runtime::lapin::types::{AMQPValue, FieldTable};
+    use idempotent_runtime::lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
+    use idempotent_runtime::rabbitmq::{Rabbit, RabbitConsumer};
+
+    use super::*;
+
+    pub const AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
+
+    pub struct RabbitFixture {
+        conn: Connection,
+        admin: Channel,
+        queue: String,
+        dlq: String,
+    }
+
+    impl RabbitFixture {
+        async fn count(&self, queue: &str) -> u64 {
+            let passive = QueueDeclareOptions {
+                passive: true,
+                ..QueueDeclareOptions::default()
+            };
+            match self
+                .admin
+                .queue_declare(queue.into(), passive, FieldTable::default())
+                .await
+            {
+                Ok(q) => u64::from(q.message_count()),
+                Err(err) => panic!("queue {queue}: {err}"),
+            }
+        }
+    }
+
+    fn text(value: &AMQPValue) -> String {
+        match value {
+            AMQPValue::LongString(s) => s.to_string(),
+            AMQPValue::ShortString(s) => s.to_string(),
+            AMQPValue::LongLongInt(v) => v.to_string(),
+            AMQPValue::LongInt(v) => v.to_string(),
+            other => format!("{other:?}"),
+        }
+    }
+
+    impl Fixture for RabbitFixture {
+        type B = Rabbit;
+        const REDELIVERY: Duration = Duration::ZERO;
+
+        async fn setup(name: &str) -> Self {
+            let conn = Connection::connect(AMQP_URL, ConnectionProperties::default())
+                .await
+                .expect("RabbitMQ at 127.0.0.1:5672");
+            let admin = conn.create_channel().await.unwrap();
+            admin.confirm_select(ConfirmSelectOptions::default()).await.unwrap();
+            let queue = common::unique(&format!("conf.{name}"));
+            let dlq = format!("{queue}.dlq");
+            for q in [&queue, &dlq] {
+                admin
+                    .queue_declare(q.as_str().into(), QueueDeclareOptions::durable(), FieldTable::default())
+                    .await
+                    .unwrap();
+            }
+            RabbitFixture {
+                conn,
+                admin,
+                queue,
+                dlq,
+            }
+        }
+
+        fn builder(&self) -> ConsumerBuilder<Rabbit> {
+            RabbitConsumer::builder(AMQP_URL, &self.queue)
+                .prefetch(8)
+                .dead_letter_queue(&self.dlq)
+                .retry_backoff(fast())
+                .shutdown_timeout(Duration::from_secs(5))
+        }
+
+        async fn publish(&self, body: &[u8], id: &str) {
+            let props = BasicProperties::default()
+                .with_message_id(id.into())
+                .with_delivery_mode(2);
+            let confirm = self
+                .admin
+                .basic_publish(
+                    "".into(),
+                    self.queue.as_str().into(),
+                    BasicPublishOptions::default(),
+                    body,
+                    props,
+                )
+                .await
+                .unwrap()
+                .await
+                .unwrap();
+            assert!(confirm.is_ack());
+        }
+
+        async fn dead_letters(&self) -> Vec<(Vec<u8>, HashMap<String, String>)> {
+            let mut out = Vec::new();
+            // Read and put back: `basic_get` without ack, then nack all.
+            let mut held: Vec<BasicGetMessage> = Vec::new();
+            while let Some(msg) = self
+                .admin
+                .basic_get(self.dlq.as_str().into(), BasicGetOptions { no_ack: false })
+                .await
+                .unwrap()
+            {
+                let headers = msg
+                    .delivery
+                    .properties
+                    .headers()
+                    .as_ref()
+                    .map(|h| h.inner().iter().map(|(k, v)| (k.to_string(), text(v))).collect())
+                    .unwrap_or_default();
+                out.push((msg.delivery.data.clone(), headers));
+                held.push(msg);
+            }
+            for msg in held {
+                msg.delivery
+                    .acker
+                    .nack(idempotent_runtime::lapin::options::BasicNackOptions {
+                        multiple: false,
+                        requeue: true,
+                    })
+                    .await
+                    .unwrap();
+            }
+            out
+        }
+
+        async fn backlog(&self) -> u64 {
+            self.count(&self.queue).await
+        }
+
+        async fn teardown(self) {
+            for q in [&self.queue, &self.dlq] {
+                self.admin
+                    .queue_delete(q.as_str().into(), QueueDeleteOptions::default())
+                    .await
+                    .unwrap();
+            }
+            let _ = self.conn.close(200, "test done".into()).await;
+        }
+    }
+}
+
+mod jetstream {
+    use idempotent_runtime::async_nats::jetstream::consumer::{AckPolicy, pull};
+    use idempotent_runtime::async_nats::jetstream::{self, stream};
+    use idempotent_runtime::async_nats::{self, HeaderMap};
+    use idempotent_runtime::nats::{JetStream, JetStreamConsumer};
+
+    use super::*;
+
+    pub struct NatsFixture {
+        js: jetstream::Context,
+        stream: String,
+        dlq_stream: String,
+        subject: String,
+        dlq_subject: String,
+        consumer: idempotent_runtime::async_nats::jetstream::consumer::PullConsumer,
+    }
+
+    impl Fixture for NatsFixture {
+        type B = JetStream;
+        const REDELIVERY: Duration = Duration::from_secs(1);
+
+        async fn setup(name: &str) -> Self {
+            let js = jetstream::new(
+                async_nats::connect("127.0.0.1:4222")
+                    .await
+                    .expect("NATS at 127.0.0.1:4222"),
+            );
+            let id = common::unique(name);
+            let stream_name = format!("CONF_{}", id.to_uppercase());
+            let subject = format!("conf.{id}.in");
+            let dlq_subject = format!("conf.{id}.dlq");
+            let dlq_stream = format!("{stream_name}_DLQ");
+            for (n, s) in [(&stream_name, &subject), (&dlq_stream, &dlq_subject)] {
+                js.create_stream(stream::Config {
+                    name: n.clone(),
+                    subjects: vec![s.clone()],
+                    ..Default::default()
+                })
+                .await
+                .unwrap();
+            }
+            let consumer = js
+                .get_stream(&stream_name)
+                .await
+                .unwrap()
+                .get_or_create_consumer(
+                    "worker",
+                    pull::Config {
+                        durable_name: Some("worker".into()),
+                        ack_policy: AckPolicy::Explicit,
+                        ack_wait: Self::REDELIVERY,
+                        filter_subject: subject.clone(),
+                        ..Default::default()
+                    },
+                )
+                .await
+                .unwrap();
+            NatsFixture {
+                js,
+                stream: stream_name,
+                dlq_stream,
+                subject,
+                dlq_subject,
+                consumer,
+            }
+        }
+
+        fn builder(&self) -> ConsumerBuilder<JetStream> {
+            JetStreamConsumer::builder(self.js.clone(), self.consumer.clone())
+                .dead_letter_subject(&self.dlq_subject)
+                .fetch_expiry(Duration::from_millis(300))
+                .retry_backoff(fast())
+                .shutdown_timeout(Duration::from_secs(5))
+        }
+
+        async fn publish(&self, body: &[u8], id: &str) {
+            let mut headers = HeaderMap::new();
+            headers.insert("Nats-Msg-Id", id);
+            self.js
+                .publish_with_headers(self.subject.clone(), headers, body.to_vec().into())
+                .await
+                .unwrap()
+                .await
+                .unwrap();
+        }
+
+        async fn dead_letters(&self) -> Vec<(Vec<u8>, HashMap<String, String>)> {
+            let stream = self.js.get_stream(&self.dlq_stream).await.unwrap();
+            let last = stream.cached_info().state.last_sequence;
+            let mut stream = stream;
+            let last = stream.info().await.map(|i| i.state.last_sequence).unwrap_or(last);
+            let mut out = Vec::new();
+            for seq in 1..=last {
+                if let Ok(msg) = stream.get_raw_message(seq).await {
+                    let headers = msg
+                        .headers
+                        .iter()
+                        .map(|(k, v)| {
+                            (
+                                k.to_string(),
+                                v.first().map(|v| v.as_str().to_owned()).unwrap_or_default(),
+                            )
+                        })
+                        .collect();
+                    out.push((msg.payload.to_vec(), headers));
+                }
+            }
+            out
+        }
+
+        async fn backlog(&self) -> u64 {
+            let stream = self.js.get_stream(&self.stream).await.unwrap();
+            let info = stream.consumer_info("worker").await.unwrap();
+            info.num_pending + info.num_ack_pending as u64
+        }
+
+        async fn teardown(self) {
+            for name in [&self.stream, &self.dlq_stream] {
+                self.js.delete_stream(name).await.unwrap();
+            }
+        }
+    }
+}
+
+mod streams {
+    use idempotent_runtime::redis::{self, AsyncCommands};
+    use idempotent_runtime::redis_streams::{RedisStream, StreamConsumer};
+
+    use super::*;
+
+    pub struct RedisFixture {
+        client: redis::Client,
+        conn: redis::aio::MultiplexedConnection,
+        stream: String,
+        dlq: String,
+    }
+
+    fn text(value: &redis::Value) -> String {
+        match value {
+            redis::Value::BulkString(b) => String::from_utf8_lossy(b).into_owned(),
+            redis::Value::SimpleString(s) => s.clone(),
+            redis::Value::Int(i) => i.to_string(),
+            other => format!("{other:?}"),
+        }
+    }
+
+    impl Fixture for RedisFixture {
+        type B = RedisStream;
+        const REDELIVERY: Duration = Duration::from_millis(600);
+
+        async fn setup(name: &str) -> Self {
+            let client = redis::Client::open(common::REDIS_URL).unwrap();
+            let conn = client
+                .get_multiplexed_async_connection()
+                .await
+                .expect("Redis at 127.0.0.1:6379");
+            let stream = common::unique(&format!("conf.{name}"));
+            let dlq = format!("{stream}.dlq");
+            RedisFixture {
+                client,
+                conn,
+                stream,
+                dlq,
+            }
+        }
+
+        fn builder(&self) -> ConsumerBuilder<RedisStream> {
+            StreamConsumer::builder(self.client.clone(), &self.stream, "workers")
+                .claim_idle(Self::REDELIVERY)
+                .block(Duration::from_millis(300))
+                .retry_backoff(fast())
+                .shutdown_timeout(Duration::from_secs(5))
+        }
+
+        async fn publish(&self, body: &[u8], id: &str) {
+            let mut conn = self.conn.clone();
+            let _: String = conn
+                .xadd(&self.stream, "*", &[("message_id", id.as_bytes()), ("body", body)])
+                .await
+                .unwrap();
+        }
+
+        async fn dead_letters(&self) -> Vec<(Vec<u8>, HashMap<String, String>)> {
+            let mut conn = self.conn.clone();
+            let reply: redis::streams::StreamRangeReply = conn.xrange_all(&self.dlq).await.unwrap();
+            reply
+                .ids
+                .into_iter()
+                .map(|entry| {
+                    let body = match entry.map.get("body") {
+                        Some(redis::Value::BulkString(b)) => b.clone(),
+                        _ => Vec::new(),
+                    };
+                    let headers = entry.map.iter().map(|(k, v)| (k.clone(), text(v))).collect();
+                    (body, headers)
+                })
+                .collect()
+        }
+
+        async fn backlog(&self) -> u64 {
+            let mut conn = self.conn.clone();
+            let groups: redis::streams::StreamInfoGroupsReply = conn.xinfo_groups(&self.stream).await.unwrap();
+            groups
+                .groups
+                .iter()
+                .map(|g| g.pending as u64 + g.lag.unwrap_or(0) as u64)
+                .sum()
+        }
+
+        async fn teardown(self) {
+            let mut conn = self.conn.clone();
+            let _: () = conn.del(&[&self.stream, &self.dlq]).await.unwrap();
+        }
+    }
+}
+
+conformance!(rabbitmq, super::rabbit::RabbitFixture);
+conformance!(nats, super::jetstream::NatsFixture);
+conformance!(redis_streams, super::streams::RedisFixture);

@@ -1,0 +1,356 @@
+//! Private servers for the tests that restart or kill them (so the
+//! machine's shared services, used by every other test, are not touched):
+//! a RabbitMQ node, a NATS server with JetStream on disk, a Redis server with
+//! an append-only file, a PostgreSQL cluster. Each listens on a free port of
+//! 127.0.0.1, keeps its data in a temporary directory, and is stopped when
+//! dropped.
+#![allow(dead_code)]
+
+use std::net::{TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// A port nobody listens on now.
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .expect("bind 127.0.0.1:0")
+        .local_addr()
+        .expect("local address")
+        .port()
+}
+
+/// Waits until something accepts connections on `port`.
+pub fn wait_for_port(port: u16, what: &str, timeout: Duration) {
+    let deadline = Instant::now() + timeout;
+    while TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(
+            Instant::now() < deadline,
+            "{what} did not listen on :{port} within {timeout:?}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Waits until nothing accepts connections on `port`.
+pub fn wait_for_port_closed(port: u16, what: &str, timeout: Duration) {
+    let deadline = Instant::now() + timeout;
+    while TcpStream::connect(("127.0.0.1", port)).is_ok() {
+        assert!(
+            Instant::now() < deadline,
+            "{what} still listens on :{port} after {timeout:?}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn run(command: &mut Command, what: &str) {
+    let output = command
+        .output()
+        .unwrap_or_else(|err| panic!("{what}: cannot run: {err}"));
+    assert!(
+        output.status.success(),
+        "{what} failed: {}\n{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+}
+
+/// A RabbitMQ node of its own (`rabbitmq-server` as the `rabbitmq` user, as
+/// the Debian package runs it), restarted with `stop_app`/`start_app`.
+pub struct PrivateRabbit {
+    pub port: u16,
+    node: String,
+    dir: tempfile::TempDir,
+}
+
+impl PrivateRabbit {
+    pub fn start() -> PrivateRabbit {
+        let port = free_port();
+        let dist = free_port();
+        let dir = tempfile::tempdir().expect("temp dir");
+        let node = format!("idemtest{port}@localhost");
+        std::fs::create_dir_all(dir.path().join("mnesia")).unwrap();
+        std::fs::create_dir_all(dir.path().join("log")).unwrap();
+        std::fs::write(dir.path().join("enabled_plugins"), "[].").unwrap();
+        std::fs::write(
+            dir.path().join("rabbitmq.conf"),
+            format!("listeners.tcp.local = 127.0.0.1:{port}\nloopback_users = none\n"),
+        )
+        .unwrap();
+        run(
+            Command::new("chown").args(["-R", "rabbitmq:rabbitmq"]).arg(dir.path()),
+            "chown the RabbitMQ directory",
+        );
+        let rabbit = PrivateRabbit { port, node, dir };
+        let _ = dist;
+        run(
+            rabbit
+                .env(&mut Command::new("rabbitmq-server"))
+                .env("RABBITMQ_DIST_PORT", free_port().to_string())
+                .arg("-detached"),
+            "rabbitmq-server -detached",
+        );
+        wait_for_port(port, "the private RabbitMQ node", Duration::from_secs(60));
+        rabbit
+    }
+
+    fn env<'c>(&self, command: &'c mut Command) -> &'c mut Command {
+        let d = self.dir.path();
+        command
+            .current_dir(d)
+            .env("RABBITMQ_NODENAME", &self.node)
+            .env("RABBITMQ_NODE_PORT", self.port.to_string())
+            .env("RABBITMQ_MNESIA_BASE", d.join("mnesia"))
+            .env("RABBITMQ_LOG_BASE", d.join("log"))
+            .env("RABBITMQ_FEATURE_FLAGS_FILE", d.join("feature_flags"))
+            .env("RABBITMQ_ENABLED_PLUGINS_FILE", d.join("enabled_plugins"))
+            .env("RABBITMQ_PLUGINS_EXPAND_DIR", d.join("plugins"))
+            .env("RABBITMQ_PID_FILE", d.join("pid"))
+            .env("RABBITMQ_CONFIG_FILE", d.join("rabbitmq.conf"))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+    }
+
+    pub fn url(&self) -> String {
+        format!("amqp://guest:guest@127.0.0.1:{}/%2f", self.port)
+    }
+
+    fn ctl(&self, args: &[&str]) {
+        let mut command = Command::new("rabbitmqctl");
+        command.args(["-n", &self.node]).args(args);
+        run(&mut command, &format!("rabbitmqctl {args:?}"));
+    }
+
+    /// Stops the broker application (every connection is dropped), waits
+    /// `down`, and starts it again.
+    pub fn restart(&self, down: Duration) {
+        self.ctl(&["stop_app"]);
+        wait_for_port_closed(self.port, "the stopped RabbitMQ node", Duration::from_secs(30));
+        std::thread::sleep(down);
+        self.ctl(&["start_app"]);
+        wait_for_port(self.port, "the restarted RabbitMQ node", Duration::from_secs(60));
+    }
+}
+
+impl Drop for PrivateRabbit {
+    fn drop(&mut self) {
+        let _ = Command::new("rabbitmqctl")
+            .args(["-n", &self.node, "stop"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status();
+    }
+}
+
+/// A NATS server with JetStream storing on disk, killed with SIGKILL and
+/// started again on the same store.
+pub struct PrivateNats {
+    pub port: u16,
+    dir: tempfile::TempDir,
+    child: Option<Child>,
+}
+
+impl PrivateNats {
+    pub fn start() -> PrivateNats {
+        let mut nats = PrivateNats {
+            port: free_port(),
+            dir: tempfile::tempdir().expect("temp dir"),
+            child: None,
+        };
+        nats.spawn();
+        nats
+    }
+
+    fn spawn(&mut self) {
+        let child = Command::new("nats-server")
+            .args(["-a", "127.0.0.1", "-p", &self.port.to_string(), "-js", "-sd"])
+            .arg(self.dir.path())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("nats-server on PATH");
+        self.child = Some(child);
+        wait_for_port(self.port, "the private NATS server", Duration::from_secs(20));
+    }
+
+    pub fn url(&self) -> String {
+        format!("127.0.0.1:{}", self.port)
+    }
+
+    /// SIGKILL, `down`, start again on the same storage.
+    pub fn restart(&mut self, down: Duration) {
+        self.kill();
+        std::thread::sleep(down);
+        self.spawn();
+    }
+
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+impl Drop for PrivateNats {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// A Redis server persisting every write to its append-only file, killed
+/// with SIGKILL and started again on it.
+pub struct PrivateRedis {
+    pub port: u16,
+    dir: tempfile::TempDir,
+    child: Option<Child>,
+}
+
+impl PrivateRedis {
+    pub fn start() -> PrivateRedis {
+        let mut redis = PrivateRedis {
+            port: free_port(),
+            dir: tempfile::tempdir().expect("temp dir"),
+            child: None,
+        };
+        redis.spawn();
+        redis
+    }
+
+    fn spawn(&mut self) {
+        let child = Command::new("redis-server")
+            .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1", "--save", ""])
+            .args(["--appendonly", "yes", "--appendfsync", "always"])
+            .arg("--dir")
+            .arg(self.dir.path())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("redis-server on PATH");
+        self.child = Some(child);
+        wait_for_port(self.port, "the private Redis server", Duration::from_secs(20));
+    }
+
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}/", self.port)
+    }
+
+    /// SIGKILL, `down`, start again on the same append-only file.
+    pub fn restart(&mut self, down: Duration) {
+        self.kill();
+        std::thread::sleep(down);
+        self.spawn();
+    }
+
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+impl Drop for PrivateRedis {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// A PostgreSQL cluster of its own (run as the `postgres` user: PostgreSQL
+/// refuses root), trust authentication, restarted with `pg_ctl`.
+pub struct PrivatePostgres {
+    pub port: u16,
+    dir: tempfile::TempDir,
+}
+
+fn pg_bin(name: &str) -> PathBuf {
+    let base = Path::new("/usr/lib/postgresql");
+    let version = std::fs::read_dir(base)
+        .ok()
+        .and_then(|dirs| dirs.filter_map(Result::ok).map(|d| d.path()).max())
+        .unwrap_or_else(|| panic!("PostgreSQL binaries under {}", base.display()));
+    version.join("bin").join(name)
+}
+
+impl PrivatePostgres {
+    pub fn start() -> PrivatePostgres {
+        let port = free_port();
+        let dir = tempfile::tempdir().expect("temp dir");
+        run(
+            Command::new("chown").args(["-R", "postgres:postgres"]).arg(dir.path()),
+            "chown the PostgreSQL directory",
+        );
+        let pg = PrivatePostgres { port, dir };
+        run(
+            Command::new("runuser")
+                .args(["-u", "postgres", "--"])
+                .arg(pg_bin("initdb"))
+                .args(["-A", "trust", "-U", "postgres", "--no-sync", "-D"])
+                .arg(pg.data()),
+            "initdb",
+        );
+        std::fs::write(
+            pg.data().join("postgresql.auto.conf"),
+            format!(
+                "port = {port}\nlisten_addresses = '127.0.0.1'\nunix_socket_directories = '{}'\nfsync = off\nmax_connections = 100\n",
+                pg.dir.path().display()
+            ),
+        )
+        .unwrap();
+        run(
+            Command::new("chown")
+                .args(["-R", "postgres:postgres"])
+                .arg(pg.dir.path()),
+            "chown the PostgreSQL configuration",
+        );
+        pg.ctl(&["start", "-w", "-t", "60"]);
+        pg
+    }
+
+    fn data(&self) -> PathBuf {
+        self.dir.path().join("data")
+    }
+
+    fn ctl(&self, args: &[&str]) {
+        let log = self.dir.path().join("log");
+        run(
+            Command::new("runuser")
+                .args(["-u", "postgres", "--"])
+                .arg(pg_bin("pg_ctl"))
+                .arg("-D")
+                .arg(self.data())
+                .arg("-l")
+                .arg(&log)
+                .args(args),
+            &format!("pg_ctl {args:?}"),
+        );
+    }
+
+    /// The `postgres` database of this cluster.
+    pub fn url(&self) -> String {
+        format!("postgres://postgres@127.0.0.1:{}/postgres", self.port)
+    }
+
+    /// Stops it at once (`immediate`: like a crash, no checkpoint), waits
+    /// `down`, and starts it again.
+    pub fn restart(&self, down: Duration) {
+        self.ctl(&["stop", "-m", "immediate", "-w"]);
+        std::thread::sleep(down);
+        self.ctl(&["start", "-w", "-t", "60"]);
+    }
+}
+
+impl Drop for PrivatePostgres {
+    fn drop(&mut self) {
+        let _ = Command::new("runuser")
+            .args(["-u", "postgres", "--"])
+            .arg(pg_bin("pg_ctl"))
+            .arg("-D")
+            .arg(self.data())
+            .args(["stop", "-m", "immediate"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status();
+    }
+}
