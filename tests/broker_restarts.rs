@@ -152,9 +152,9 @@ async fn a_jetstream_consumer_survives_a_server_restart() {
     use idempotent_runtime::nats::JetStreamConsumer;
 
     let nats = Arc::new(Mutex::new(
-        tokio::task::spawn_blocking(PrivateNats::start).await.unwrap(),
+        tokio::task::spawn_blocking(PrivateNats::nats).await.unwrap(),
     ));
-    let url = nats.lock().unwrap().url();
+    let url = nats.lock().unwrap().nats_url();
     let client = async_nats::connect(&url).await.unwrap();
     let js = jetstream::new(client);
     let stream = js
@@ -197,9 +197,9 @@ async fn a_redis_streams_consumer_survives_a_server_restart() {
     use idempotent_runtime::redis_streams::StreamConsumer;
 
     let server = Arc::new(Mutex::new(
-        tokio::task::spawn_blocking(PrivateRedis::start).await.unwrap(),
+        tokio::task::spawn_blocking(PrivateRedis::redis).await.unwrap(),
     ));
-    let client = redis::Client::open(server.lock().unwrap().url()).unwrap();
+    let client = redis::Client::open(server.lock().unwrap().redis_url()).unwrap();
     let mut conn = client.get_multiplexed_async_connection().await.unwrap();
     for i in 0..MESSAGES {
         let _: String = conn.xadd("payments", "*", &[("body", body(i))]).await.unwrap();

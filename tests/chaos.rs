@@ -1,24 +1,35 @@
-//! Chaos: several consumer **processes** against the real RabbitMQ and
-//! PostgreSQL while a driver SIGKILLs them at random moments (mid-body,
-//! between commit and ack, mid-retry) and restarts them; handlers fail at
-//! random and some messages always fail. At the end every message's effect
-//! is in the database exactly once, or the message is in the dead-letter
-//! queue: nothing is lost, nothing is applied twice.
+//! Chaos: several consumer **processes** against a real broker and
+//! PostgreSQL while a driver injects the faults real deployments see:
+//! consumers SIGKILLed at random moments (mid-body, between commit and ack,
+//! mid-retry) and restarted, the broker restarted (RabbitMQ `stop_app` /
+//! `start_app`, NATS killed and started again on its storage), the
+//! consumers' database connections killed (`pg_terminate_backend`) and
+//! PostgreSQL itself restarted; handlers fail at random and some messages
+//! always fail. At the end every message's effect is in the database exactly
+//! once, or the message is in the dead-letter destination: nothing is lost,
+//! nothing is applied twice.
 //!
-//! The fast run is part of the default test command. The soak runs with
-//! `IDEMPOTENT_SOAK=1 cargo test --test chaos -- --nocapture` and prints its
-//! figures (the README quotes the last one); `IDEMPOTENT_SOAK_MESSAGES`
-//! sizes it (default 20 000).
+//! The broker and PostgreSQL are private servers started by the test (so
+//! the machine's shared ones, used by every other test, are not restarted).
+//!
+//! The fast runs are part of the default test command. The soak runs with
+//! `IDEMPOTENT_SOAK=1 cargo test --test chaos soak -- --nocapture` and prints
+//! its figures (the README quotes the last one); `IDEMPOTENT_SOAK_MESSAGES`
+//! sizes it (default 100 000) and `IDEMPOTENT_SOAK_BROKER` picks `rabbitmq`
+//! (default) or `nats`.
 
 mod common;
 
 use std::collections::{HashMap, HashSet};
 use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use common::servers::{ChildServer, PrivatePostgres, PrivateRabbit};
 use idempotent_runtime::PgStore;
+use idempotent_runtime::async_nats::{self, jetstream};
 use idempotent_runtime::lapin::options::{
-    BasicGetOptions, BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions, QueueDeleteOptions,
+    BasicGetOptions, BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions,
 };
 use idempotent_runtime::lapin::types::FieldTable;
 use idempotent_runtime::lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
@@ -26,9 +37,23 @@ use idempotent_runtime::sqlx::{self, AssertSqlSafe, PgPool};
 use rand::Rng;
 use rand::seq::SliceRandom;
 
-const AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum BrokerKind {
+    RabbitMq,
+    Nats,
+}
+
+impl BrokerKind {
+    fn name(self) -> &'static str {
+        match self {
+            BrokerKind::RabbitMq => "rabbitmq",
+            BrokerKind::Nats => "nats",
+        }
+    }
+}
 
 struct Plan {
+    broker: BrokerKind,
     messages: usize,
     duplicate_percent: u32,
     always_fail_percent: u32,
@@ -36,16 +61,23 @@ struct Plan {
     fail_percent: u32,
     crash_percent: u32,
     kills: usize,
-    kill_every: (u64, u64),
+    broker_restarts: usize,
+    connection_kills: usize,
+    database_restarts: usize,
     deadline: Duration,
 }
 
 #[derive(Debug, Default)]
 struct Figures {
+    broker: &'static str,
     messages: usize,
     published: usize,
     deliveries: i64,
     kills: usize,
+    broker_restarts: usize,
+    connection_kills: usize,
+    connections_killed: i64,
+    database_restarts: usize,
     crashes_after_commit: i64,
     injected_failures: i64,
     effects: i64,
@@ -57,8 +89,252 @@ struct Figures {
     elapsed: Duration,
 }
 
+/// The broker of a chaos run: a private server, its input and dead-letter
+/// destination, and the driver's view of them (reconnecting after
+/// restarts).
+enum Broker {
+    Rabbit {
+        server: Arc<PrivateRabbit>,
+        queue: String,
+        admin: Option<(Connection, Channel)>,
+    },
+    Nats {
+        server: Arc<std::sync::Mutex<ChildServer>>,
+        js: jetstream::Context,
+        stream: String,
+        dead_letter_stream: String,
+        /// Stream sequence of the last dead letter read.
+        read_up_to: u64,
+    },
+}
+
+impl Broker {
+    async fn start(kind: BrokerKind, name: &str) -> Broker {
+        match kind {
+            BrokerKind::RabbitMq => {
+                let server = tokio::task::spawn_blocking(PrivateRabbit::start).await.unwrap();
+                let mut broker = Broker::Rabbit {
+                    server: Arc::new(server),
+                    queue: name.to_owned(),
+                    admin: None,
+                };
+                let channel = broker.rabbit_admin().await;
+                for q in [name.to_owned(), format!("{name}.dlq")] {
+                    channel
+                        .queue_declare(q.as_str().into(), QueueDeclareOptions::durable(), FieldTable::default())
+                        .await
+                        .unwrap();
+                }
+                broker
+            }
+            BrokerKind::Nats => {
+                let server = tokio::task::spawn_blocking(ChildServer::nats).await.unwrap();
+                let js = jetstream::new(async_nats::connect(server.nats_url()).await.unwrap());
+                let stream = name.to_uppercase().replace('.', "_");
+                let dead_letter_stream = format!("{stream}_DLQ");
+                for (n, subject) in [
+                    (&stream, stream.clone()),
+                    (&dead_letter_stream, format!("{stream}.dlq")),
+                ] {
+                    js.create_stream(jetstream::stream::Config {
+                        name: n.clone(),
+                        subjects: vec![subject],
+                        storage: jetstream::stream::StorageType::File,
+                        ..Default::default()
+                    })
+                    .await
+                    .unwrap();
+                }
+                js.get_stream(&stream)
+                    .await
+                    .unwrap()
+                    .create_consumer(jetstream::consumer::pull::Config {
+                        durable_name: Some("chaos".into()),
+                        ack_wait: Duration::from_secs(3),
+                        ..Default::default()
+                    })
+                    .await
+                    .unwrap();
+                Broker::Nats {
+                    server: Arc::new(std::sync::Mutex::new(server)),
+                    js,
+                    stream,
+                    dead_letter_stream,
+                    read_up_to: 0,
+                }
+            }
+        }
+    }
+
+    /// The source consumers read (queue, or stream) and their environment.
+    fn consumer_env(&self) -> (String, String) {
+        match self {
+            Broker::Rabbit { server, queue, .. } => (queue.clone(), server.url()),
+            Broker::Nats { server, stream, .. } => (stream.clone(), server.lock().unwrap().nats_url()),
+        }
+    }
+
+    /// The admin channel, connected again after a restart.
+    async fn rabbit_admin(&mut self) -> Channel {
+        let Broker::Rabbit { server, admin, .. } = self else {
+            unreachable!("a RabbitMQ broker")
+        };
+        if let Some((conn, channel)) = admin
+            && conn.status().connected()
+            && channel.status().connected()
+        {
+            return channel.clone();
+        }
+        for _ in 0..200 {
+            if let Ok(conn) = Connection::connect(&server.url(), ConnectionProperties::default()).await
+                && let Ok(channel) = conn.create_channel().await
+                && channel.confirm_select(ConfirmSelectOptions::default()).await.is_ok()
+            {
+                *admin = Some((conn, channel.clone()));
+                return channel;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        panic!("cannot reach the private RabbitMQ node");
+    }
+
+    async fn publish(&mut self, bodies: Vec<Vec<u8>>) {
+        match self {
+            Broker::Rabbit { .. } => {
+                let queue = match self {
+                    Broker::Rabbit { queue, .. } => queue.clone(),
+                    Broker::Nats { .. } => unreachable!(),
+                };
+                let channel = self.rabbit_admin().await;
+                let mut confirms = Vec::new();
+                for body in bodies {
+                    let props = BasicProperties::default().with_delivery_mode(2);
+                    confirms.push(
+                        channel
+                            .basic_publish(
+                                "".into(),
+                                queue.as_str().into(),
+                                BasicPublishOptions::default(),
+                                &body,
+                                props,
+                            )
+                            .await
+                            .unwrap(),
+                    );
+                    if confirms.len() >= 1000 {
+                        for confirm in confirms.drain(..) {
+                            assert!(confirm.await.unwrap().is_ack());
+                        }
+                    }
+                }
+                for confirm in confirms {
+                    assert!(confirm.await.unwrap().is_ack());
+                }
+            }
+            Broker::Nats { js, stream, .. } => {
+                let mut acks = Vec::new();
+                for body in bodies {
+                    acks.push(js.publish(stream.clone(), body.into()).await.unwrap());
+                    if acks.len() >= 1000 {
+                        for ack in acks.drain(..) {
+                            ack.await.unwrap();
+                        }
+                    }
+                }
+                for ack in acks {
+                    ack.await.unwrap();
+                }
+            }
+        }
+    }
+
+    /// Messages not settled yet (ready, or held by a consumer), or `None`
+    /// while the broker cannot say (restarting).
+    async fn backlog(&mut self) -> Option<u64> {
+        match self {
+            Broker::Rabbit { queue, .. } => {
+                let queue = queue.clone();
+                let channel = self.rabbit_admin().await;
+                let passive = QueueDeclareOptions {
+                    passive: true,
+                    ..QueueDeclareOptions::default()
+                };
+                let declared = channel
+                    .queue_declare(queue.as_str().into(), passive, FieldTable::default())
+                    .await;
+                // Ready only: the unacked ones are with a live consumer, or
+                // back in the queue once it is gone.
+                declared.ok().map(|q| u64::from(q.message_count()))
+            }
+            Broker::Nats { js, stream, .. } => {
+                let stream = js.get_stream(stream.as_str()).await.ok()?;
+                let info = stream.consumer_info("chaos").await.ok()?;
+                Some(info.num_pending + info.num_ack_pending as u64)
+            }
+        }
+    }
+
+    /// Takes what reached the dead-letter destination since the last call:
+    /// message ids.
+    async fn drain_dead_letters(&mut self, into: &mut HashSet<String>) {
+        let id_of = |body: &[u8]| -> String {
+            let body: serde_json::Value = serde_json::from_slice(body).unwrap();
+            body["message_id"].as_str().unwrap().to_owned()
+        };
+        match self {
+            Broker::Rabbit { queue, .. } => {
+                let dlq = format!("{queue}.dlq");
+                let channel = self.rabbit_admin().await;
+                while let Ok(Some(msg)) = channel
+                    .basic_get(dlq.as_str().into(), BasicGetOptions { no_ack: true })
+                    .await
+                {
+                    into.insert(id_of(&msg.delivery.data));
+                }
+            }
+            Broker::Nats {
+                js,
+                dead_letter_stream,
+                read_up_to,
+                ..
+            } => {
+                let Ok(mut stream) = js.get_stream(dead_letter_stream.as_str()).await else {
+                    return;
+                };
+                let Ok(info) = stream.info().await else {
+                    return;
+                };
+                let last = info.state.last_sequence;
+                while *read_up_to < last {
+                    match stream.get_raw_message(*read_up_to + 1).await {
+                        Ok(msg) => into.insert(id_of(&msg.payload)),
+                        Err(_) => return,
+                    };
+                    *read_up_to += 1;
+                }
+            }
+        }
+    }
+
+    /// Restarts the broker (blocking; run it off the async threads).
+    fn restart(&self) -> impl FnOnce() + Send + 'static {
+        let down = Duration::from_millis(rand::rng().random_range(200..1500));
+        match self {
+            Broker::Rabbit { server, .. } => {
+                let server = Arc::clone(server);
+                Box::new(move || server.restart(down)) as Box<dyn FnOnce() + Send>
+            }
+            Broker::Nats { server, .. } => {
+                let server = Arc::clone(server);
+                Box::new(move || server.lock().unwrap().restart(down))
+            }
+        }
+    }
+}
+
 struct Consumers {
     args: Vec<String>,
+    env: Vec<(String, String)>,
     children: Vec<Child>,
     restarts: usize,
 }
@@ -67,6 +343,7 @@ impl Consumers {
     fn spawn(&self) -> Child {
         Command::new(env!("CARGO_BIN_EXE_consumer_process"))
             .args(&self.args)
+            .envs(self.env.iter().map(|(k, v)| (k, v)))
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
@@ -98,62 +375,75 @@ impl Consumers {
     }
 }
 
-async fn publish(channel: &Channel, queue: &str, body: Vec<u8>) {
-    let props = BasicProperties::default()
-        .with_delivery_mode(2)
-        .with_content_type("application/json".into());
-    let confirm = channel
-        .basic_publish("".into(), queue.into(), BasicPublishOptions::default(), &body, props)
-        .await
-        .unwrap()
-        .await
-        .unwrap();
-    assert!(confirm.is_ack());
+/// A fault kind's schedule: the share of the messages settled at which
+/// each of its faults fires, spread between 10 % and 80 % so that every
+/// fault hits consumers at work.
+struct Schedule {
+    at: Vec<f64>,
+    next: usize,
 }
 
-async fn ready(channel: &Channel, queue: &str) -> u32 {
-    let passive = QueueDeclareOptions {
-        passive: true,
-        ..QueueDeclareOptions::default()
-    };
-    channel
-        .queue_declare(queue.into(), passive, FieldTable::default())
-        .await
-        .unwrap()
-        .message_count()
-}
-
-/// Takes what reached the dead-letter queue so far: message ids.
-async fn drain_ids(channel: &Channel, queue: &str, into: &mut HashSet<String>) -> usize {
-    let mut taken = 0;
-    while let Some(msg) = channel
-        .basic_get(queue.into(), BasicGetOptions { no_ack: true })
-        .await
-        .unwrap()
-    {
-        let body: serde_json::Value = serde_json::from_slice(&msg.delivery.data).unwrap();
-        into.insert(body["message_id"].as_str().unwrap().to_owned());
-        taken += 1;
+impl Schedule {
+    fn new(count: usize) -> Schedule {
+        let mut rng = rand::rng();
+        let mut at: Vec<f64> = (0..count)
+            .map(|i| {
+                let slot = 0.7 / count.max(1) as f64;
+                0.1 + slot * (i as f64 + rng.random_range(0.0..1.0))
+            })
+            .collect();
+        at.sort_by(f64::total_cmp);
+        Schedule { at, next: 0 }
     }
-    taken
+
+    /// `true` (and the fault counted) when the next one is due at `progress`.
+    fn due(&mut self, progress: f64) -> bool {
+        if self.next < self.at.len() && progress >= self.at[self.next] {
+            self.next += 1;
+            return true;
+        }
+        false
+    }
+
+    /// Gives a fault that did not happen another chance.
+    fn again(&mut self) {
+        self.next -= 1;
+    }
+
+    fn left(&self) -> usize {
+        self.at.len() - self.next
+    }
 }
 
-async fn scalar(pool: &PgPool, sql: String) -> i64 {
-    sqlx::query_scalar(AssertSqlSafe(sql)).fetch_one(pool).await.unwrap()
+async fn scalar(pool: &PgPool, sql: String) -> Option<i64> {
+    sqlx::query_scalar(AssertSqlSafe(sql)).fetch_one(pool).await.ok()
+}
+
+async fn applied_count(pool: &PgPool, payments: &str) -> Option<i64> {
+    scalar(pool, format!("SELECT count(DISTINCT message_id) FROM {payments}")).await
+}
+
+async fn applied_ids(pool: &PgPool, payments: &str) -> Option<HashSet<String>> {
+    let rows: Vec<String> = sqlx::query_scalar(AssertSqlSafe(format!("SELECT DISTINCT message_id FROM {payments}")))
+        .fetch_all(pool)
+        .await
+        .ok()?;
+    Some(rows.into_iter().collect())
 }
 
 async fn run(plan: Plan) -> Figures {
     let started = Instant::now();
-    let pool = common::pg_pool(4).await;
-    let queue = common::unique("idem.chaos");
-    let dlq = format!("{queue}.dlq");
-    let (markers, payments, log) = (
-        common::unique("chaos_m"),
-        common::unique("chaos_p"),
-        common::unique("chaos_log"),
-    );
+    let database = tokio::task::spawn_blocking(PrivatePostgres::start).await.unwrap();
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(4)
+        .acquire_timeout(Duration::from_secs(5))
+        .connect(&database.url())
+        .await
+        .expect("the private PostgreSQL");
+    let source = common::unique("idem.chaos");
+    let (markers, payments, log) = ("chaos_markers", "chaos_payments", "chaos_log");
     PgStore::builder(pool.clone())
-        .table(&markers)
+        .table(markers)
         .build()
         .unwrap()
         .migrate()
@@ -165,17 +455,7 @@ async fn run(plan: Plan) -> Figures {
     ] {
         sqlx::query(AssertSqlSafe(ddl)).execute(&pool).await.unwrap();
     }
-    let connection = Connection::connect(AMQP_URL, ConnectionProperties::default())
-        .await
-        .expect("RabbitMQ");
-    let channel = connection.create_channel().await.unwrap();
-    channel.confirm_select(ConfirmSelectOptions::default()).await.unwrap();
-    for q in [&queue, &dlq] {
-        channel
-            .queue_declare(q.as_str().into(), QueueDeclareOptions::durable(), FieldTable::default())
-            .await
-            .unwrap();
-    }
+    let mut broker = Broker::start(plan.broker, &source).await;
 
     // Messages, a share of them published twice, a few that always fail.
     let mut rng = rand::rng();
@@ -196,60 +476,119 @@ async fn run(plan: Plan) -> Figures {
     }
     bodies.shuffle(&mut rng);
     let published = bodies.len();
-    for body in bodies {
-        publish(&channel, &queue, body).await;
-    }
+    broker.publish(bodies).await;
 
-    let args = [
-        "chaos",
-        &queue,
-        &markers,
-        &payments,
-        &log,
-        &plan.fail_percent.to_string(),
-        &plan.crash_percent.to_string(),
-    ]
-    .map(str::to_owned)
-    .to_vec();
+    let (source_name, broker_url) = broker.consumer_env();
     let mut consumers = Consumers {
-        args,
+        args: [
+            "chaos",
+            plan.broker.name(),
+            &source_name,
+            markers,
+            payments,
+            log,
+            &plan.fail_percent.to_string(),
+            &plan.crash_percent.to_string(),
+        ]
+        .map(str::to_owned)
+        .to_vec(),
+        env: vec![
+            ("IDEMPOTENT_BROKER_URL".into(), broker_url),
+            ("IDEMPOTENT_PG_URL".into(), database.url()),
+        ],
         children: Vec::new(),
         restarts: 0,
     };
     consumers.children = (0..plan.consumers).map(|_| consumers.spawn()).collect();
 
-    let expected_effects = (plan.messages - always_fail.len()) as i64;
+    let database = Arc::new(database);
+    let mut kills = Schedule::new(plan.kills);
+    let mut broker_restarts = Schedule::new(plan.broker_restarts);
+    let mut connection_kills = Schedule::new(plan.connection_kills);
+    let mut database_restarts = Schedule::new(plan.database_restarts);
+    let mut connections_killed = 0i64;
     let mut dead: HashSet<String> = HashSet::new();
-    let mut kills = 0;
-    let mut next_kill = Instant::now() + Duration::from_millis(rng.random_range(plan.kill_every.0..plan.kill_every.1));
+    let all_ids: Vec<String> = (0..plan.messages).map(|i| format!("pay-{i:06}")).collect();
     let deadline = Instant::now() + plan.deadline;
+    // Poll less often on big runs (each poll counts the applied messages).
+    let poll = Duration::from_millis((plan.messages as u64 / 200).clamp(100, 1000));
+    let mut settled_polls = 0;
+    let mut progress = 0.0;
     loop {
+        consumers.revive();
+        if kills.due(progress) {
+            consumers.kill_one();
+        }
+        if broker_restarts.due(progress) {
+            tokio::task::spawn_blocking(broker.restart()).await.unwrap();
+        }
+        if connection_kills.due(progress) {
+            let killed = scalar(
+                &pool,
+                "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity \
+                 WHERE application_name = 'chaos_consumer'"
+                    .into(),
+            )
+            .await
+            .unwrap_or(0);
+            if killed == 0 {
+                // No consumer connection at this instant: try again soon.
+                connection_kills.again();
+            }
+            connections_killed += killed;
+        }
+        if database_restarts.due(progress) {
+            let database = Arc::clone(&database);
+            let down = Duration::from_millis(rand::rng().random_range(200..1500));
+            tokio::task::spawn_blocking(move || database.restart(down))
+                .await
+                .unwrap();
+        }
+        broker.drain_dead_letters(&mut dead).await;
+        if let Some(applied) = applied_count(&pool, payments).await {
+            progress = (applied as f64 + dead.len() as f64) / plan.messages as f64;
+        }
+        // Done when every fault happened, every message is applied or
+        // dead-lettered, and the broker holds nothing more.
+        let faults_done =
+            kills.left() + broker_restarts.left() + connection_kills.left() + database_restarts.left() == 0;
+        let applied = if progress >= 1.0 || Instant::now() >= deadline {
+            applied_ids(&pool, payments).await
+        } else {
+            None
+        };
+        let settled = applied
+            .as_ref()
+            .is_some_and(|applied| all_ids.iter().all(|id| applied.contains(id) || dead.contains(id)));
+        if faults_done && settled && broker.backlog().await == Some(0) {
+            settled_polls += 1;
+            if settled_polls >= 3 {
+                break;
+            }
+        } else {
+            settled_polls = 0;
+        }
         if Instant::now() >= deadline {
-            let missing: Vec<&String> = always_fail.iter().filter(|id| !dead.contains(*id)).collect();
-            let effects = scalar(&pool, format!("SELECT count(DISTINCT message_id) FROM {payments}")).await;
+            let missing: Vec<&String> = all_ids
+                .iter()
+                .filter(|id| !dead.contains(*id) && !applied.as_ref().is_some_and(|a| a.contains(*id)))
+                .take(20)
+                .collect();
+            consumers.stop();
             panic!(
-                "not drained in time: {kills} kills, effects {effects}/{expected_effects}, \
-                 always-failing messages not dead-lettered: {missing:?} (log table {log})"
+                "not settled in time: progress {progress:.3}, faults left (kills {}, broker {}, connections {}, \
+                 database {}), backlog {:?}, messages neither applied nor dead-lettered (first 20): {missing:?}",
+                kills.left(),
+                broker_restarts.left(),
+                connection_kills.left(),
+                database_restarts.left(),
+                broker.backlog().await
             );
         }
-        consumers.revive();
-        if kills < plan.kills && Instant::now() >= next_kill {
-            consumers.kill_one();
-            kills += 1;
-            next_kill = Instant::now() + Duration::from_millis(rng.random_range(plan.kill_every.0..plan.kill_every.1));
-        }
-        drain_ids(&channel, &dlq, &mut dead).await;
-        let effects = scalar(&pool, format!("SELECT count(DISTINCT message_id) FROM {payments}")).await;
-        let all_dead = always_fail.iter().all(|id| dead.contains(id));
-        if kills >= plan.kills && all_dead && effects >= expected_effects && ready(&channel, &queue).await == 0 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
+        tokio::time::sleep(poll).await;
     }
-    // Let in-flight redeliveries settle, then stop everything.
-    tokio::time::sleep(Duration::from_millis(500)).await;
     consumers.stop();
-    drain_ids(&channel, &dlq, &mut dead).await;
+    broker.drain_dead_letters(&mut dead).await;
 
     let rows: Vec<(String, i64)> = sqlx::query_as(AssertSqlSafe(format!(
         "SELECT message_id, count(*) FROM {payments} GROUP BY message_id"
@@ -258,17 +597,36 @@ async fn run(plan: Plan) -> Figures {
     .await
     .unwrap();
     let effects: HashMap<String, i64> = rows.into_iter().collect();
-    let ids = (0..plan.messages).map(|i| format!("pay-{i:06}"));
-    let lost = ids.filter(|id| !effects.contains_key(id) && !dead.contains(id)).count();
+    let lost = all_ids
+        .iter()
+        .filter(|id| !effects.contains_key(*id) && !dead.contains(*id))
+        .count();
     // A duplicate copy can exhaust its attempts while the other copy
-    // succeeds: such a message is both applied (once) and dead-lettered.
+    // succeeds, and a message that failed at random on each of its attempts
+    // is dead-lettered: such a message is applied at most once and may be
+    // dead-lettered too.
     let dead_only = dead.iter().filter(|id| !effects.contains_key(*id)).count();
-    let events = |event: &'static str| scalar(&pool, format!("SELECT count(*) FROM {log} WHERE event LIKE '{event}%'"));
-    let figures = Figures {
+    let events = |event: &'static str| {
+        let pool = pool.clone();
+        async move {
+            scalar(&pool, format!("SELECT count(*) FROM {log} WHERE event LIKE '{event}%'"))
+                .await
+                .unwrap_or(0)
+        }
+    };
+    for id in &always_fail {
+        assert!(!effects.contains_key(id), "{id} always fails: it has no effect");
+    }
+    Figures {
+        broker: plan.broker.name(),
         messages: plan.messages,
         published,
         deliveries: events("delivery").await,
-        kills,
+        kills: plan.kills,
+        broker_restarts: plan.broker_restarts,
+        connection_kills: plan.connection_kills,
+        connections_killed,
+        database_restarts: plan.database_restarts,
         crashes_after_commit: events("crash").await,
         injected_failures: events("failure").await,
         effects: effects.values().sum(),
@@ -277,26 +635,7 @@ async fn run(plan: Plan) -> Figures {
         lost,
         applied_twice: effects.values().filter(|n| **n > 1).count(),
         elapsed: started.elapsed(),
-    };
-    for id in &always_fail {
-        assert!(!effects.contains_key(id), "{id} always fails: it has no effect");
     }
-
-    for q in [&queue, &dlq] {
-        channel
-            .queue_delete(q.as_str().into(), QueueDeleteOptions::default())
-            .await
-            .unwrap();
-    }
-    if std::env::var("IDEMPOTENT_CHAOS_KEEP").is_ok() {
-        println!("kept tables {markers} {payments} {log}");
-        return figures;
-    }
-    for table in [&markers, &payments, &log] {
-        common::drop_pg_table(&pool, table).await;
-    }
-    let _ = connection.close(200, "chaos done".into()).await;
-    figures
 }
 
 /// Prints the figures straight to stderr: libtest captures `println!`, but
@@ -304,15 +643,21 @@ async fn run(plan: Plan) -> Figures {
 fn report(name: &str, f: &Figures) {
     use std::io::Write;
     let text = format!(
-        "chaos {name}: {:.1?}\n  messages {} (published {} with duplicates)\n  deliveries to handlers {}\n  \
-         SIGKILLs {}, aborts after commit before ack {}\n  injected handler failures {}\n  \
+        "chaos {name} ({}): {:.1?}\n  messages {} (published {} with duplicates)\n  deliveries to handlers {} \
+         (logged best effort)\n  SIGKILLs {}, aborts after commit before ack {}\n  broker restarts {}, \
+         database connection kills {} ({} connections), database restarts {}\n  injected handler failures {}\n  \
          effects {} (= messages {} - dead-lettered only {}); dead-lettered {}\n  lost {}, applied twice {}\n",
+        f.broker,
         f.elapsed,
         f.messages,
         f.published,
         f.deliveries,
         f.kills,
         f.crashes_after_commit,
+        f.broker_restarts,
+        f.connection_kills,
+        f.connections_killed,
+        f.database_restarts,
         f.injected_failures,
         f.effects,
         f.messages,
@@ -333,14 +678,18 @@ fn check(f: &Figures) {
         "every message applied once or dead-lettered"
     );
     assert!(
-        f.kills > 0 && f.injected_failures > 0 && f.crashes_after_commit > 0,
+        f.injected_failures > 0 && f.crashes_after_commit > 0,
         "the chaos happened: {f:?}"
+    );
+    assert!(
+        f.connection_kills == 0 || f.connections_killed > 0,
+        "database connections were killed: {f:?}"
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn killed_and_failing_consumer_processes_apply_each_message_once() {
-    let figures = run(Plan {
+fn fast(broker: BrokerKind) -> Plan {
+    Plan {
+        broker,
         messages: 300,
         duplicate_percent: 20,
         always_fail_percent: 2,
@@ -348,10 +697,23 @@ async fn killed_and_failing_consumer_processes_apply_each_message_once() {
         fail_percent: 10,
         crash_percent: 2,
         kills: 6,
-        kill_every: (150, 500),
-        deadline: Duration::from_secs(50),
-    })
-    .await;
+        broker_restarts: 1,
+        connection_kills: 1,
+        database_restarts: 1,
+        deadline: Duration::from_secs(120),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rabbitmq_consumers_apply_each_message_once_through_every_fault() {
+    let figures = run(fast(BrokerKind::RabbitMq)).await;
+    report("fast", &figures);
+    check(&figures);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn jetstream_consumers_apply_each_message_once_through_every_fault() {
+    let figures = run(fast(BrokerKind::Nats)).await;
     report("fast", &figures);
     check(&figures);
 }
@@ -365,17 +727,25 @@ async fn soak() {
     let messages: usize = std::env::var("IDEMPOTENT_SOAK_MESSAGES")
         .ok()
         .and_then(|n| n.parse().ok())
-        .unwrap_or(20_000);
+        .unwrap_or(100_000);
+    let broker = match std::env::var("IDEMPOTENT_SOAK_BROKER").as_deref() {
+        Ok("nats") => BrokerKind::Nats,
+        _ => BrokerKind::RabbitMq,
+    };
+    // Faults spread over the run (between 10 % and 80 % of the messages).
     let figures = run(Plan {
+        broker,
         messages,
         duplicate_percent: 20,
         always_fail_percent: 1,
         consumers: 4,
         fail_percent: 10,
         crash_percent: 1,
-        kills: messages / 333,
-        kill_every: (500, 3000),
-        deadline: Duration::from_secs(120 + messages as u64 / 10),
+        kills: (messages / 800).max(10),
+        broker_restarts: (messages / 25_000).max(3),
+        connection_kills: (messages / 25_000).max(3),
+        database_restarts: (messages / 50_000).max(1),
+        deadline: Duration::from_secs(300 + messages as u64 / 20),
     })
     .await;
     report("soak", &figures);

@@ -5,69 +5,13 @@
 //! with an append-only file, as a production Redis holding markers must)
 //! and no effect is lost or doubled.
 
+mod common;
+
 use std::collections::HashMap;
-use std::net::TcpListener;
-use std::process::{Child, Command, Stdio};
 use std::sync::Mutex;
 use std::time::Duration;
 
 use idempotent_runtime::{Error, RedisStore, idempotent};
-
-struct PrivateRedis {
-    port: u16,
-    dir: tempfile::TempDir,
-    child: Option<Child>,
-}
-
-impl PrivateRedis {
-    fn start() -> Self {
-        let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-        let mut redis = PrivateRedis {
-            port,
-            dir: tempfile::tempdir().unwrap(),
-            child: None,
-        };
-        redis.spawn();
-        redis
-    }
-
-    fn spawn(&mut self) {
-        self.spawn_with(&["--appendonly", "yes", "--appendfsync", "always"]);
-    }
-
-    /// Starts the server with `settings` after the port, bind and `save ""`.
-    fn spawn_with(&mut self, settings: &[&str]) {
-        let child = Command::new("redis-server")
-            .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1", "--save", ""])
-            .args(settings)
-            .arg("--dir")
-            .arg(self.dir.path())
-            .stdout(Stdio::null())
-            .spawn()
-            .expect("redis-server on PATH");
-        self.child = Some(child);
-        for _ in 0..100 {
-            if std::net::TcpStream::connect(("127.0.0.1", self.port)).is_ok() {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        panic!("private redis-server did not start");
-    }
-
-    fn kill(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            child.kill().unwrap();
-            child.wait().unwrap();
-        }
-    }
-}
-
-impl Drop for PrivateRedis {
-    fn drop(&mut self) {
-        self.kill();
-    }
-}
 
 #[derive(Debug, thiserror::Error)]
 enum AppError {
@@ -86,8 +30,8 @@ async fn handle(store: &RedisStore, id: &str, effects: &Effects) -> Result<(), A
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_restart_loses_and_doubles_nothing() {
-    let mut redis = PrivateRedis::start();
-    let client = idempotent_runtime::redis::Client::open(format!("redis://127.0.0.1:{}/", redis.port)).unwrap();
+    let mut redis = common::servers::ChildServer::redis();
+    let client = idempotent_runtime::redis::Client::open(redis.redis_url()).unwrap();
     let config = idempotent_runtime::redis::aio::ConnectionManagerConfig::new()
         .set_response_timeout(Some(Duration::from_secs(1)))
         .set_connection_timeout(Some(Duration::from_secs(1)))
@@ -136,41 +80,16 @@ async fn redis_restart_loses_and_doubles_nothing() {
     }
 }
 
-/// Collects what `tracing` writes.
-#[derive(Clone, Default)]
-struct Captured(std::sync::Arc<Mutex<Vec<u8>>>);
-
-impl std::io::Write for Captured {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(buf);
-        Ok(buf.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
 async fn warnings_for(settings: &[&str]) -> String {
-    let mut redis = PrivateRedis {
-        port: TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port(),
-        dir: tempfile::tempdir().unwrap(),
-        child: None,
-    };
-    redis.spawn_with(settings);
-    let captured = Captured::default();
-    let writer = captured.clone();
-    let subscriber = tracing_subscriber::fmt()
-        .with_max_level(tracing::Level::WARN)
-        .with_ansi(false)
-        .with_writer(move || writer.clone())
-        .finish();
-    let _guard = tracing::subscriber::set_default(subscriber);
-    let client = idempotent_runtime::redis::Client::open(format!("redis://127.0.0.1:{}/", redis.port)).unwrap();
+    let redis = common::servers::ChildServer::redis_with(settings);
+    let captured = common::Captured::default();
+    let _guard = tracing::subscriber::set_default(captured.subscriber(tracing::Level::WARN));
+    let client = idempotent_runtime::redis::Client::open(redis.redis_url()).unwrap();
     let store = RedisStore::new(client.get_connection_manager().await.unwrap());
     let effects = Effects::default();
     handle(&store, "first", &effects).await.unwrap();
     handle(&store, "second", &effects).await.unwrap();
-    String::from_utf8(captured.0.lock().unwrap().clone()).unwrap()
+    captured.text()
 }
 
 #[tokio::test(flavor = "current_thread")]

@@ -1,23 +1,9 @@
 //! Every call emits a `tracing` event with its outcome (processed,
 //! duplicate, failed) in a span carrying the scope and the key.
 
-use std::io::Write;
-use std::sync::{Arc, Mutex};
+mod common;
 
 use idempotent_runtime::{MemoryStore, idempotent};
-
-#[derive(Clone, Default)]
-struct Captured(Arc<Mutex<Vec<u8>>>);
-
-impl Write for Captured {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(buf);
-        Ok(buf.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
 
 #[derive(Debug, thiserror::Error)]
 enum AppError {
@@ -34,14 +20,8 @@ async fn handle(store: &MemoryStore, id: &str, fail: bool) -> Result<u32, AppErr
 
 #[tokio::test]
 async fn outcomes_are_traced_with_scope_and_key() {
-    let captured = Captured::default();
-    let writer = captured.clone();
-    let subscriber = tracing_subscriber::fmt()
-        .with_max_level(tracing::Level::DEBUG)
-        .with_ansi(false)
-        .with_writer(move || writer.clone())
-        .finish();
-    let _guard = tracing::subscriber::set_default(subscriber);
+    let captured = common::Captured::default();
+    let _guard = tracing::subscriber::set_default(captured.subscriber(tracing::Level::DEBUG));
 
     let store = MemoryStore::new();
     handle(&store, "m-1", true).await.unwrap_err();
@@ -49,7 +29,7 @@ async fn outcomes_are_traced_with_scope_and_key() {
     handle(&store, "m-1", false).await.unwrap();
     handle(&store, "", false).await.unwrap_err();
 
-    let out = String::from_utf8(captured.0.lock().unwrap().clone()).unwrap();
+    let out = captured.text();
     let lines: Vec<&str> = out.lines().collect();
     let find = |outcome: &str| {
         lines
@@ -70,5 +50,30 @@ async fn outcomes_are_traced_with_scope_and_key() {
         lines.iter().filter(|l| l.contains("outcome=\"processed\"")).count(),
         1,
         "{out}"
+    );
+}
+
+#[tokio::test]
+async fn at_the_default_level_a_skipped_duplicate_names_its_handler_and_key() {
+    // The span carrying scope and key is at debug level: at `info`, the
+    // event itself must say which handler skipped which message.
+    let captured = common::Captured::default();
+    let _guard = tracing::subscriber::set_default(captured.subscriber(tracing::Level::INFO));
+    let store = MemoryStore::new();
+    handle(&store, "m-2", false).await.unwrap();
+    handle(&store, "m-2", false).await.unwrap();
+    let out = captured.text();
+    let line = out
+        .lines()
+        .find(|l| l.contains("outcome=\"duplicate\""))
+        .unwrap_or_else(|| panic!("no duplicate event: {out}"));
+    assert!(line.contains("INFO"), "{line}");
+    assert!(
+        line.contains("scope=\"traced\"") && line.contains("key=\"m-2\""),
+        "{line}"
+    );
+    assert!(
+        !line.contains("idempotent{"),
+        "the debug span is not shown at info: {line}"
     );
 }

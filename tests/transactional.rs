@@ -577,17 +577,6 @@ async fn mysql_without_a_log_flush_at_each_commit_is_reported() {
             assert!(status.success(), "restoring innodb_flush_log_at_trx_commit");
         }
     }
-    #[derive(Clone, Default)]
-    struct Captured(Arc<std::sync::Mutex<Vec<u8>>>);
-    impl std::io::Write for Captured {
-        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-            self.0.lock().unwrap().extend_from_slice(buf);
-            Ok(buf.len())
-        }
-        fn flush(&mut self) -> std::io::Result<()> {
-            Ok(())
-        }
-    }
     #[idempotent(key = "id", store = store)]
     async fn touch(
         store: &idempotent_runtime::MySqlStore,
@@ -600,14 +589,8 @@ async fn mysql_without_a_log_flush_at_each_commit_is_reported() {
 
     let pool = common::mysql_pool(2).await;
     let table = common::unique("flush");
-    let captured = Captured::default();
-    let writer = captured.clone();
-    let subscriber = tracing_subscriber::fmt()
-        .with_max_level(tracing::Level::WARN)
-        .with_ansi(false)
-        .with_writer(move || writer.clone())
-        .finish();
-    let _guard = tracing::subscriber::set_default(subscriber);
+    let captured = common::Captured::default();
+    let _guard = tracing::subscriber::set_default(captured.subscriber(tracing::Level::WARN));
     {
         sqlx::query("SET GLOBAL innodb_flush_log_at_trx_commit = 2")
             .execute(&pool)
@@ -622,7 +605,7 @@ async fn mysql_without_a_log_flush_at_each_commit_is_reported() {
         touch(&store, &common::unique("flush-a")).await.unwrap();
         touch(&store, &common::unique("flush-b")).await.unwrap();
     }
-    let out = String::from_utf8(captured.0.lock().unwrap().clone()).unwrap();
+    let out = captured.text();
     assert_eq!(out.matches("innodb_flush_log_at_trx_commit=2").count(), 1, "{out}");
     common::drop_mysql_table(&pool, &table).await;
 }

@@ -73,6 +73,7 @@ fn expand(handler: &Handler, args: &Args, key: &syn::Expr, store: &syn::Expr) ->
     let binder = format_ident!("__idem_binder", span = mixed);
     let finished = format_ident!("__idem_finished", span = mixed);
     let scope = format_ident!("__idem_scope", span = mixed);
+    let logged_key = format_ident!("__idem_logged_key", span = mixed);
     let handler_path = format_ident!("__idem_handler", span = mixed);
     let site = format_ident!("__IDEM_SITE", span = mixed);
     let shared = args.shared_scope;
@@ -190,7 +191,7 @@ fn expand(handler: &Handler, args: &Args, key: &syn::Expr, store: &syn::Expr) ->
         static #site: #rt::Site = #rt::Site::new(::core::file!(), ::core::line!(), #shared);
         let #handler_path: &'static str = #rt::default_scope(::core::any::type_name_of_val(&|| ()));
         let #scope: &'static str = #scope_value;
-        let (#claim, #span, #binder) = {
+        let (#claim, #span, #binder, #logged_key) = {
             #[allow(unused_parens, clippy::needless_borrow)]
             let #store_ref = &(#store);
             #binder_let
@@ -205,7 +206,9 @@ fn expand(handler: &Handler, args: &Args, key: &syn::Expr, store: &syn::Expr) ->
                 #bail
             };
             let #span = #rt::span(&#request);
-            (#claim_await, #span, #binder_out)
+            let #claim = #claim_await;
+            let #logged_key = #rt::logged_key(&#claim, &#key_text);
+            (#claim, #span, #binder_out, #logged_key)
         };
         match #claim {
             ::core::result::Result::Err(#error) => ::core::result::Result::Err(#into_error(#error)),
@@ -218,7 +221,7 @@ fn expand(handler: &Handler, args: &Args, key: &syn::Expr, store: &syn::Expr) ->
                     #bind_tx
                     #rt::Instrument::instrument(#body, ::core::clone::Clone::clone(&#span)).await
                 };
-                match #rt::finish(#guard, #codec, #outcome, #span, #scope).await {
+                match #rt::finish(#guard, #codec, #outcome, #span, #scope, &#logged_key).await {
                     ::core::result::Result::Ok(#finished) => #finished,
                     #bail
                 }

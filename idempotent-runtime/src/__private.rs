@@ -193,7 +193,7 @@ pub async fn claim<S: AnyStore + ?Sized>(
         Ok(()) => store.claim_key(req).await,
         Err(error) => Err(error),
     };
-    log_claim(&claim, req.scope_name(), span);
+    log_claim(&claim, req, span);
     claim
 }
 
@@ -261,17 +261,31 @@ where
     P::from_transaction(binder(guard))
 }
 
-fn log_claim<G>(claim: &Result<Claim<G>, Error>, scope: &str, span: &Span) {
+/// The key a fresh claim's [`finish`] names in its events (the key's own
+/// text borrows from the handler's parameters, which the body then takes).
+#[inline]
+pub fn logged_key<G>(claim: &Result<Claim<G>, Error>, key: &str) -> Box<str> {
+    match claim {
+        Ok(Claim::Fresh(_)) => Box::from(key),
+        _ => Box::default(),
+    }
+}
+
+/// Logs how a claim went. The events carry the scope and the key
+/// themselves (not only their span, which is at debug level), so an
+/// operator at the default level sees which handler skipped which message.
+fn log_claim<G>(claim: &Result<Claim<G>, Error>, req: &Request<'_>, span: &Span) {
+    let (scope, key) = (req.scope_name(), req.key());
     span.in_scope(|| match claim {
         Ok(Claim::Fresh(_)) => {}
         Ok(Claim::Done(_)) => {
             count(scope, "duplicate");
-            tracing::info!(target: "idempotent", outcome = "duplicate", "duplicate message skipped")
+            tracing::info!(target: "idempotent", scope, key, outcome = "duplicate", "duplicate message skipped")
         }
         Err(error) => {
             count(scope, "failed");
             note_outage(error);
-            tracing::warn!(target: "idempotent", outcome = "failed", %error, "claim failed")
+            tracing::warn!(target: "idempotent", scope, key, outcome = "failed", %error, "claim failed")
         }
     });
 }
@@ -381,6 +395,7 @@ pub async fn finish<G: Guard, T, E>(
     outcome: Result<T, E>,
     span: Span,
     scope: &'static str,
+    key: &str,
 ) -> Result<Result<T, E>, Error> {
     let outcome = match outcome {
         Ok(value) => {
@@ -389,7 +404,7 @@ pub async fn finish<G: Guard, T, E>(
                 Err(error) => {
                     guard.abort().await;
                     span.in_scope(
-                        || tracing::warn!(target: "idempotent", outcome = "failed", %error, "result not stored"),
+                        || tracing::warn!(target: "idempotent", scope, key, outcome = "failed", %error, "result not stored"),
                     );
                     count(scope, "failed");
                     return Err(error);
@@ -397,12 +412,16 @@ pub async fn finish<G: Guard, T, E>(
             };
             match guard.complete(stored).await {
                 Ok(()) => {
-                    span.in_scope(|| tracing::debug!(target: "idempotent", outcome = "processed", "message processed"));
+                    span.in_scope(
+                        || tracing::debug!(target: "idempotent", scope, key, outcome = "processed", "message processed"),
+                    );
                     Ok(Ok(value))
                 }
                 Err(error) => {
                     note_outage(&error);
-                    span.in_scope(|| tracing::warn!(target: "idempotent", outcome = "failed", %error, "commit failed"));
+                    span.in_scope(
+                        || tracing::warn!(target: "idempotent", scope, key, outcome = "failed", %error, "commit failed"),
+                    );
                     Err(error)
                 }
             }
@@ -410,7 +429,7 @@ pub async fn finish<G: Guard, T, E>(
         Err(error) => {
             guard.abort().await;
             span.in_scope(
-                || tracing::debug!(target: "idempotent", outcome = "failed", "handler failed; claim released"),
+                || tracing::debug!(target: "idempotent", scope, key, outcome = "failed", "handler failed; claim released"),
             );
             Ok(Err(error))
         }

@@ -6,19 +6,27 @@
 //! waits until the given instant, then handles the message once against
 //! PostgreSQL and prints `processed` or `duplicate`.
 //!
-//! `consumer_process chaos <queue> <markers_table> <payments_table> <log_table> <fail_percent> <crash_percent>`
-//! consumes payments from a RabbitMQ queue with `RabbitConsumer` into
-//! PostgreSQL; the body fails on purpose `fail_percent` of the time (and
-//! always for messages marked `always_fail`), and the process aborts right
-//! after a commit, before the ack, `crash_percent` of the time. Every
-//! delivery, injected failure and crash is logged in `log_table` (outside
-//! the handler's transaction) for the chaos test's figures.
+//! `consumer_process chaos <rabbitmq|nats> <source> <markers_table> <payments_table> <log_table> <fail_percent> <crash_percent>`
+//! consumes payments into PostgreSQL, from a RabbitMQ queue (`source`) with
+//! `RabbitConsumer` or from a JetStream stream (`source`, durable consumer
+//! `chaos`, dead letters on `<source>.dlq` subject) with
+//! `JetStreamConsumer`; the body fails on purpose `fail_percent` of the
+//! time (and always for messages marked `always_fail`), and the process
+//! aborts right after a commit, before the ack, `crash_percent` of the
+//! time. Every delivery, injected failure and crash is logged in
+//! `log_table` (outside the handler's transaction, best effort) for the
+//! chaos test's figures. The broker and database are
+//! `IDEMPOTENT_BROKER_URL` and `IDEMPOTENT_PG_URL` (the machine's services
+//! by default).
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use std::sync::Arc;
 
-use idempotent_runtime::rabbitmq::{Backoff, DeliveryInfo, RabbitConsumer, shutdown_on_signal};
+use idempotent_runtime::async_nats::{self, jetstream};
+use idempotent_runtime::broker::{Backoff, DeliveryInfo, Reconnect, shutdown_on_signal};
+use idempotent_runtime::nats::JetStreamConsumer;
+use idempotent_runtime::rabbitmq::RabbitConsumer;
 use idempotent_runtime::sqlx::{self, AssertSqlSafe, PgConnection, PgPool};
 use idempotent_runtime::{PgStore, idempotent};
 use rand::Rng;
@@ -106,15 +114,20 @@ impl ChaosConsumer {
     }
 }
 
-async fn chaos(args: &[&str]) -> Result<(), Box<dyn std::error::Error>> {
-    let [queue, markers, payments, log, fail_percent, crash_percent] = args else {
-        return Err("usage: consumer_process chaos <queue> <markers> <payments> <log> <fail%> <crash%>".into());
+async fn chaos(args: &[&str]) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    let [broker, source, markers, payments, log, fail_percent, crash_percent] = args else {
+        return Err(
+            "usage: consumer_process chaos <rabbitmq|nats> <source> <markers> <payments> <log> <fail%> <crash%>".into(),
+        );
     };
     let crash_percent: u32 = crash_percent.parse()?;
+    let pg_url = std::env::var("IDEMPOTENT_PG_URL").unwrap_or_else(|_| PG_URL.to_owned());
+    // The name the chaos driver finds this process's backends by.
+    let options: sqlx::postgres::PgConnectOptions = pg_url.parse()?;
     let pool = sqlx::postgres::PgPoolOptions::new()
-        .max_connections(6)
-        .connect(PG_URL)
-        .await?;
+        .max_connections(8)
+        .acquire_timeout(Duration::from_secs(5))
+        .connect_lazy_with(options.application_name("chaos_consumer"));
     let store = PgStore::builder(pool.clone()).table(markers).build()?;
     let consumer = Arc::new(ChaosConsumer {
         store,
@@ -123,12 +136,6 @@ async fn chaos(args: &[&str]) -> Result<(), Box<dyn std::error::Error>> {
         log: (*log).to_owned(),
         fail_percent: fail_percent.parse()?,
     });
-    let rabbit = RabbitConsumer::builder(AMQP_URL, *queue)
-        .prefetch(8)
-        .concurrency(4)
-        .max_attempts(5)
-        .retry_backoff(Backoff::new(Duration::from_millis(5), Duration::from_millis(20)))
-        .build()?;
     let handler = move |msg: ChaosPayment, info: DeliveryInfo| {
         let consumer = Arc::clone(&consumer);
         async move {
@@ -145,12 +152,43 @@ async fn chaos(args: &[&str]) -> Result<(), Box<dyn std::error::Error>> {
             Ok::<_, AppError>(())
         }
     };
-    rabbit.run_with_info(handler, shutdown_on_signal()).await?;
+    let retry = Backoff::new(Duration::from_millis(5), Duration::from_millis(20));
+    let fast_reconnect = Reconnect::forever(Backoff::new(Duration::from_millis(50), Duration::from_millis(500)));
+    match *broker {
+        "rabbitmq" => {
+            let url = std::env::var("IDEMPOTENT_BROKER_URL").unwrap_or_else(|_| AMQP_URL.to_owned());
+            RabbitConsumer::builder(url, *source)
+                .prefetch(8)
+                .concurrency(4)
+                .max_attempts(5)
+                .retry_backoff(retry)
+                .reconnect(fast_reconnect)
+                .build()?
+                .run_with_info(handler, shutdown_on_signal())
+                .await?;
+        }
+        "nats" => {
+            let url = std::env::var("IDEMPOTENT_BROKER_URL").unwrap_or_else(|_| "127.0.0.1:4222".to_owned());
+            let js = jetstream::new(async_nats::connect(url).await?);
+            let pull = js.get_stream(*source).await?.get_consumer("chaos").await?;
+            JetStreamConsumer::builder(js, pull)
+                .dead_letter_subject(format!("{source}.dlq"))
+                .concurrency(4)
+                .max_attempts(5)
+                .retry_backoff(retry)
+                .reconnect(fast_reconnect)
+                .fetch_expiry(Duration::from_millis(500))
+                .build()?
+                .run_with_info(handler, shutdown_on_signal())
+                .await?;
+        }
+        other => return Err(format!("unknown broker `{other}`").into()),
+    }
     Ok(())
 }
 
 #[tokio::main]
-async fn main() -> Result<(), Box<dyn std::error::Error>> {
+async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     match args.iter().map(String::as_str).collect::<Vec<_>>().as_slice() {
         ["race", markers, payments, message_id, start_at] => {

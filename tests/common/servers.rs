@@ -143,119 +143,114 @@ impl Drop for PrivateRabbit {
     }
 }
 
-/// A NATS server with JetStream storing on disk, killed with SIGKILL and
-/// started again on the same store.
-pub struct PrivateNats {
+/// How a [`ChildServer`] is started, given its port and data directory.
+type ServerCommand = dyn Fn(u16, &Path) -> Command + Send + Sync;
+
+/// A server run as a child process on a port and a data directory of its
+/// own, killed with SIGKILL and started again on the same data.
+pub struct ChildServer {
     pub port: u16,
+    what: &'static str,
     dir: tempfile::TempDir,
+    command: Box<ServerCommand>,
     child: Option<Child>,
 }
 
-impl PrivateNats {
-    pub fn start() -> PrivateNats {
-        let mut nats = PrivateNats {
+impl ChildServer {
+    /// Starts `command` (given the port and the data directory).
+    pub fn start(what: &'static str, command: impl Fn(u16, &Path) -> Command + Send + Sync + 'static) -> ChildServer {
+        let mut server = ChildServer {
             port: free_port(),
+            what,
             dir: tempfile::tempdir().expect("temp dir"),
+            command: Box::new(command),
             child: None,
         };
-        nats.spawn();
-        nats
+        server.spawn();
+        server
     }
 
-    fn spawn(&mut self) {
-        let child = Command::new("nats-server")
-            .args(["-a", "127.0.0.1", "-p", &self.port.to_string(), "-js", "-sd"])
-            .arg(self.dir.path())
+    /// Starts it again (after [`kill`](Self::kill)) on the same data.
+    pub fn spawn(&mut self) {
+        let child = (self.command)(self.port, self.dir.path())
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
-            .expect("nats-server on PATH");
+            .unwrap_or_else(|err| panic!("start {}: {err}", self.what));
         self.child = Some(child);
-        wait_for_port(self.port, "the private NATS server", Duration::from_secs(20));
+        wait_for_port(self.port, self.what, Duration::from_secs(20));
     }
 
-    pub fn url(&self) -> String {
+    /// SIGKILL, `down`, start again on the same data.
+    pub fn restart(&mut self, down: Duration) {
+        self.kill();
+        std::thread::sleep(down);
+        self.spawn();
+    }
+
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+impl Drop for ChildServer {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// A NATS server with JetStream storing on disk.
+pub type PrivateNats = ChildServer;
+
+impl ChildServer {
+    /// A private NATS server (JetStream, file storage).
+    pub fn nats() -> PrivateNats {
+        ChildServer::start("the private NATS server", |port, dir| {
+            let mut command = Command::new("nats-server");
+            command
+                .args(["-a", "127.0.0.1", "-p", &port.to_string(), "-js", "-sd"])
+                .arg(dir);
+            command
+        })
+    }
+
+    /// A private Redis server persisting every write to its append-only
+    /// file.
+    pub fn redis() -> PrivateRedis {
+        ChildServer::redis_with(&["--appendonly", "yes", "--appendfsync", "always"])
+    }
+
+    /// A private Redis server with `settings` (after its port, bind address,
+    /// `--save ""` and data directory).
+    pub fn redis_with(settings: &[&str]) -> PrivateRedis {
+        let settings: Vec<String> = settings.iter().map(|s| (*s).to_owned()).collect();
+        ChildServer::start("the private Redis server", move |port, dir| {
+            let mut command = Command::new("redis-server");
+            command
+                .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", ""])
+                .arg("--dir")
+                .arg(dir)
+                .args(&settings);
+            command
+        })
+    }
+
+    /// `127.0.0.1:<port>`, for NATS.
+    pub fn nats_url(&self) -> String {
         format!("127.0.0.1:{}", self.port)
     }
 
-    /// SIGKILL, `down`, start again on the same storage.
-    pub fn restart(&mut self, down: Duration) {
-        self.kill();
-        std::thread::sleep(down);
-        self.spawn();
-    }
-
-    pub fn kill(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-    }
-}
-
-impl Drop for PrivateNats {
-    fn drop(&mut self) {
-        self.kill();
-    }
-}
-
-/// A Redis server persisting every write to its append-only file, killed
-/// with SIGKILL and started again on it.
-pub struct PrivateRedis {
-    pub port: u16,
-    dir: tempfile::TempDir,
-    child: Option<Child>,
-}
-
-impl PrivateRedis {
-    pub fn start() -> PrivateRedis {
-        let mut redis = PrivateRedis {
-            port: free_port(),
-            dir: tempfile::tempdir().expect("temp dir"),
-            child: None,
-        };
-        redis.spawn();
-        redis
-    }
-
-    fn spawn(&mut self) {
-        let child = Command::new("redis-server")
-            .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1", "--save", ""])
-            .args(["--appendonly", "yes", "--appendfsync", "always"])
-            .arg("--dir")
-            .arg(self.dir.path())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("redis-server on PATH");
-        self.child = Some(child);
-        wait_for_port(self.port, "the private Redis server", Duration::from_secs(20));
-    }
-
-    pub fn url(&self) -> String {
+    /// `redis://127.0.0.1:<port>/`.
+    pub fn redis_url(&self) -> String {
         format!("redis://127.0.0.1:{}/", self.port)
     }
-
-    /// SIGKILL, `down`, start again on the same append-only file.
-    pub fn restart(&mut self, down: Duration) {
-        self.kill();
-        std::thread::sleep(down);
-        self.spawn();
-    }
-
-    pub fn kill(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-    }
 }
 
-impl Drop for PrivateRedis {
-    fn drop(&mut self) {
-        self.kill();
-    }
-}
+/// A Redis server persisting every write to its append-only file.
+pub type PrivateRedis = ChildServer;
 
 /// A PostgreSQL cluster of its own (run as the `postgres` user: PostgreSQL
 /// refuses root), trust authentication, restarted with `pg_ctl`.
