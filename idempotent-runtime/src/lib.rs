@@ -48,6 +48,13 @@
 //! Stores that cannot join a transaction hold a lease while the body runs;
 //! the body's effects are then not atomic with the marker and must be
 //! idempotent by design.
+//!
+//! # TLS
+//!
+//! The `tls-rustls` feature turns on rustls (with the *ring* provider) in
+//! every re-exported driver whose feature is on: `sqlx` (`sslmode=verify-full`,
+//! `ssl-mode=VERIFY_IDENTITY`), `redis` (`rediss://`); `lapin` (`amqps://`)
+//! and `async_nats` (`tls://`) speak TLS with rustls and ring in any case.
 
 #![warn(missing_docs)]
 

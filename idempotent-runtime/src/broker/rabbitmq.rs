@@ -83,6 +83,7 @@ use lapin::options::{
     BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicNackOptions, BasicPublishOptions, BasicQosOptions,
     ConfirmSelectOptions, ExchangeDeclareOptions, QueueDeclareOptions,
 };
+use lapin::tcp::OwnedTLSConfig;
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{BasicProperties, Channel, Confirmation, Connection, ConnectionProperties, ExchangeKind};
 
@@ -123,6 +124,7 @@ enum DeadLetter {
 pub struct Rabbit {
     uri: String,
     properties: ConnectionProperties,
+    tls: OwnedTLSConfig,
     queue: String,
     consumer_tag: String,
     prefetch: u16,
@@ -161,6 +163,7 @@ impl RabbitConsumer {
         ConsumerBuilder::new(Rabbit {
             uri: uri.into(),
             properties: ConnectionProperties::default(),
+            tls: OwnedTLSConfig::default(),
             queue: queue.into(),
             consumer_tag: String::new(),
             prefetch: DEFAULT_PREFETCH,
@@ -185,6 +188,13 @@ impl<D, R> ConsumerBuilder<Rabbit, D, R> {
     /// The connection's properties (client name, executor...).
     pub fn connection_properties(mut self, properties: ConnectionProperties) -> Self {
         self.broker.properties = properties;
+        self
+    }
+
+    /// TLS settings for an `amqps://` broker: CA certificates (PEM) trusted
+    /// besides the system's, a client identity for mutual TLS.
+    pub fn tls_config(mut self, tls: OwnedTLSConfig) -> Self {
+        self.broker.tls = tls;
         self
     }
 
@@ -284,7 +294,9 @@ impl Broker for Rabbit {
             .ready
             .clone()
             .ok_or_else(|| Connect::Fatal(ConsumerError::Config("the consumer was not built".into())))?;
-        let conn = Connection::connect(&self.uri, self.properties.clone())
+        let runtime = lapin::runtime::default_runtime()
+            .map_err(|err| Connect::Fatal(ConsumerError::Config(format!("no runtime for lapin: {err}"))))?;
+        let conn = Connection::connect_with_config(&self.uri, self.properties.clone(), self.tls.clone(), runtime)
             .await
             .map_err(|err| Connect::Failed(format!("cannot connect to RabbitMQ: {err}")))?;
         let result = async {
