@@ -7,7 +7,8 @@ mod common;
 use std::sync::atomic::{AtomicU32, Ordering};
 
 use idempotent_runtime::sqlx::{self, AssertSqlSafe};
-use idempotent_runtime::{Error, MemoryStore, MySqlStore, PgStore, RedisStore, SqliteStore, Store, idempotent};
+use idempotent_runtime::store::Store;
+use idempotent_runtime::{Error, MemoryStore, MySqlStore, PgStore, RedisStore, SqliteStore, idempotent};
 
 #[derive(Debug, serde::Deserialize)]
 struct Payment {

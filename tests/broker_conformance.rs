@@ -23,7 +23,8 @@ use idempotent_runtime::broker::{
     Backoff, CancellationToken, Consumer, ConsumerBuilder, DeliveryInfo, HEADER_ATTEMPTS, HEADER_KIND, HEADER_REASON,
     HEADER_SOURCE, RunStats, pipeline::Broker,
 };
-use idempotent_runtime::{Error, MemoryStore, PgStore, Store, idempotent};
+use idempotent_runtime::store::Store;
+use idempotent_runtime::{Error, MemoryStore, PgStore, idempotent};
 
 const WAIT: Duration = Duration::from_secs(20);
 

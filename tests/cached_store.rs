@@ -13,7 +13,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use idempotent_runtime::sqlx::{self, AssertSqlSafe, PgConnection};
-use idempotent_runtime::{CachedStore, Claim, Error, Guard, MemoryStore, PgStore, Request, Store, idempotent};
+use idempotent_runtime::store::{Claim, Guard, Request, Store};
+use idempotent_runtime::{CachedStore, Error, MemoryStore, PgStore, idempotent};
 
 #[derive(Debug, thiserror::Error)]
 enum AppError {

@@ -375,6 +375,13 @@ impl Consumers {
     }
 }
 
+impl Drop for Consumers {
+    /// A failing run leaves no consumer process behind.
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
 /// A fault kind's schedule: the share of the messages settled at which
 /// each of its faults fires, spread between 10 % and 80 % so that every
 /// fault hits consumers at work.

@@ -24,7 +24,8 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use idempotent_runtime::{Error, Store, idempotent};
+use idempotent_runtime::store::Store;
+use idempotent_runtime::{Error, idempotent};
 use tokio::sync::Notify;
 
 /// A store under test, set up fresh (own table or key space) per test.
@@ -504,7 +505,7 @@ impl Fixture for Redis {
         &self.store
     }
     async fn purge(&self) -> u64 {
-        idempotent_runtime::PurgeExpired::purge_expired(&self.store)
+        idempotent_runtime::store::PurgeExpired::purge_expired(&self.store)
             .await
             .unwrap()
     }

@@ -6,10 +6,11 @@ mod common;
 use std::time::Duration;
 
 use idempotent_runtime::sqlx::{self, AssertSqlSafe};
-use idempotent_runtime::{Claim, Guard, Janitor, PgStore, Request, Store};
+use idempotent_runtime::store::{Claim, Guard, Request, Store};
+use idempotent_runtime::{Janitor, PgStore};
 
 async fn complete(store: &PgStore, key: &str, ttl: Duration) {
-    let req = Request::new("expiry", key).unwrap().ttl(ttl);
+    let req = Request::new("expiry", key).unwrap().with_ttl(ttl);
     match store.claim(&req).await.unwrap() {
         Claim::Fresh(guard) => guard.complete(None).await.unwrap(),
         Claim::Done(_) => panic!("{key} was already processed"),

@@ -13,7 +13,8 @@ mod common;
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU32, Ordering};
 
-use idempotent_runtime::{Error, Fingerprint, MemoryStore, PgStore, Store, idempotent};
+use idempotent_runtime::store::{Fingerprint, Store};
+use idempotent_runtime::{Error, MemoryStore, PgStore, idempotent};
 use proptest::prelude::*;
 use serde::ser::{SerializeMap, SerializeSeq};
 

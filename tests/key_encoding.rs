@@ -11,7 +11,8 @@ mod common;
 
 use std::collections::BTreeSet;
 
-use idempotent_runtime::{Claim, Guard, MemoryStore, PgStore, RedisStore, Request, Store};
+use idempotent_runtime::store::{Claim, Guard, Request, Store};
+use idempotent_runtime::{MemoryStore, PgStore, RedisStore};
 use proptest::prelude::*;
 
 fn text() -> impl Strategy<Value = String> {

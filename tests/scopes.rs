@@ -13,7 +13,8 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicU32, Ordering};
 
 use idempotent_runtime::sqlx::{self, AssertSqlSafe, PgConnection};
-use idempotent_runtime::{Error, MemoryStore, PgStore, Store, idempotent};
+use idempotent_runtime::store::Store;
+use idempotent_runtime::{Error, MemoryStore, PgStore, idempotent};
 
 #[derive(Debug, thiserror::Error)]
 pub enum AppError {

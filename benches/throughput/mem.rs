@@ -3,7 +3,8 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use idempotent_runtime::{Error, Store, idempotent};
+use idempotent_runtime::store::Store;
+use idempotent_runtime::{Error, idempotent};
 
 use crate::harness::{BoxError, Outcome, Variant};
 use crate::pg::Msg;

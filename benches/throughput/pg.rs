@@ -8,7 +8,8 @@ use std::time::{Duration, Instant};
 
 use idempotent_runtime::sqlx::postgres::PgPoolOptions;
 use idempotent_runtime::sqlx::{self, AssertSqlSafe, PgConnection, PgPool, Postgres};
-use idempotent_runtime::{CachedStore, Error, PgStore, TransactionalStore, idempotent};
+use idempotent_runtime::store::TransactionalStore;
+use idempotent_runtime::{CachedStore, Error, PgStore, idempotent};
 
 use crate::harness::{BoxError, Outcome, Variant};
 

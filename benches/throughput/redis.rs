@@ -80,7 +80,7 @@ pub struct Macro<S> {
     pub effects: AtomicU64,
 }
 
-impl<S: idempotent_runtime::Store + 'static> Macro<S> {
+impl<S: idempotent_runtime::store::Store + 'static> Macro<S> {
     #[idempotent(key = "msg.key", store = self.store, scope = "handle")]
     async fn handle(&self, msg: &Msg) -> Result<(), LeaseError> {
         msg.ran.store(true, Ordering::Relaxed);
@@ -89,7 +89,7 @@ impl<S: idempotent_runtime::Store + 'static> Macro<S> {
     }
 }
 
-impl<S: idempotent_runtime::Store + 'static> Variant for Macro<S> {
+impl<S: idempotent_runtime::store::Store + 'static> Variant for Macro<S> {
     async fn deliver(&self, key: String) -> Result<Outcome, BoxError> {
         let msg = Msg::new(key);
         match self.handle(&msg).await {

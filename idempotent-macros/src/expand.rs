@@ -212,11 +212,11 @@ fn expand(handler: &Handler, args: &Args, key: &syn::Expr, store: &syn::Expr) ->
         };
         match #claim {
             ::core::result::Result::Err(#error) => ::core::result::Result::Err(#into_error(#error)),
-            ::core::result::Result::Ok(#krate::Claim::Done(#replay)) => match #codec.replay(&#replay) {
+            ::core::result::Result::Ok(#rt::Claim::Done(#replay)) => match #codec.replay(&#replay) {
                 ::core::result::Result::Ok(value) => ::core::result::Result::Ok(value),
                 #bail
             },
-            ::core::result::Result::Ok(#krate::Claim::Fresh(#guard_binding)) => {
+            ::core::result::Result::Ok(#rt::Claim::Fresh(#guard_binding)) => {
                 let #outcome = {
                     #bind_tx
                     #rt::Instrument::instrument(#body, ::core::clone::Clone::clone(&#span)).await

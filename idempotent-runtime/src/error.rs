@@ -1,4 +1,6 @@
-//! The one error type every store, the expansion and the adapters report.
+//! The one error type every store, the expansion and the adapters report
+//! ([`Error`], also at the crate root), and how it shows a key
+//! ([`DisplayKey`]).
 
 use std::fmt;
 

@@ -58,41 +58,35 @@
 
 #![warn(missing_docs)]
 
-mod error;
+mod call;
+pub mod error;
 mod fingerprint;
 mod janitor;
 mod key;
 pub mod scope;
 mod signal;
-mod store;
+pub mod store;
 mod table;
 
 #[doc(hidden)]
 pub mod __private;
 
-pub use error::{DisplayKey, Error};
-pub use fingerprint::Fingerprint;
+// What handler authors use: the attribute, its error, key types, the stores
+// and the janitor. Store authors find the traits in `store`.
+pub use error::Error;
 pub use idempotent_macros::idempotent;
-pub use janitor::{Janitor, PurgeExpired};
+pub use janitor::Janitor;
 pub use key::{IdempotencyKey, MAX_KEY_BYTES, MAX_SCOPE_BYTES};
-pub use store::cached::{CacheStats, CachedGuard, CachedStore, DEFAULT_CACHE_MAX_AGE};
-pub use store::memory::{MemoryGuard, MemoryStore};
-pub use store::{Claim, DEFAULT_LEASE, DEFAULT_TTL, Guard, Replay, Request, Store, encode_result};
-pub use table::{MAX_TABLE_NAME_BYTES, TableName};
-
-#[cfg(feature = "sqlx")]
-pub use store::sql::{DEFAULT_PURGE_BATCH, SqlBackend, SqlGuard, SqlStoreBuilder};
-#[cfg(feature = "sqlx")]
-pub use store::{FromTransaction, TransactionGuard, TransactionalStore};
+pub use store::{CachedStore, DEFAULT_LEASE, DEFAULT_TTL, MemoryStore};
 
 #[cfg(feature = "mysql")]
-pub use store::mysql::{MySqlStore, MySqlStoreBuilder};
+pub use store::MySqlStore;
 #[cfg(feature = "postgres")]
-pub use store::postgres::{PgStore, PgStoreBuilder};
+pub use store::PgStore;
 #[cfg(feature = "redis")]
-pub use store::redis::{RedisGuard, RedisStore, RedisStoreBuilder};
+pub use store::RedisStore;
 #[cfg(feature = "sqlite")]
-pub use store::sqlite::{SqliteStore, SqliteStoreBuilder};
+pub use store::SqliteStore;
 
 #[cfg(any(feature = "rabbitmq", feature = "nats", feature = "redis-streams"))]
 pub mod broker;

@@ -33,7 +33,7 @@
 //! with the same scope on the same store gets [`Error::ScopeConflict`]
 //! instead of silently skipping the first one's messages, unless both say
 //! `shared_scope = true`. The store is identified by
-//! [`Store::namespace`](crate::Store::namespace) (database, table or key
+//! [`Store::namespace`](crate::store::Store::namespace) (database, table or key
 //! prefix); stores that give none are not checked.
 
 use std::collections::HashMap;

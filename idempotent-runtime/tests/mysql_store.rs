@@ -17,9 +17,8 @@ use std::time::Duration;
 
 use idempotent_runtime::sqlx::mysql::{MySqlPool, MySqlPoolOptions};
 use idempotent_runtime::sqlx::{self, AssertSqlSafe, Row};
-use idempotent_runtime::{
-    Claim, Error, Fingerprint, Guard, MySqlStore, PurgeExpired, Request, Store, TransactionGuard,
-};
+use idempotent_runtime::store::{Claim, Fingerprint, Guard, PurgeExpired, Request, Store, TransactionGuard};
+use idempotent_runtime::{Error, MySqlStore};
 
 type MyGuard = <MySqlStore as Store>::Guard;
 
@@ -653,7 +652,7 @@ async fn fingerprint_mismatch_is_key_reused_and_commits_nothing() {
     let req = |fp: &Fingerprint| {
         Request::new("pay", "m-fp")
             .expect("request")
-            .fingerprint(Some(fp.clone()))
+            .with_fingerprint(Some(fp.clone()))
     };
 
     let mut guard = fresh(fx.store.claim(&req(&a)).await);
@@ -696,7 +695,7 @@ async fn expired_markers_are_taken_over_and_purged() {
     let short = |key: &'static str| {
         Request::new("pay", key)
             .expect("request")
-            .ttl(Duration::from_millis(30))
+            .with_ttl(Duration::from_millis(30))
     };
 
     let mut guard = fresh(fx.store.claim(&short("k-exp")).await);
@@ -715,7 +714,9 @@ async fn expired_markers_are_taken_over_and_purged() {
     // The takeover resets the fingerprint and result: a new fingerprint is
     // not `KeyReused` once the old marker expired.
     let fp = Fingerprint::of("second message").expect("fingerprint");
-    let take_over = Request::new("pay", "k-exp").expect("request").fingerprint(Some(fp));
+    let take_over = Request::new("pay", "k-exp")
+        .expect("request")
+        .with_fingerprint(Some(fp));
     let mut guard = fresh(fx.store.claim(&take_over).await);
     fx.pay(&mut guard, "o-exp", 2).await;
     guard.complete(None).await.expect("complete");
@@ -769,7 +770,7 @@ async fn expired_markers_are_taken_over_and_purged() {
         };
         let guard = fresh(
             fx.store
-                .claim(&Request::new("pay", &key).expect("request").ttl(ttl))
+                .claim(&Request::new("pay", &key).expect("request").with_ttl(ttl))
                 .await,
         );
         guard.complete(None).await.expect("complete");
@@ -777,7 +778,7 @@ async fn expired_markers_are_taken_over_and_purged() {
     // A huge ttl is clamped, not an error.
     let guard = fresh(
         fx.store
-            .claim(&Request::new("pay", "forever").expect("request").ttl(Duration::MAX))
+            .claim(&Request::new("pay", "forever").expect("request").with_ttl(Duration::MAX))
             .await,
     );
     guard.complete(None).await.expect("complete");

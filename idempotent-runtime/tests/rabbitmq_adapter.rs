@@ -11,6 +11,7 @@ use std::hash::{BuildHasher, Hasher};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use idempotent_runtime::MemoryStore;
 use idempotent_runtime::lapin::message::BasicGetMessage;
 use idempotent_runtime::lapin::options::{
     BasicGetOptions, BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions, ExchangeDeleteOptions,
@@ -21,7 +22,7 @@ use idempotent_runtime::lapin::{BasicProperties, Channel, Connection, Connection
 use idempotent_runtime::rabbitmq::{
     Backoff, CancellationToken, DeliveryInfo, HEADER_ATTEMPTS, HEADER_KIND, RabbitConsumer,
 };
-use idempotent_runtime::{Claim, Guard, MemoryStore, Request, Store};
+use idempotent_runtime::store::{Claim, Guard, Request, Store};
 use serde::{Deserialize, Serialize};
 
 const AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";

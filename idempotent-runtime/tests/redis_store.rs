@@ -12,7 +12,8 @@ use std::future::Future;
 use std::time::{Duration, Instant};
 
 use idempotent_runtime::redis::{self, AsyncCommands, aio::ConnectionManager};
-use idempotent_runtime::{Claim, Error, Fingerprint, Guard, PurgeExpired, RedisGuard, RedisStore, Request, Store};
+use idempotent_runtime::store::{Claim, Fingerprint, Guard, PurgeExpired, RedisGuard, Request, Store};
+use idempotent_runtime::{Error, RedisStore};
 
 const TTL: Duration = Duration::from_secs(60);
 
@@ -67,7 +68,7 @@ impl Fixture {
 }
 
 fn req<'a>(scope: &'a str, key: &'a str) -> Request<'a> {
-    Request::new(scope, key).unwrap().ttl(TTL)
+    Request::new(scope, key).unwrap().with_ttl(TTL)
 }
 
 async fn fresh<S: Store>(store: &S, req: &Request<'_>) -> S::Guard {
@@ -89,7 +90,7 @@ async fn done<S: Store>(store: &S, req: &Request<'_>) -> Option<String> {
 async fn assert_in_progress<S: Store>(store: &S, req: &Request<'_>) {
     match store.claim(req).await {
         Err(Error::InProgress { scope, key }) => {
-            assert_eq!(scope, req.scope_name());
+            assert_eq!(scope, req.scope());
             assert_eq!(key.as_str(), req.key());
         }
         Ok(Claim::Fresh(_)) => panic!("expected InProgress, got a fresh claim"),
@@ -201,10 +202,10 @@ async fn a_different_fingerprint_is_key_reused() {
     with_fixture("fingerprint", |fx| async move {
         let first = Some(Fingerprint::of(&("order-1", 100)).unwrap());
         let other = Some(Fingerprint::of(&("order-1", 999)).unwrap());
-        let r = req("orders", "msg-1").fingerprint(first.clone());
+        let r = req("orders", "msg-1").with_fingerprint(first.clone());
         fresh(&fx.store, &r).await.complete(Some("1".into())).await.unwrap();
 
-        let reused = req("orders", "msg-1").fingerprint(other);
+        let reused = req("orders", "msg-1").with_fingerprint(other);
         match fx.store.claim(&reused).await {
             Err(Error::KeyReused { scope, key }) => {
                 assert_eq!(scope, "orders");
@@ -213,7 +214,7 @@ async fn a_different_fingerprint_is_key_reused() {
             other => panic!("expected KeyReused, got {other:?}"),
         }
         assert_eq!(
-            done(&fx.store, &req("orders", "msg-1").fingerprint(first))
+            done(&fx.store, &req("orders", "msg-1").with_fingerprint(first))
                 .await
                 .as_deref(),
             Some("1")
@@ -224,7 +225,7 @@ async fn a_different_fingerprint_is_key_reused() {
         // A marker stored without a fingerprint does not match one.
         let bare = req("orders", "msg-2");
         fresh(&fx.store, &bare).await.complete(None).await.unwrap();
-        let with = req("orders", "msg-2").fingerprint(Some(Fingerprint::from_bytes(b"x")));
+        let with = req("orders", "msg-2").with_fingerprint(Some(Fingerprint::from_bytes(b"x")));
         assert!(matches!(fx.store.claim(&with).await, Err(Error::KeyReused { .. })));
     })
     .await;
@@ -280,7 +281,7 @@ async fn dropping_the_guard_releases_the_lease() {
 async fn a_stale_consumer_cannot_overwrite_the_new_owners_marker() {
     with_fixture("stale-complete", |fx| async move {
         let stale_store = fx.without_renewal();
-        let short = req("orders", "msg-1").lease(Duration::from_millis(200));
+        let short = req("orders", "msg-1").with_lease(Duration::from_millis(200));
         let stale = fresh(&stale_store, &short).await;
         // The stale consumer's body outlives its lease; another takes over.
         let owner = eventually_fresh(&fx.store, &req("orders", "msg-1"), Duration::from_secs(3)).await;
@@ -303,7 +304,11 @@ async fn a_stale_consumer_cannot_overwrite_the_new_owners_marker() {
         );
 
         // Even after the owner completed, a stale completion changes nothing.
-        let stale = fresh(&stale_store, &req("orders", "msg-2").lease(Duration::from_millis(200))).await;
+        let stale = fresh(
+            &stale_store,
+            &req("orders", "msg-2").with_lease(Duration::from_millis(200)),
+        )
+        .await;
         let owner = eventually_fresh(&fx.store, &req("orders", "msg-2"), Duration::from_secs(3)).await;
         owner.complete(Some("\"owner\"".into())).await.unwrap();
         let marker = fx.raw("orders", "msg-2").await;
@@ -321,7 +326,7 @@ async fn a_stale_consumer_cannot_overwrite_the_new_owners_marker() {
 async fn a_stale_consumer_cannot_release_the_new_owners_claim() {
     with_fixture("stale-abort", |fx| async move {
         let stale_store = fx.without_renewal();
-        let short = req("orders", "msg-1").lease(Duration::from_millis(200));
+        let short = req("orders", "msg-1").with_lease(Duration::from_millis(200));
 
         // abort from the stale guard leaves the new owner's lease alone...
         let stale = fresh(&stale_store, &short).await;
@@ -330,7 +335,11 @@ async fn a_stale_consumer_cannot_release_the_new_owners_claim() {
         assert_in_progress(&fx.store, &req("orders", "msg-1")).await;
 
         // ...and so does dropping it (the release runs in the background).
-        let stale = fresh(&stale_store, &req("orders", "msg-2").lease(Duration::from_millis(200))).await;
+        let stale = fresh(
+            &stale_store,
+            &req("orders", "msg-2").with_lease(Duration::from_millis(200)),
+        )
+        .await;
         let owner2 = eventually_fresh(&fx.store, &req("orders", "msg-2"), Duration::from_secs(3)).await;
         drop(stale);
         tokio::time::sleep(Duration::from_millis(200)).await;
@@ -340,7 +349,11 @@ async fn a_stale_consumer_cannot_release_the_new_owners_claim() {
         owner2.complete(Some("2".into())).await.unwrap();
 
         // A stale abort after the owner completed leaves the marker too.
-        let stale = fresh(&stale_store, &req("orders", "msg-3").lease(Duration::from_millis(200))).await;
+        let stale = fresh(
+            &stale_store,
+            &req("orders", "msg-3").with_lease(Duration::from_millis(200)),
+        )
+        .await;
         let owner3 = eventually_fresh(&fx.store, &req("orders", "msg-3"), Duration::from_secs(3)).await;
         owner3.complete(Some("3".into())).await.unwrap();
         stale.abort().await;
@@ -356,7 +369,7 @@ async fn a_stale_consumer_cannot_release_the_new_owners_claim() {
 async fn renewal_keeps_a_long_body_claimed() {
     with_fixture("renewal", |fx| async move {
         let lease = Duration::from_millis(300);
-        let r = req("orders", "msg-1").lease(lease);
+        let r = req("orders", "msg-1").with_lease(lease);
         let guard = fresh(&fx.store, &r).await;
 
         // The body runs three times the lease; a competitor never gets in.
@@ -383,7 +396,7 @@ async fn renewal_keeps_a_long_body_claimed() {
 async fn a_crashed_consumers_lease_expires() {
     with_fixture("crash", |fx| async move {
         let crashing = fx.without_renewal();
-        let r = req("orders", "msg-1").lease(Duration::from_millis(300));
+        let r = req("orders", "msg-1").with_lease(Duration::from_millis(300));
         // A crash: no completion, no release, no renewal.
         std::mem::forget(fresh(&crashing, &r).await);
         assert_in_progress(&fx.store, &r).await;
@@ -431,7 +444,9 @@ async fn scopes_and_keys_never_collide() {
 #[tokio::test]
 async fn a_completed_marker_expires_after_its_ttl() {
     with_fixture("ttl", |fx| async move {
-        let r = Request::new("orders", "msg-1").unwrap().ttl(Duration::from_millis(300));
+        let r = Request::new("orders", "msg-1")
+            .unwrap()
+            .with_ttl(Duration::from_millis(300));
         fresh(&fx.store, &r).await.complete(Some("1".into())).await.unwrap();
         assert_eq!(done(&fx.store, &r).await.as_deref(), Some("1"));
         eventually_fresh(&fx.store, &r, Duration::from_secs(3))

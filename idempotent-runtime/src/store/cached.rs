@@ -190,23 +190,23 @@ impl<S: Store> Store for CachedStore<S> {
             });
         }
         let started = Instant::now();
-        let id = cache_id(req.scope_name(), req.key());
+        let id = cache_id(req.scope(), req.key());
         if let Some(hit) = self.cache.lookup(&id, req, started) {
             let (fingerprint, result) = hit;
             self.cache.counters.hits.fetch_add(1, Ordering::Relaxed);
             req.check_fingerprint(fingerprint.as_deref())?;
-            tracing::trace!(target: "idempotent", scope = req.scope_name(), "duplicate answered from the cache");
+            tracing::trace!(target: "idempotent", scope = req.scope(), "duplicate answered from the cache");
             return Ok(Claim::Done(Replay::new(result)));
         }
         self.cache.counters.misses.fetch_add(1, Ordering::Relaxed);
-        let expires_at = started.checked_add(req.ttl_duration().min(self.cache.max_age));
+        let expires_at = started.checked_add(req.ttl().min(self.cache.max_age));
         match self.inner.claim(req).await? {
             Claim::Fresh(guard) => {
                 let fill = expires_at.map(|expires_at| Fill {
                     cache: Arc::clone(&self.cache),
                     id,
                     // The marker holds exactly this request's fingerprint.
-                    fingerprint: Known::Yes(req.fingerprint_value().map(|f| f.as_str().to_owned())),
+                    fingerprint: Known::Yes(req.fingerprint().map(|f| f.as_str().to_owned())),
                     expires_at,
                 });
                 Ok(Claim::Fresh(CachedGuard { inner: guard, fill }))
@@ -216,7 +216,7 @@ impl<S: Store> Store for CachedStore<S> {
                     // The inner store checked the stored fingerprint against
                     // this request's: equal when the request has one,
                     // unknown otherwise.
-                    let fingerprint = match req.fingerprint_value() {
+                    let fingerprint = match req.fingerprint() {
                         Some(f) => Known::Yes(Some(f.as_str().to_owned())),
                         None => Known::No,
                     };
@@ -380,7 +380,7 @@ impl Cache {
             return None;
         }
         let entry = &lru.nodes[slot].entry;
-        let fingerprint = match (&entry.fingerprint, req.fingerprint_value()) {
+        let fingerprint = match (&entry.fingerprint, req.fingerprint()) {
             (Known::Yes(stored), _) => stored.clone(),
             (Known::No, None) => None,
             (Known::No, Some(_)) => return None,

@@ -108,7 +108,7 @@ impl Store for MemoryStore {
     }
 
     async fn claim(&self, req: &Request<'_>) -> Result<Claim<MemoryGuard>, Error> {
-        let id = (req.scope_name().to_owned(), req.key().to_owned());
+        let id = (req.scope().to_owned(), req.key().to_owned());
         let mut entries = self.inner.lock();
         match entries.get(&id) {
             Some(Entry::Done {
@@ -128,8 +128,8 @@ impl Store for MemoryStore {
             store: Arc::clone(&self.inner),
             id,
             token,
-            ttl: req.ttl_duration(),
-            fingerprint: req.fingerprint_value().map(|f| f.as_str().to_owned()),
+            ttl: req.ttl(),
+            fingerprint: req.fingerprint().map(|f| f.as_str().to_owned()),
             open: true,
         }))
     }

@@ -1,4 +1,7 @@
-//! The store contract: how a handler claims a key, and how the claim ends.
+//! The stores, and the contract they implement: how a handler claims a
+//! key, and how the claim ends. Handler authors need only the store types
+//! (also at the crate root); this module is for those who write a store,
+//! or name a store's guard, builder or settings.
 //!
 //! Two families implement it. Transactional stores ([`TransactionalStore`]:
 //! Postgres, SQLite, MySQL) claim by inserting the marker inside a database
@@ -11,7 +14,6 @@ use std::future::Future;
 use std::time::Duration;
 
 use crate::Error;
-use crate::fingerprint::Fingerprint;
 
 /// Marker lifetime used when `#[idempotent]` has no `ttl`: seven days.
 pub const DEFAULT_TTL: Duration = Duration::from_secs(7 * 24 * 3600);
@@ -46,26 +48,26 @@ impl<'a> Request<'a> {
         })
     }
 
-    /// Sets how long the completed marker blocks duplicates.
-    pub fn ttl(mut self, ttl: Duration) -> Self {
+    /// With how long the completed marker blocks duplicates.
+    pub fn with_ttl(mut self, ttl: Duration) -> Self {
         self.ttl = ttl;
         self
     }
 
-    /// Sets how long a lease store's claim lives without renewal.
-    pub fn lease(mut self, lease: Duration) -> Self {
+    /// With how long a lease store's claim lives without renewal.
+    pub fn with_lease(mut self, lease: Duration) -> Self {
         self.lease = lease;
         self
     }
 
-    /// Sets the fingerprint that duplicates must match.
-    pub fn fingerprint(mut self, fingerprint: Option<Fingerprint>) -> Self {
+    /// With the fingerprint that duplicates must match.
+    pub fn with_fingerprint(mut self, fingerprint: Option<Fingerprint>) -> Self {
         self.fingerprint = fingerprint;
         self
     }
 
-    /// The namespace of the marker (by default the handler's name).
-    pub fn scope_name(&self) -> &'a str {
+    /// The namespace of the marker (by default the handler's path).
+    pub fn scope(&self) -> &'a str {
         self.scope
     }
 
@@ -74,18 +76,18 @@ impl<'a> Request<'a> {
         self.key
     }
 
-    /// Marker lifetime.
-    pub fn ttl_duration(&self) -> Duration {
+    /// How long the completed marker blocks duplicates.
+    pub fn ttl(&self) -> Duration {
         self.ttl
     }
 
-    /// Lease lifetime (lease stores).
-    pub fn lease_duration(&self) -> Duration {
+    /// How long a lease store's claim lives without renewal.
+    pub fn lease(&self) -> Duration {
         self.lease
     }
 
     /// The fingerprint of the message, if the handler declares one.
-    pub fn fingerprint_value(&self) -> Option<&Fingerprint> {
+    pub fn fingerprint(&self) -> Option<&Fingerprint> {
         self.fingerprint.as_ref()
     }
 
@@ -165,7 +167,7 @@ impl Replay {
 
 /// Encodes a handler's result for storage; `None` when it is JSON `null`
 /// (so `()` stores nothing and costs no extra write).
-pub fn encode_result<T: serde::Serialize + ?Sized>(value: &T) -> Result<Option<String>, Error> {
+pub(crate) fn encode_result<T: serde::Serialize + ?Sized>(value: &T) -> Result<Option<String>, Error> {
     let json = serde_json::to_string(value).map_err(Error::Codec)?;
     Ok(if json == "null" { None } else { Some(json) })
 }
@@ -288,6 +290,23 @@ macro_rules! forward_store {
     )*};
 }
 forward_store!(&S, std::sync::Arc<S>);
+
+pub use crate::fingerprint::Fingerprint;
+pub use crate::janitor::PurgeExpired;
+pub use crate::scope::intern_namespace;
+pub use crate::table::{MAX_TABLE_NAME_BYTES, TableName};
+pub use cached::{CacheStats, CachedGuard, CachedStore, DEFAULT_CACHE_MAX_AGE};
+pub use memory::{MemoryGuard, MemoryStore};
+#[cfg(feature = "mysql")]
+pub use mysql::{MySqlStore, MySqlStoreBuilder};
+#[cfg(feature = "postgres")]
+pub use postgres::{PgStore, PgStoreBuilder};
+#[cfg(feature = "redis")]
+pub use redis::{RedisGuard, RedisStore, RedisStoreBuilder};
+#[cfg(feature = "sqlx")]
+pub use sql::{DEFAULT_PURGE_BATCH, SqlGuard, SqlStoreBuilder};
+#[cfg(feature = "sqlite")]
+pub use sqlite::{SqliteStore, SqliteStoreBuilder};
 
 pub(crate) mod cached;
 pub(crate) mod memory;

@@ -102,7 +102,7 @@ pub struct MySqlStore {
 
 #[derive(Debug)]
 struct MySqlSql {
-    table: crate::TableName,
+    table: crate::table::TableName,
     namespace: &'static str,
     claim: Arc<str>,
     read: Arc<str>,
@@ -112,7 +112,7 @@ struct MySqlSql {
     purge_batch: u64,
 }
 
-/// Configures a [`MySqlStore`]: see [`SqlStoreBuilder`](crate::SqlStoreBuilder).
+/// Configures a [`MySqlStore`]: see [`SqlStoreBuilder`](crate::store::SqlStoreBuilder).
 pub type MySqlStoreBuilder = SqlStoreBuilder<MySqlPool>;
 
 impl SqlStoreBuilder<MySqlPool> {
@@ -124,7 +124,7 @@ impl SqlStoreBuilder<MySqlPool> {
 }
 
 impl MySqlStore {
-    fn assemble(pool: MySqlPool, table: crate::TableName, purge_batch: u32) -> MySqlStore {
+    fn assemble(pool: MySqlPool, table: crate::table::TableName, purge_batch: u32) -> MySqlStore {
         let t = table.quoted('`');
         let expired = "expires_at <= UTC_TIMESTAMP(3)";
         let sql = MySqlSql {
@@ -158,7 +158,7 @@ impl MySqlStore {
     pub fn new(pool: MySqlPool) -> Self {
         MySqlStore::assemble(
             pool,
-            crate::TableName::default(),
+            crate::table::TableName::default(),
             crate::store::sql::DEFAULT_PURGE_BATCH,
         )
     }
@@ -174,7 +174,7 @@ impl MySqlStore {
     }
 
     /// The marker table.
-    pub fn table(&self) -> &crate::TableName {
+    pub fn table(&self) -> &crate::table::TableName {
         &self.sql.table
     }
 
@@ -237,9 +237,9 @@ impl MySqlStore {
     async fn try_claim(&self, req: &Request<'_>) -> Result<Attempt, sqlx::Error> {
         let mut tx = self.begin().await?;
         let ttl_micros = req.ttl_millis().saturating_mul(1000).min(MAX_TTL_MICROS);
-        let fingerprint = req.fingerprint_value().map(|f| f.as_str());
+        let fingerprint = req.fingerprint().map(|f| f.as_str());
         let done = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.claim)))
-            .bind(req.scope_name())
+            .bind(req.scope())
             .bind(req.key())
             .bind(ttl_micros)
             .bind(fingerprint)
@@ -260,7 +260,7 @@ impl MySqlStore {
         // so it cannot change or vanish before this read, which at READ
         // COMMITTED sees its committed values.
         let row = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.read)))
-            .bind(req.scope_name())
+            .bind(req.scope())
             .bind(req.key())
             .fetch_one(&mut *tx)
             .await?;
@@ -379,7 +379,7 @@ async fn warn_about_durability(pool: &MySqlPool) {
 }
 
 /// `mysql://host:port/database/table` (the socket path for a socket).
-fn namespace(pool: &MySqlPool, table: &crate::TableName) -> &'static str {
+fn namespace(pool: &MySqlPool, table: &crate::table::TableName) -> &'static str {
     let options = pool.connect_options();
     let host = match options.get_socket() {
         Some(socket) => socket.display().to_string(),

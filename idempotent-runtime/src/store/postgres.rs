@@ -41,7 +41,7 @@ pub struct PgStore {
 
 #[derive(Debug)]
 struct PgSql {
-    table: crate::TableName,
+    table: crate::table::TableName,
     namespace: &'static str,
     claim: Arc<str>,
     read: Arc<str>,
@@ -51,7 +51,7 @@ struct PgSql {
     purge_batch: i64,
 }
 
-/// Configures a [`PgStore`]: see [`SqlStoreBuilder`](crate::SqlStoreBuilder).
+/// Configures a [`PgStore`]: see [`SqlStoreBuilder`](crate::store::SqlStoreBuilder).
 pub type PgStoreBuilder = SqlStoreBuilder<PgPool>;
 
 impl SqlStoreBuilder<PgPool> {
@@ -63,7 +63,7 @@ impl SqlStoreBuilder<PgPool> {
 }
 
 impl PgStore {
-    fn assemble(pool: PgPool, table: crate::TableName, purge_batch: u32) -> PgStore {
+    fn assemble(pool: PgPool, table: crate::table::TableName, purge_batch: u32) -> PgStore {
         let t = table.quoted('"');
         let sql = PgSql {
             // The plain upsert: the cheapest statement for a fresh message
@@ -107,7 +107,7 @@ impl PgStore {
     pub fn new(pool: PgPool) -> Self {
         PgStore::assemble(
             pool,
-            crate::TableName::default(),
+            crate::table::TableName::default(),
             crate::store::sql::DEFAULT_PURGE_BATCH,
         )
     }
@@ -123,7 +123,7 @@ impl PgStore {
     }
 
     /// The marker table.
-    pub fn table(&self) -> &crate::TableName {
+    pub fn table(&self) -> &crate::table::TableName {
         &self.sql.table
     }
 
@@ -203,10 +203,10 @@ impl Store for PgStore {
         let begin = self.begin_statement().await?;
         let mut tx = self.pool.begin_with(begin).await?;
         let claimed = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.claim)))
-            .bind(req.scope_name())
+            .bind(req.scope())
             .bind(req.key())
             .bind(req.ttl_millis())
-            .bind(req.fingerprint_value().map(|f| f.as_str()))
+            .bind(req.fingerprint().map(|f| f.as_str()))
             .fetch_optional(&mut *tx)
             .await?
             .is_some();
@@ -222,7 +222,7 @@ impl Store for PgStore {
         // vanish before this read (a new snapshot, so it also sees a marker
         // committed by a concurrent claim this one waited for).
         let row = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.read)))
-            .bind(req.scope_name())
+            .bind(req.scope())
             .bind(req.key())
             .fetch_one(&mut *tx)
             .await?;
@@ -236,7 +236,7 @@ impl Store for PgStore {
 }
 
 /// `postgres://host:port/database/table` (the socket path for a socket).
-fn namespace(pool: &PgPool, table: &crate::TableName) -> &'static str {
+fn namespace(pool: &PgPool, table: &crate::table::TableName) -> &'static str {
     let options = pool.connect_options();
     let host = match options.get_socket() {
         Some(socket) => socket.display().to_string(),

@@ -235,7 +235,7 @@ impl Store for RedisStore {
 
     async fn claim(&self, req: &Request<'_>) -> Result<Claim<RedisGuard>, Error> {
         self.checked.get_or_init(|| warn_about_server(self.conn.clone())).await;
-        let key = self.redis_key(req.scope_name(), req.key());
+        let key = self.redis_key(req.scope(), req.key());
         let lease = format!("L{}", new_token());
         let lease_ms = req.lease_millis();
         let mut conn = self.conn.clone();
@@ -256,7 +256,7 @@ impl Store for RedisStore {
                 key,
                 lease,
                 ttl_ms: req.ttl_millis(),
-                fingerprint: req.fingerprint_value().map(|f| f.as_str().to_owned()),
+                fingerprint: req.fingerprint().map(|f| f.as_str().to_owned()),
                 renewal,
                 open: true,
             }));

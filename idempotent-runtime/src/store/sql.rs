@@ -66,13 +66,13 @@ impl<DB: SqlBackend> SqlGuard<DB> {
     pub(crate) fn new(
         tx: Transaction<'static, DB>,
         write_result_sql: Arc<str>,
-        req: &crate::Request<'_>,
+        req: &crate::store::Request<'_>,
         writer: Option<tokio::sync::OwnedSemaphorePermit>,
     ) -> Self {
         SqlGuard {
             tx,
             write_result_sql,
-            scope: req.scope_name().to_owned(),
+            scope: req.scope().to_owned(),
             key: req.key().to_owned(),
             _writer: writer,
         }

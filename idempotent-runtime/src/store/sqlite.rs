@@ -37,7 +37,7 @@ pub struct SqliteStore {
 
 #[derive(Debug)]
 struct SqliteSql {
-    table: crate::TableName,
+    table: crate::table::TableName,
     namespace: &'static str,
     claim: Arc<str>,
     read: Arc<str>,
@@ -47,7 +47,7 @@ struct SqliteSql {
     purge_batch: i64,
 }
 
-/// Configures a [`SqliteStore`]: see [`SqlStoreBuilder`](crate::SqlStoreBuilder).
+/// Configures a [`SqliteStore`]: see [`SqlStoreBuilder`](crate::store::SqlStoreBuilder).
 pub type SqliteStoreBuilder = SqlStoreBuilder<SqlitePool>;
 
 impl SqlStoreBuilder<SqlitePool> {
@@ -65,7 +65,7 @@ impl SqlStoreBuilder<SqlitePool> {
 }
 
 impl SqliteStore {
-    fn assemble(pool: SqlitePool, table: crate::TableName, purge_batch: u32) -> SqliteStore {
+    fn assemble(pool: SqlitePool, table: crate::table::TableName, purge_batch: u32) -> SqliteStore {
         let t = table.quoted('"');
         let sql = SqliteSql {
             claim: format!(
@@ -104,7 +104,7 @@ impl SqliteStore {
     pub fn new(pool: SqlitePool) -> Self {
         SqliteStore::assemble(
             pool,
-            crate::TableName::default(),
+            crate::table::TableName::default(),
             crate::store::sql::DEFAULT_PURGE_BATCH,
         )
     }
@@ -144,7 +144,7 @@ impl SqliteStore {
     }
 
     /// The marker table.
-    pub fn table(&self) -> &crate::TableName {
+    pub fn table(&self) -> &crate::table::TableName {
         &self.sql.table
     }
 
@@ -222,10 +222,10 @@ impl Store for SqliteStore {
     async fn claim(&self, req: &Request<'_>) -> Result<Claim<Self::Guard>, Error> {
         let (mut tx, writer) = self.begin_immediate().await?;
         let claimed = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.claim)))
-            .bind(req.scope_name())
+            .bind(req.scope())
             .bind(req.key())
             .bind(req.ttl_millis())
-            .bind(req.fingerprint_value().map(|f| f.as_str()))
+            .bind(req.fingerprint().map(|f| f.as_str()))
             .fetch_optional(&mut *tx)
             .await?
             .is_some();
@@ -238,7 +238,7 @@ impl Store for SqliteStore {
             )));
         }
         let row = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.read)))
-            .bind(req.scope_name())
+            .bind(req.scope())
             .bind(req.key())
             .fetch_one(&mut *tx)
             .await?;
@@ -252,7 +252,7 @@ impl Store for SqliteStore {
 
 /// `sqlite://file/table`; an in-memory database is private to its pool, so
 /// it gets a namespace of its own.
-fn namespace(pool: &SqlitePool, table: &crate::TableName) -> &'static str {
+fn namespace(pool: &SqlitePool, table: &crate::table::TableName) -> &'static str {
     let options = pool.connect_options();
     let file = options.get_filename();
     if file.as_os_str().is_empty() || file.to_string_lossy().contains(":memory:") {

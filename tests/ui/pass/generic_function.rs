@@ -1,6 +1,7 @@
 #![deny(warnings)]
 
-use idempotent_runtime::{MemoryStore, Store, idempotent};
+use idempotent_runtime::{MemoryStore, idempotent};
+use idempotent_runtime::store::Store;
 
 #[derive(Debug, thiserror::Error)]
 #[error(transparent)]

@@ -1,0 +1,452 @@
+//! What an `#[idempotent]` call does, step by step: the key's text, the
+//! fingerprint, the request; the check that the parameters the macro left
+//! in the signature are not transactions; registering the scope and
+//! claiming the key; logging and counting the outcome; storing the result
+//! or replaying it; converting the store's errors into the handler's.
+//!
+//! Expansions reach these items through [`crate::__private`], a list of
+//! re-exports; none of them is public API.
+
+use std::borrow::Cow;
+use std::future::Future;
+
+use tracing::Span;
+
+use crate::scope::Site;
+
+use crate::fingerprint::Fingerprint;
+use crate::store::{Claim, Guard, Replay, Request, Store, encode_result};
+use crate::{Error, IdempotencyKey};
+
+/// The key's text, or `MissingKey`.
+#[inline]
+pub fn key<'k, K: IdempotencyKey + ?Sized>(scope: &str, key: &'k K) -> Result<Cow<'k, str>, Error> {
+    crate::key::require(scope, key.key_text())
+}
+
+/// A value the `fingerprint = ..` expression can give.
+#[diagnostic::on_unimplemented(
+    message = "the fingerprint `{Self}` cannot be hashed",
+    label = "the `fingerprint = ..` expression must be `serde::Serialize`",
+    note = "the fingerprint is the hash of the value's canonical form: fingerprint the message (derive `Serialize` for it) or a tuple of its fields"
+)]
+pub trait FingerprintSource {
+    /// The fingerprint of the value.
+    fn fingerprint(&self) -> Result<Option<Fingerprint>, Error>;
+}
+
+impl<T: serde::Serialize + ?Sized> FingerprintSource for T {
+    #[inline]
+    fn fingerprint(&self) -> Result<Option<Fingerprint>, Error> {
+        Fingerprint::of(self).map(Some)
+    }
+}
+
+/// The fingerprint of the `fingerprint = ..` expression.
+#[inline]
+pub fn fingerprint<T: FingerprintSource + ?Sized>(value: &T) -> Result<Option<Fingerprint>, Error> {
+    value.fingerprint()
+}
+
+/// The validated request of one call.
+#[inline]
+pub fn request<'a>(
+    scope: &'a str,
+    key: &'a str,
+    ttl_ms: u64,
+    lease_ms: u64,
+    fingerprint: Result<Option<Fingerprint>, Error>,
+) -> Result<Request<'a>, Error> {
+    Ok(Request::new(scope, key)?
+        .with_ttl(std::time::Duration::from_millis(ttl_ms))
+        .with_lease(std::time::Duration::from_millis(lease_ms))
+        .with_fingerprint(fingerprint?))
+}
+
+/// The span a call's events and body run in.
+#[inline]
+pub fn span(req: &Request<'_>) -> Span {
+    tracing::debug_span!(target: "idempotent", "idempotent", scope = req.scope(), key = req.key())
+}
+
+/// The type of a `store = ..` expression: any [`Store`].
+///
+/// One blanket impl marked `do_not_recommend`: a value that is not a store
+/// is reported as "not an idempotency store" on the expression, without the
+/// list of every store type (which changes as stores are added).
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` is not an idempotency store",
+    label = "the `store = ..` expression must give a store",
+    note = "use one of `PgStore`, `SqliteStore`, `MySqlStore`, `RedisStore` or `MemoryStore` (or a reference or `Arc` to one)"
+)]
+pub trait AnyStore: Sync {
+    /// The store's [`Store::Guard`].
+    type Guard: Guard;
+
+    /// [`Store::claim`].
+    fn claim_key(&self, req: &Request<'_>) -> impl Future<Output = Result<Claim<Self::Guard>, Error>> + Send;
+
+    /// [`Store::namespace`].
+    fn namespace_of(&self) -> Option<&'static str>;
+}
+
+#[diagnostic::do_not_recommend]
+impl<S: Store + ?Sized> AnyStore for S {
+    type Guard = S::Guard;
+
+    #[inline]
+    fn claim_key(&self, req: &Request<'_>) -> impl Future<Output = Result<Claim<Self::Guard>, Error>> + Send {
+        self.claim(req)
+    }
+
+    #[inline]
+    fn namespace_of(&self) -> Option<&'static str> {
+        self.namespace()
+    }
+}
+
+/// Which handler claims: where it is declared, its path and its scope.
+#[derive(Clone, Copy)]
+pub struct Caller {
+    /// The handler's `static` site.
+    pub site: &'static Site,
+    /// The handler's path (its default scope).
+    pub path: &'static str,
+    /// The scope it claims with.
+    pub scope: &'static str,
+}
+
+/// Looks at the type of a handler parameter that the macro did not take for
+/// the transaction: [`TxProbe::kind`] is an inherent method for database
+/// transactions and connections, and [`ProbeFallback::kind`] for every other
+/// type (inherent methods win when both apply). The expansion then requires
+/// the kind to be [`NotATransaction`] through local traits whose
+/// diagnostics name the parameter.
+pub struct TxProbe<T: ?Sized>(std::marker::PhantomData<T>);
+
+impl<T: ?Sized> TxProbe<T> {
+    /// A probe of `T`.
+    #[inline]
+    #[allow(clippy::new_without_default)]
+    pub const fn new() -> Self {
+        TxProbe(std::marker::PhantomData)
+    }
+}
+
+/// The kind of a parameter that is neither a transaction nor a connection.
+pub struct NotATransaction;
+/// The kind of a parameter that is a database transaction or connection.
+pub struct ATransaction;
+/// The kind of a parameter that is a connection taken from a pool.
+pub struct APooledConnection;
+
+/// [`TxProbe::kind`] for every type that is not a transaction.
+pub trait ProbeFallback {
+    /// Not a transaction.
+    #[inline]
+    fn kind(&self) -> NotATransaction {
+        NotATransaction
+    }
+}
+
+impl<T: ?Sized> ProbeFallback for TxProbe<T> {}
+
+#[cfg(feature = "sqlx")]
+impl<DB: sqlx::Database> TxProbe<sqlx::Transaction<'_, DB>> {
+    /// A transaction.
+    #[inline]
+    pub fn kind(&self) -> ATransaction {
+        ATransaction
+    }
+}
+
+#[cfg(feature = "sqlx")]
+impl<DB: sqlx::Database> TxProbe<sqlx::pool::PoolConnection<DB>> {
+    /// A pooled connection.
+    #[inline]
+    pub fn kind(&self) -> APooledConnection {
+        APooledConnection
+    }
+}
+
+macro_rules! connection_probe {
+    ($feature:literal, $conn:ty) => {
+        #[cfg(feature = $feature)]
+        impl TxProbe<$conn> {
+            /// A connection.
+            #[inline]
+            pub fn kind(&self) -> ATransaction {
+                ATransaction
+            }
+        }
+    };
+}
+connection_probe!("postgres", sqlx::PgConnection);
+connection_probe!("sqlite", sqlx::SqliteConnection);
+connection_probe!("mysql", sqlx::MySqlConnection);
+
+/// Claims with any store (handlers without a transaction parameter), after
+/// refusing a scope that another handler owns on the same store (see
+/// [`crate::scope`]).
+#[inline]
+pub async fn claim<S: AnyStore + ?Sized>(
+    store: &S,
+    req: &Request<'_>,
+    span: &Span,
+    caller: Caller,
+) -> Result<Claim<S::Guard>, Error> {
+    let claim = match crate::scope::register(caller.site, caller.path, caller.scope, store.namespace_of()) {
+        Ok(()) => store.claim_key(req).await,
+        Err(error) => Err(error),
+    };
+    log_claim(&claim, req, span);
+    claim
+}
+
+/// The type of the `store = ..` expression of a handler that takes a
+/// transaction parameter: any [`TransactionalStore`](crate::store::TransactionalStore)
+/// (one blanket impl, like [`AnyStore`]).
+#[cfg(feature = "sqlx")]
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` cannot run the handler in a database transaction",
+    label = "this handler takes a transaction parameter, so its store must be transactional",
+    note = "Redis and in-memory stores cannot join a database transaction: remove the transaction parameter and make the effect idempotent by design, or use `PgStore`, `SqliteStore` or `MySqlStore`"
+)]
+pub trait AnyTransactionalStore: AnyStore {
+    /// The database the transaction runs on.
+    type Database: sqlx::Database;
+
+    /// How the store's claims lend their transaction to the handler.
+    fn binder(&self) -> Binder<Self::Guard, Self::Database>;
+}
+
+#[cfg(feature = "sqlx")]
+#[diagnostic::do_not_recommend]
+impl<S: crate::store::TransactionalStore + ?Sized> AnyTransactionalStore for S {
+    type Database = S::Database;
+
+    #[inline]
+    fn binder(&self) -> Binder<Self::Guard, Self::Database> {
+        <S::Guard as crate::store::TransactionGuard>::transaction
+    }
+}
+
+/// Claims with a store that runs the body in its transaction.
+#[cfg(feature = "sqlx")]
+#[inline]
+pub async fn claim_transactional<S: AnyTransactionalStore + ?Sized>(
+    store: &S,
+    req: &Request<'_>,
+    span: &Span,
+    caller: Caller,
+) -> Result<Claim<S::Guard>, Error> {
+    claim(store, req, span, caller).await
+}
+
+/// How a transactional store's claim lends its transaction to the handler.
+#[cfg(feature = "sqlx")]
+pub type Binder<G, DB> = for<'a> fn(&'a mut G) -> &'a mut sqlx::Transaction<'static, DB>;
+
+/// The [`Binder`] of `store`'s claims. Requires the same bound as
+/// [`claim_transactional`] (reported once, on the `store = ..` expression),
+/// so that [`bind_transaction`] needs none on the guard.
+#[cfg(feature = "sqlx")]
+#[inline]
+pub fn binder<S: AnyTransactionalStore + ?Sized>(store: &S) -> Binder<S::Guard, S::Database> {
+    store.binder()
+}
+
+/// Borrows the claim's transaction as the handler's parameter type.
+#[cfg(feature = "sqlx")]
+#[inline]
+pub fn bind_transaction<'a, G, DB, P>(binder: Binder<G, DB>, guard: &'a mut G) -> P
+where
+    DB: sqlx::Database,
+    P: crate::store::FromTransaction<'a, DB>,
+{
+    P::from_transaction(binder(guard))
+}
+
+/// The key a fresh claim's [`finish`] names in its events (the key's own
+/// text borrows from the handler's parameters, which the body then takes).
+#[inline]
+pub fn logged_key<G>(claim: &Result<Claim<G>, Error>, key: &str) -> Box<str> {
+    match claim {
+        Ok(Claim::Fresh(_)) => Box::from(key),
+        _ => Box::default(),
+    }
+}
+
+/// Logs how a claim went. The events carry the scope and the key
+/// themselves (not only their span, which is at debug level), so an
+/// operator at the default level sees which handler skipped which message.
+fn log_claim<G>(claim: &Result<Claim<G>, Error>, req: &Request<'_>, span: &Span) {
+    let (scope, key) = (req.scope(), req.key());
+    span.in_scope(|| match claim {
+        Ok(Claim::Fresh(_)) => {}
+        Ok(Claim::Done(_)) => {
+            count(scope, "duplicate");
+            tracing::info!(target: "idempotent", scope, key, outcome = "duplicate", "duplicate message skipped")
+        }
+        Err(error) => {
+            count(scope, "failed");
+            note_outage(error);
+            tracing::warn!(target: "idempotent", scope, key, outcome = "failed", %error, "claim failed")
+        }
+    });
+}
+
+/// A store that is down (or a key another consumer holds) is not the
+/// message's fault: tells a broker adapter running this call, so it retries
+/// without spending an attempt.
+fn note_outage(error: &Error) {
+    if matches!(error, Error::Store(_) | Error::InProgress { .. }) {
+        crate::signal::store_failed();
+    }
+}
+
+/// Counts one outcome (`processed`, `duplicate`, `failed`) of a handler's
+/// scope: `idempotent_outcomes_total{scope, outcome}` through the `metrics`
+/// facade (feature `metrics`; without it, nothing).
+#[inline]
+fn count(scope: &str, outcome: &'static str) {
+    #[cfg(feature = "metrics")]
+    metrics::counter!("idempotent_outcomes_total", "scope" => scope.to_owned(), "outcome" => outcome).increment(1);
+    #[cfg(not(feature = "metrics"))]
+    let _ = (scope, outcome);
+}
+
+/// A result type a handler can return: stored after the first run and
+/// replayed to duplicates.
+///
+/// The expansion names `<T as StoredResult>::codec` once, spanned on the
+/// handler's declared `T`, so a type that cannot be stored is reported there
+/// and only there; [`finish`] and the replay use the [`Codec`] and need no
+/// bound of their own.
+#[diagnostic::on_unimplemented(
+    message = "the result type `{Self}` cannot be stored for replay to duplicates",
+    label = "`{Self}` must implement `serde::Serialize` and `serde::Deserialize`",
+    note = "duplicates answer with the first run's result, so it is stored as JSON: derive `Serialize` and `Deserialize` for it, or return `()`"
+)]
+// No supertraits: rustc then reports `T: StoredResult` (with this
+// explanation) rather than the bare serde bound.
+pub trait StoredResult: Sized {
+    /// How values of this type are stored and replayed.
+    fn codec() -> Codec<Self>;
+}
+
+// `do_not_recommend`: one error on `T: StoredResult` (this explanation),
+// rather than one per missing serde trait.
+#[diagnostic::do_not_recommend]
+impl<T: serde::Serialize + serde::de::DeserializeOwned> StoredResult for T {
+    #[inline]
+    fn codec() -> Codec<Self> {
+        Codec {
+            encode: encode_result::<Self>,
+            decode: Replay::decode::<Self>,
+        }
+    }
+}
+
+/// Stores and replays a handler's `T` (see [`StoredResult::codec`]).
+pub struct Codec<T> {
+    encode: fn(&T) -> Result<Option<String>, Error>,
+    decode: fn(&Replay) -> Result<T, Error>,
+}
+
+impl<T> Clone for Codec<T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<T> Copy for Codec<T> {}
+
+impl<T> Codec<T> {
+    /// Answers a duplicate with the first run's result.
+    #[inline]
+    pub fn replay(&self, replay: &Replay) -> Result<T, Error> {
+        (self.decode)(replay)
+    }
+}
+
+/// An error type a handler can return.
+///
+/// The expansion names `<E as HandlerError>::from_store` once, spanned on the
+/// handler's declared `E`, and converts every store error through it.
+#[diagnostic::on_unimplemented(
+    message = "the handler's error type `{Self}` cannot hold an `idempotent_runtime::Error`",
+    label = "`{Self}` must implement `From<idempotent_runtime::Error>`",
+    note = "the store can fail (missing key, key reused, database down): add a variant with `#[from] idempotent_runtime::Error`, or return `anyhow::Error`"
+)]
+// No supertrait, for the same reason as `StoredResult`.
+pub trait HandlerError: Sized {
+    /// Converts a store error into the handler's error type.
+    fn from_store(error: Error) -> Self;
+}
+
+impl<E: From<Error>> HandlerError for E {
+    #[inline]
+    fn from_store(error: Error) -> Self {
+        E::from(error)
+    }
+}
+
+/// Ends a claim with the body's outcome: `Ok` stores the result and commits,
+/// `Err` rolls back (or releases the lease) and is handed back as it is.
+/// The outer `Err` is the store's error, for the caller to convert.
+pub async fn finish<G: Guard, T, E>(
+    guard: G,
+    codec: Codec<T>,
+    outcome: Result<T, E>,
+    span: Span,
+    scope: &'static str,
+    key: &str,
+) -> Result<Result<T, E>, Error> {
+    let outcome = match outcome {
+        Ok(value) => {
+            let stored = match (codec.encode)(&value) {
+                Ok(stored) => stored,
+                Err(error) => {
+                    guard.abort().await;
+                    span.in_scope(
+                        || tracing::warn!(target: "idempotent", scope, key, outcome = "failed", %error, "result not stored"),
+                    );
+                    count(scope, "failed");
+                    return Err(error);
+                }
+            };
+            match guard.complete(stored).await {
+                Ok(()) => {
+                    span.in_scope(
+                        || tracing::debug!(target: "idempotent", scope, key, outcome = "processed", "message processed"),
+                    );
+                    Ok(Ok(value))
+                }
+                Err(error) => {
+                    note_outage(&error);
+                    span.in_scope(
+                        || tracing::warn!(target: "idempotent", scope, key, outcome = "failed", %error, "commit failed"),
+                    );
+                    Err(error)
+                }
+            }
+        }
+        Err(error) => {
+            guard.abort().await;
+            span.in_scope(
+                || tracing::debug!(target: "idempotent", scope, key, outcome = "failed", "handler failed; claim released"),
+            );
+            Ok(Err(error))
+        }
+    };
+    count(
+        scope,
+        if matches!(outcome, Ok(Ok(_))) {
+            "processed"
+        } else {
+            "failed"
+        },
+    );
+    outcome
+}
