@@ -18,6 +18,7 @@ const NAMES: &[&str] = &[
     "fingerprint",
     "lease",
     "tx",
+    "outbox",
     "crate",
 ];
 
@@ -44,6 +45,8 @@ pub struct Args {
     pub fingerprint: Option<Expr>,
     /// `tx = ..`: the name of the transaction parameter.
     pub tx: Option<Ident>,
+    /// `outbox = ..`: the name of the outbox parameter.
+    pub outbox: Option<Ident>,
     /// `crate = ".."`: path to the runtime.
     pub krate: syn::Path,
 }
@@ -59,6 +62,7 @@ pub fn parse(cx: &Ctxt, tokens: TokenStream) -> Args {
         lease_ms: DEFAULT_LEASE_MS,
         fingerprint: None,
         tx: None,
+        outbox: None,
         krate: syn::parse_quote!(::idempotent_runtime),
     };
     let mut seen: Vec<String> = Vec::new();
@@ -157,17 +161,8 @@ fn apply(cx: &Ctxt, args: &mut Args, name: &Ident, value: Expr) {
                 args.lease_ms = ms;
             }
         }
-        "tx" => match &value {
-            Expr::Path(path) if path.path.get_ident().is_some() => args.tx = path.path.get_ident().cloned(),
-            _ => {
-                if let Some(lit) = string(cx, "tx", &value, "tx = \"conn\"") {
-                    match lit.parse::<Ident>() {
-                        Ok(ident) => args.tx = Some(ident),
-                        Err(_) => cx.error_spanned_by(&lit, "`tx` names a parameter, like `tx = \"conn\"`"),
-                    }
-                }
-            }
-        },
+        "tx" => args.tx = parameter_name(cx, "tx", &value, "conn"),
+        "outbox" => args.outbox = parameter_name(cx, "outbox", &value, "events"),
         "crate" => {
             if let Some(lit) = string(cx, "crate", &value, "crate = \"my_reexport::idempotent_runtime\"") {
                 match lit.parse::<syn::Path>() {
@@ -184,10 +179,30 @@ fn apply(cx: &Ctxt, args: &mut Args, name: &Ident, value: Expr) {
                     format!("unknown argument `{unknown}`; did you mean `{intended}`?")
                 }
                 None => format!(
-                    "unknown argument `{unknown}`; expected one of `key`, `store`, `scope`, `shared_scope`, `ttl`, `fingerprint`, `lease`, `tx`, `crate`"
+                    "unknown argument `{unknown}`; expected one of `key`, `store`, `scope`, `shared_scope`, `ttl`, `fingerprint`, `lease`, `tx`, `outbox`, `crate`"
                 ),
             };
             cx.error_spanned_by(name, message);
+        }
+    }
+}
+
+/// `tx = conn` or `tx = "conn"`: the name of a parameter.
+fn parameter_name(cx: &Ctxt, what: &str, value: &Expr, example: &str) -> Option<Ident> {
+    if let Expr::Path(path) = value
+        && let Some(ident) = path.path.get_ident()
+    {
+        return Some(ident.clone());
+    }
+    let lit = string(cx, what, value, &format!("{what} = \"{example}\""))?;
+    match lit.parse::<Ident>() {
+        Ok(ident) => Some(ident),
+        Err(_) => {
+            cx.error_spanned_by(
+                &lit,
+                format!("`{what}` names a parameter, like `{what} = \"{example}\"`"),
+            );
+            None
         }
     }
 }

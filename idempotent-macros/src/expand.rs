@@ -131,25 +131,19 @@ fn expand(handler: &Handler, args: &Args, key: &syn::Expr, store: &syn::Expr) ->
 
     // The store is checked on the `store = ..` expression: `Store`, or
     // `TransactionalStore` when the handler takes a transaction parameter.
-    let (claim_call, binder_let, binder_out) = match &handler.tx {
-        Some(_) => (
-            call(
-                &rt,
-                "claim_transactional",
-                quote!(#store_arg, &#request, &#span, #caller),
-                store,
-            ),
-            Some({
-                let binder_call = call(&rt, "binder", store_arg.clone(), store);
-                quote!(let #binder = #binder_call;)
-            }),
-            quote!(#binder),
-        ),
-        None => (
-            call(&rt, "claim", quote!(#store_arg, &#request, &#span, #caller), store),
-            None,
-            quote!(()),
-        ),
+    // `OutboxStore` too when it takes an outbox (one bound, so one error).
+    let (claim_fn, binder_fn) = match (&handler.tx, &handler.outbox) {
+        (_, Some(_)) => ("claim_outbox", "binder_outbox"),
+        (Some(_), None) => ("claim_transactional", "binder"),
+        (None, None) => ("claim", "binder"),
+    };
+    let claim_call = call(&rt, claim_fn, quote!(#store_arg, &#request, &#span, #caller), store);
+    let (binder_let, binder_out) = match &handler.tx {
+        Some(_) => {
+            let binder_call = call(&rt, binder_fn, store_arg.clone(), store);
+            (Some(quote!(let #binder = #binder_call;)), quote!(#binder))
+        }
+        None => (None, quote!(())),
     };
     let claim_await = awaited(claim_call, store);
     let bind_tx = handler.tx.as_ref().map(|tx| {
@@ -158,7 +152,24 @@ fn expand(handler: &Handler, args: &Args, key: &syn::Expr, store: &syn::Expr) ->
         let bind_call = call(&rt, "bind_transaction", quote!(#binder, &mut #guard), ty);
         quote!(let #pat: #ty = #bind_call;)
     });
-    let guard_binding = if handler.tx.is_some() {
+    let outbox = format_ident!("__idem_outbox", span = mixed);
+    let bind_outbox = handler.outbox.as_ref().map(|param| {
+        let pat = &param.pat;
+        let ty = &param.ty;
+        let bind_call = call(&rt, "bind_outbox", quote!(&mut #outbox), ty);
+        quote!(let #pat: #ty = #bind_call;)
+    });
+    let (new_outbox, finish_call) = match &handler.outbox {
+        Some(_) => (
+            Some(quote!(let mut #outbox = #rt::Outbox::new();)),
+            quote!(#rt::finish_staged(#guard, #outbox, #codec, #outcome, #span, #scope, &#logged_key)),
+        ),
+        None => (
+            None,
+            quote!(#rt::finish(#guard, #codec, #outcome, #span, #scope, &#logged_key)),
+        ),
+    };
+    let guard_binding = if handler.tx.is_some() || handler.outbox.is_some() {
         quote!(mut #guard)
     } else {
         quote!(#guard)
@@ -217,11 +228,13 @@ fn expand(handler: &Handler, args: &Args, key: &syn::Expr, store: &syn::Expr) ->
                 #bail
             },
             ::core::result::Result::Ok(#rt::Claim::Fresh(#guard_binding)) => {
+                #new_outbox
                 let #outcome = {
                     #bind_tx
+                    #bind_outbox
                     #rt::Instrument::instrument(#body, ::core::clone::Clone::clone(&#span)).await
                 };
-                match #rt::finish(#guard, #codec, #outcome, #span, #scope, &#logged_key).await {
+                match #finish_call.await {
                     ::core::result::Result::Ok(#finished) => #finished,
                     #bail
                 }
@@ -265,6 +278,17 @@ fn transaction_probes(handler: &Handler, rt: &TokenStream) -> TokenStream {
             let tx_note = format!(
                 "as written, {name} stays a parameter and the caller passes a transaction of its own: the effect would not be atomic with the marker"
             );
+            let outbox_arg = probe
+                .name
+                .as_ref()
+                .map_or_else(|| "a name to this parameter and `outbox = <its name>`".to_owned(), |name| format!("`outbox = {name}`"));
+            let outbox_message = format!(
+                "the parameter {name} is an outbox that #[idempotent] does not recognise (a type alias, a re-export or a qualified path)"
+            );
+            let outbox_label = format!("add {outbox_arg} to #[idempotent(..)] to write its messages in the marker's transaction");
+            let outbox_note = format!(
+                "as written, {name} stays a parameter and the caller passes an outbox of its own: the messages staged on it would never be sent"
+            );
             let pool_message =
                 format!("the parameter {name} is a pooled connection: the handler's body would write outside the marker's transaction");
             let ty = &probe.ty;
@@ -285,6 +309,8 @@ fn transaction_probes(handler: &Handler, rt: &TokenStream) -> TokenStream {
                     impl NotATransactionParameter for #path::NotATransaction {}
                     #[diagnostic::do_not_recommend]
                     impl NotATransactionParameter for #path::APooledConnection {}
+                    #[diagnostic::do_not_recommend]
+                    impl NotATransactionParameter for #path::AnOutbox {}
                     #[diagnostic::on_unimplemented(
                         message = #pool_message,
                         label = "take `&mut` the database's connection type instead (`&mut PgConnection`, ...): #[idempotent] binds it to the marker's transaction",
@@ -295,8 +321,18 @@ fn transaction_probes(handler: &Handler, rt: &TokenStream) -> TokenStream {
                     impl NotAPooledConnectionParameter for #path::NotATransaction {}
                     #[diagnostic::do_not_recommend]
                     impl NotAPooledConnectionParameter for #path::ATransaction {}
+                    #[diagnostic::do_not_recommend]
+                    impl NotAPooledConnectionParameter for #path::AnOutbox {}
+                    #[diagnostic::on_unimplemented(message = #outbox_message, label = #outbox_label, note = #outbox_note)]
+                    trait NotAnOutboxParameter {}
+                    #[diagnostic::do_not_recommend]
+                    impl NotAnOutboxParameter for #path::NotATransaction {}
+                    #[diagnostic::do_not_recommend]
+                    impl NotAnOutboxParameter for #path::ATransaction {}
+                    #[diagnostic::do_not_recommend]
+                    impl NotAnOutboxParameter for #path::APooledConnection {}
                     #[inline(always)]
-                    fn #check<K: NotATransactionParameter + NotAPooledConnectionParameter>(_: K) {}
+                    fn #check<K: NotATransactionParameter + NotAPooledConnectionParameter + NotAnOutboxParameter>(_: K) {}
                     #check #args;
                 }
             }
@@ -364,7 +400,8 @@ fn awaited(future: TokenStream, at: &dyn ToTokens) -> TokenStream {
     quote_spanned!(last=> #future.await)
 }
 
-/// The signature's parameters without the transaction parameter.
+/// The signature's parameters without the transaction and outbox
+/// parameters.
 fn without_tx(handler: &Handler) -> Punctuated<FnArg, syn::Token![,]> {
     handler
         .func
@@ -372,7 +409,12 @@ fn without_tx(handler: &Handler) -> Punctuated<FnArg, syn::Token![,]> {
         .inputs
         .iter()
         .enumerate()
-        .filter(|(index, _)| handler.tx.as_ref().is_none_or(|tx| tx.index != *index))
+        .filter(|(index, _)| {
+            [&handler.tx, &handler.outbox]
+                .into_iter()
+                .flatten()
+                .all(|param| param.index != *index)
+        })
         .map(|(_, arg)| arg.clone())
         .collect()
 }
@@ -385,12 +427,12 @@ fn fallback(handler: Handler, errors: TokenStream) -> TokenStream {
     stub.sig.asyncness = Some(Default::default());
     // The transaction parameter's type stays named, so its imports are not
     // reported unused on top of the real errors.
-    let tx_type = handler.tx.as_ref().map(|tx| {
-        let ty = &tx.ty;
+    let tx_type = [&handler.tx, &handler.outbox].into_iter().flatten().map(|param| {
+        let ty = &param.ty;
         quote!(let _: ::core::option::Option<#ty> = ::core::option::Option::None;)
     });
     *stub.block = syn::parse_quote!({
-        #tx_type
+        #(#tx_type)*
         ::core::unreachable!()
     });
     stub.attrs

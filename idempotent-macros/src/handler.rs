@@ -15,6 +15,8 @@ pub struct Handler {
     pub func: ItemFn,
     /// The transaction parameter, removed from the generated signature.
     pub tx: Option<TxParam>,
+    /// The outbox parameter, removed from the generated signature.
+    pub outbox: Option<TxParam>,
     /// `T` of `Result<T, E>`, when written out.
     pub ok_type: Option<Type>,
     /// `E` of `Result<T, E>`, when written out (not for `io::Result<T>`-like aliases).
@@ -37,7 +39,8 @@ pub struct ParamProbe {
     pub span_of: TokenStream,
 }
 
-/// The parameter bound to the store's transaction.
+/// A parameter the expansion binds (to the store's transaction, or to the
+/// call's outbox).
 pub struct TxParam {
     pub index: usize,
     pub pat: Pat,
@@ -62,6 +65,7 @@ pub fn analyze(cx: &Ctxt, func: ItemFn, args: &Args) -> Handler {
     // Parameters: their bound names, and the transaction parameter.
     let mut names: Vec<Ident> = Vec::new();
     let mut tx: Option<TxParam> = None;
+    let mut outbox: Option<TxParam> = None;
     let mut probes: Vec<ParamProbe> = Vec::new();
     for (index, input) in sig.inputs.iter().enumerate() {
         let typed = match input {
@@ -71,6 +75,38 @@ pub fn analyze(cx: &Ctxt, func: ItemFn, args: &Args) -> Handler {
             }
             FnArg::Typed(typed) => typed,
         };
+        let named_outbox = args
+            .outbox
+            .as_ref()
+            .is_some_and(|name| matches!(&*typed.pat, Pat::Ident(p) if p.ident == *name));
+        let looks_outbox = args.outbox.is_none() && is_outbox_type(&typed.ty);
+        if named_outbox || looks_outbox {
+            if let Type::Reference(reference) = &*typed.ty
+                && reference.mutability.is_none()
+            {
+                cx.error_spanned_by(
+                    &typed.ty,
+                    "the outbox parameter must be `&mut Outbox`: the handler stages its messages on it",
+                );
+            }
+            match &outbox {
+                Some(first) => cx.error_spanned_by(
+                    typed,
+                    format!(
+                        "a handler takes at most one outbox parameter; `{}` is already bound to the call's outbox",
+                        pat_text(&first.pat)
+                    ),
+                ),
+                None => {
+                    outbox = Some(TxParam {
+                        index,
+                        pat: (*typed.pat).clone(),
+                        ty: (*typed.ty).clone(),
+                    })
+                }
+            }
+            continue;
+        }
         let named_tx = args
             .tx
             .as_ref()
@@ -122,20 +158,36 @@ pub fn analyze(cx: &Ctxt, func: ItemFn, args: &Args) -> Handler {
         );
     }
 
-    let tx_name = tx.as_ref().and_then(|tx| match &tx.pat {
-        Pat::Ident(p) => Some(p.ident.clone()),
-        _ => None,
-    });
+    if let (Some(wanted), None) = (&args.outbox, &outbox) {
+        cx.error_spanned_by(
+            wanted,
+            format!(
+                "`outbox = {wanted}` names no parameter of `{}`; parameters: {}",
+                sig.ident,
+                list(&names)
+            ),
+        );
+    }
+
+    // Bound by the expansion after the key is read.
+    let bound: Vec<(Ident, &str)> = [(&tx, "transaction"), (&outbox, "outbox")]
+        .into_iter()
+        .filter_map(|(param, kind)| match &param.as_ref()?.pat {
+            Pat::Ident(p) => Some((p.ident.clone(), kind)),
+            _ => None,
+        })
+        .collect();
     if let Some(key) = &args.key {
-        check_over_parameters(cx, "key", key, &names, tx_name.as_ref(), &sig.ident);
+        check_over_parameters(cx, "key", key, &names, &bound, &sig.ident);
     }
     if let Some(fingerprint) = &args.fingerprint {
-        check_over_parameters(cx, "fingerprint", fingerprint, &names, tx_name.as_ref(), &sig.ident);
+        check_over_parameters(cx, "fingerprint", fingerprint, &names, &bound, &sig.ident);
     }
 
     Handler {
         func,
         tx,
+        outbox,
         ok_type,
         err_type,
         probes,
@@ -193,6 +245,17 @@ fn is_transaction_type(ty: &Type) -> bool {
     })
 }
 
+/// `&mut Outbox` (any path ending in `Outbox`).
+fn is_outbox_type(ty: &Type) -> bool {
+    let Type::Reference(reference) = ty else {
+        return false;
+    };
+    let Type::Path(path) = &*reference.elem else {
+        return false;
+    };
+    reference.mutability.is_some() && path.path.segments.last().is_some_and(|last| last.ident == "Outbox")
+}
+
 /// `T` and `E` of the declared `Result<T, E>` (or `Result<T>` alias).
 fn result_types(cx: &Ctxt, func: &ItemFn) -> (Option<Type>, Option<Type>) {
     let explain = "#[idempotent] handlers must return `Result<T, E>` with `E: From<idempotent_runtime::Error>`: the store can fail, and duplicates answer with the stored `T`";
@@ -235,7 +298,7 @@ fn collect_bindings(pat: &Pat, names: &mut Vec<Ident>) {
 
 /// Every variable a key or fingerprint expression reads must be a parameter
 /// (other than the transaction).
-fn check_over_parameters(cx: &Ctxt, what: &str, expr: &Expr, params: &[Ident], tx: Option<&Ident>, func: &Ident) {
+fn check_over_parameters(cx: &Ctxt, what: &str, expr: &Expr, params: &[Ident], bound: &[(Ident, &str)], func: &Ident) {
     let mut finder = Variables {
         found: Vec::new(),
         locals: Vec::new(),
@@ -243,12 +306,10 @@ fn check_over_parameters(cx: &Ctxt, what: &str, expr: &Expr, params: &[Ident], t
     };
     finder.visit_expr(expr);
     for variable in &finder.found {
-        if tx == Some(variable) {
+        if let Some((_, kind)) = bound.iter().find(|(name, _)| name == variable) {
             cx.error_spanned_by(
                 variable,
-                format!(
-                    "the {what} cannot use the transaction parameter `{variable}`: it is bound after the key is read"
-                ),
+                format!("the {what} cannot use the {kind} parameter `{variable}`: it is bound after the key is read"),
             );
         } else if !params.contains(variable) {
             cx.error_spanned_by(

@@ -28,7 +28,7 @@ use proc_macro::TokenStream;
 /// ```
 ///
 /// Arguments: `key` (required), `store` (required), `scope`, `ttl`,
-/// `fingerprint`, `lease`, `tx`, `crate`. See the `idempotent-runtime`
+/// `fingerprint`, `lease`, `tx`, `outbox`, `crate`. See the `idempotent-runtime`
 /// documentation for the full contract.
 #[proc_macro_attribute]
 pub fn idempotent(attr: TokenStream, item: TokenStream) -> TokenStream {

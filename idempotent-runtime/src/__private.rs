@@ -6,10 +6,15 @@
 pub use tracing::{Instrument, Span};
 
 pub use crate::call::{
-    APooledConnection, ATransaction, AnyStore, Caller, Codec, FingerprintSource, HandlerError, NotATransaction,
-    ProbeFallback, StoredResult, TxProbe, claim, fingerprint, finish, key, logged_key, request, span,
+    APooledConnection, ATransaction, AnOutbox, AnyStore, Caller, Codec, FingerprintSource, HandlerError,
+    NotATransaction, ProbeFallback, StoredResult, TxProbe, claim, fingerprint, finish, key, logged_key, request, span,
 };
 #[cfg(feature = "sqlx")]
-pub use crate::call::{AnyTransactionalStore, Binder, bind_transaction, binder, claim_transactional};
+pub use crate::call::{
+    AnyOutboxStore, AnyTransactionalStore, Binder, FromOutbox, bind_outbox, bind_transaction, binder, binder_outbox,
+    claim_outbox, claim_transactional, finish_staged,
+};
+#[cfg(feature = "sqlx")]
+pub use crate::outbox::Outbox;
 pub use crate::scope::{Site, default_scope};
 pub use crate::store::Claim;

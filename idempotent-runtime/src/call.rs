@@ -139,6 +139,8 @@ pub struct NotATransaction;
 pub struct ATransaction;
 /// The kind of a parameter that is a connection taken from a pool.
 pub struct APooledConnection;
+/// The kind of a parameter that is an [`Outbox`](crate::outbox::Outbox).
+pub struct AnOutbox;
 
 /// [`TxProbe::kind`] for every type that is not a transaction.
 pub trait ProbeFallback {
@@ -166,6 +168,15 @@ impl<DB: sqlx::Database> TxProbe<sqlx::pool::PoolConnection<DB>> {
     #[inline]
     pub fn kind(&self) -> APooledConnection {
         APooledConnection
+    }
+}
+
+#[cfg(feature = "sqlx")]
+impl TxProbe<crate::outbox::Outbox> {
+    /// An outbox.
+    #[inline]
+    pub fn kind(&self) -> AnOutbox {
+        AnOutbox
     }
 }
 
@@ -265,6 +276,100 @@ where
     P: crate::store::FromTransaction<'a, DB>,
 {
     P::from_transaction(binder(guard))
+}
+
+/// The type of the `store = ..` expression of a handler that takes an
+/// outbox: a transactional store with an outbox table (one blanket impl).
+#[cfg(feature = "sqlx")]
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` cannot write outgoing messages in the marker's transaction",
+    label = "this handler takes an outbox, so its store must keep an outbox table in the marker's database",
+    note = "the outbox's rows commit with the marker and the effect: use `PgStore`, `SqliteStore` or `MySqlStore` (Redis and in-memory stores cannot join a database transaction)"
+)]
+pub trait AnyOutboxStore: AnyTransactionalStore {}
+
+#[cfg(feature = "sqlx")]
+#[diagnostic::do_not_recommend]
+impl<S: crate::store::TransactionalStore + crate::outbox::OutboxStore> AnyOutboxStore for S {}
+
+/// Claims with a store that runs the body in its transaction and writes its
+/// outgoing messages there.
+#[cfg(feature = "sqlx")]
+#[inline]
+pub async fn claim_outbox<S: AnyOutboxStore + ?Sized>(
+    store: &S,
+    req: &Request<'_>,
+    span: &Span,
+    caller: Caller,
+) -> Result<Claim<S::Guard>, Error> {
+    claim(store, req, span, caller).await
+}
+
+/// [`binder`] for a handler that takes an outbox (the bound of
+/// [`claim_outbox`], so one unmet bound is reported once).
+#[cfg(feature = "sqlx")]
+#[inline]
+pub fn binder_outbox<S: AnyOutboxStore + ?Sized>(store: &S) -> Binder<S::Guard, S::Database> {
+    store.binder()
+}
+
+/// What an outbox parameter can be: `&mut Outbox`.
+#[cfg(feature = "sqlx")]
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` is not an outbox parameter",
+    label = "#[idempotent] binds this parameter to the call's outbox",
+    note = "write it `&mut idempotent_runtime::outbox::Outbox`"
+)]
+pub trait FromOutbox<'a> {
+    /// The parameter.
+    fn from_outbox(outbox: &'a mut crate::outbox::Outbox) -> Self;
+}
+
+#[cfg(feature = "sqlx")]
+impl<'a> FromOutbox<'a> for &'a mut crate::outbox::Outbox {
+    #[inline]
+    fn from_outbox(outbox: &'a mut crate::outbox::Outbox) -> Self {
+        outbox
+    }
+}
+
+/// Lends the call's outbox to the handler's parameter.
+#[cfg(feature = "sqlx")]
+#[inline]
+pub fn bind_outbox<'a, P: FromOutbox<'a>>(outbox: &'a mut crate::outbox::Outbox) -> P {
+    P::from_outbox(outbox)
+}
+
+/// [`finish`] for a handler with an outbox: when the body succeeded, its
+/// staged messages are written in the marker's transaction first; a failure
+/// to write them rolls everything back.
+#[cfg(feature = "sqlx")]
+pub async fn finish_staged<G: crate::store::TransactionGuard, T, E>(
+    mut guard: G,
+    outbox: crate::outbox::Outbox,
+    codec: Codec<T>,
+    outcome: Result<T, E>,
+    span: Span,
+    scope: &'static str,
+    key: &str,
+) -> Result<Result<T, E>, Error> {
+    if outcome.is_ok() {
+        let messages = outbox.len();
+        if let Err(error) = guard.stage(outbox).await {
+            guard.abort().await;
+            note_outage(&error);
+            span.in_scope(|| {
+                tracing::warn!(target: "idempotent", scope, key, outcome = "failed", messages, %error, "outgoing messages not written; rolled back")
+            });
+            count(scope, "failed");
+            return Err(error);
+        }
+        #[cfg(feature = "metrics")]
+        if messages > 0 {
+            metrics::counter!("idempotent_outbox_staged_total", "scope" => scope).increment(messages as u64);
+        }
+    }
+    finish(guard, codec, outcome, span, scope, key).await
 }
 
 /// The key a fresh claim's [`finish`] names in its events (the key's own

@@ -11,7 +11,9 @@ use crate::Error;
 
 /// A store whose expired markers can be deleted.
 pub trait PurgeExpired: Send + Sync + 'static {
-    /// Deletes expired markers (in bounded batches); returns how many.
+    /// Deletes expired markers, and for SQL stores dispatched outgoing
+    /// messages past the outbox retention (in bounded batches); returns how
+    /// many rows.
     fn purge_expired(&self) -> impl Future<Output = Result<u64, Error>> + Send;
 }
 

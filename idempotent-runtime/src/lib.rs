@@ -63,6 +63,8 @@ pub mod error;
 mod fingerprint;
 mod janitor;
 mod key;
+#[cfg(feature = "sqlx")]
+pub mod outbox;
 pub mod scope;
 mod signal;
 pub mod store;

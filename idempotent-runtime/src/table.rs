@@ -29,6 +29,14 @@ impl TableName {
         }
     }
 
+    /// The default outbox table, `idempotent_outbox`.
+    pub(crate) fn outbox() -> Self {
+        TableName {
+            schema: None,
+            table: "idempotent_outbox".to_owned(),
+        }
+    }
+
     /// Validates `name`.
     pub fn new(name: &str) -> Result<Self, Error> {
         let mut parts = name.split('.');

@@ -240,6 +240,29 @@ impl<S: crate::store::TransactionalStore> crate::store::TransactionalStore for C
     type Database = S::Database;
 }
 
+/// The inner store's outbox: a duplicate answered from the cache stages
+/// nothing, as one answered by the store.
+#[cfg(feature = "sqlx")]
+impl<S: crate::outbox::OutboxStore> crate::outbox::OutboxStore for CachedStore<S> {
+    type Batch = S::Batch;
+
+    fn outbox_waker(&self) -> Arc<tokio::sync::Notify> {
+        self.inner.outbox_waker()
+    }
+
+    fn take_batch(
+        &self,
+        limit: u32,
+        lease: std::time::Duration,
+    ) -> impl Future<Output = Result<Self::Batch, Error>> + Send {
+        self.inner.take_batch(limit, lease)
+    }
+
+    fn pending(&self) -> impl Future<Output = Result<(u64, Option<std::time::Duration>), Error>> + Send {
+        self.inner.pending()
+    }
+}
+
 impl<S: crate::janitor::PurgeExpired> crate::janitor::PurgeExpired for CachedStore<S> {
     /// Drops the cache's expired entries, then purges the inner store;
     /// returns how many markers the inner store deleted.
@@ -304,6 +327,10 @@ impl<G: crate::store::TransactionGuard> crate::store::TransactionGuard for Cache
 
     fn transaction(&mut self) -> &mut sqlx::Transaction<'static, Self::Database> {
         self.inner.transaction()
+    }
+
+    fn stage(&mut self, outbox: crate::outbox::Outbox) -> impl Future<Output = Result<(), crate::Error>> + Send {
+        self.inner.stage(outbox)
     }
 }
 

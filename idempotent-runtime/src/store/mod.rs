@@ -235,6 +235,18 @@ pub trait TransactionGuard: Guard {
 
     /// The open transaction, for the handler's body.
     fn transaction(&mut self) -> &mut sqlx::Transaction<'static, Self::Database>;
+
+    /// Writes the handler's outgoing messages into the store's outbox, in
+    /// this transaction (before [`Guard::complete`] commits it). Stores
+    /// without an outbox refuse any message.
+    fn stage(&mut self, outbox: crate::outbox::Outbox) -> impl Future<Output = Result<(), Error>> + Send {
+        let refused = if outbox.is_empty() {
+            Ok(())
+        } else {
+            Err(Error::Config("this store keeps no outbox".into()))
+        };
+        std::future::ready(refused)
+    }
 }
 
 #[cfg(feature = "sqlx")]
@@ -299,24 +311,36 @@ pub use cached::{CacheStats, CachedGuard, CachedStore, DEFAULT_CACHE_MAX_AGE};
 pub use memory::{MemoryGuard, MemoryStore};
 #[cfg(feature = "mysql")]
 pub use mysql::{MySqlStore, MySqlStoreBuilder};
+#[cfg(feature = "mysql")]
+pub use mysql_outbox::MySqlOutboxBatch;
 #[cfg(feature = "postgres")]
 pub use postgres::{PgStore, PgStoreBuilder};
+#[cfg(feature = "postgres")]
+pub use postgres_outbox::PgOutboxBatch;
 #[cfg(feature = "redis")]
 pub use redis::{RedisGuard, RedisStore, RedisStoreBuilder};
 #[cfg(feature = "sqlx")]
-pub use sql::{DEFAULT_PURGE_BATCH, SqlGuard, SqlStoreBuilder};
+pub use sql::{DEFAULT_OUTBOX_RETENTION, DEFAULT_OUTBOX_TABLE, DEFAULT_PURGE_BATCH, SqlGuard, SqlStoreBuilder};
 #[cfg(feature = "sqlite")]
 pub use sqlite::{SqliteStore, SqliteStoreBuilder};
+#[cfg(feature = "sqlite")]
+pub use sqlite_outbox::SqliteOutboxBatch;
 
 pub(crate) mod cached;
 pub(crate) mod memory;
 #[cfg(feature = "mysql")]
 pub(crate) mod mysql;
+#[cfg(feature = "mysql")]
+pub(crate) mod mysql_outbox;
 #[cfg(feature = "postgres")]
 pub(crate) mod postgres;
+#[cfg(feature = "postgres")]
+pub(crate) mod postgres_outbox;
 #[cfg(feature = "redis")]
 pub(crate) mod redis;
 #[cfg(feature = "sqlx")]
 pub(crate) mod sql;
 #[cfg(feature = "sqlite")]
 pub(crate) mod sqlite;
+#[cfg(feature = "sqlite")]
+pub(crate) mod sqlite_outbox;

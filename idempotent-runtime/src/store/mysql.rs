@@ -48,7 +48,8 @@ use sqlx::mysql::MySqlDatabaseError;
 use sqlx::{AssertSqlSafe, MySql, MySqlPool, Row, Transaction};
 
 use crate::Error;
-use crate::store::sql::{SqlGuard, SqlStoreBuilder, ddl, sql_backend};
+use crate::store::mysql_outbox::{MySqlOutboxSql, stage_outbox};
+use crate::store::sql::{DEFAULT_OUTBOX_RETENTION, OutboxParts, SqlGuard, SqlStoreBuilder, ddl, sql_backend};
 use crate::store::{Claim, Replay, Request, Store, TransactionalStore};
 
 /// Begins a transaction at READ COMMITTED (for this transaction only; the
@@ -96,6 +97,7 @@ const CLAIM_TAKEN_OVER: u64 = 2;
 pub struct MySqlStore {
     pool: MySqlPool,
     sql: Arc<MySqlSql>,
+    outbox: Arc<MySqlOutbox>,
     /// The server's durability settings were checked (on the first claim).
     checked: Arc<tokio::sync::OnceCell<()>>,
 }
@@ -118,9 +120,24 @@ pub type MySqlStoreBuilder = SqlStoreBuilder<MySqlPool>;
 impl SqlStoreBuilder<MySqlPool> {
     /// The store, or [`Error::Config`] for an invalid setting.
     pub fn build(self) -> Result<MySqlStore, Error> {
+        let outbox = self.outbox_settings()?;
         let (pool, table, purge_batch) = self.into_parts()?;
-        Ok(MySqlStore::assemble(pool, table, purge_batch))
+        let mut store = MySqlStore::assemble(pool, table, purge_batch);
+        store.outbox = Arc::new(mysql_outbox(&outbox));
+        Ok(store)
     }
+}
+
+/// The store's outbox table (statements in `mysql_outbox.rs`).
+type MySqlOutbox = OutboxParts<MySqlOutboxSql>;
+
+fn mysql_outbox(settings: &(crate::table::TableName, Duration)) -> MySqlOutbox {
+    OutboxParts::new(
+        settings,
+        '`',
+        include_str!("../../sql/mysql_outbox.sql"),
+        MySqlOutboxSql::new,
+    )
 }
 
 impl MySqlStore {
@@ -150,6 +167,10 @@ impl MySqlStore {
         MySqlStore {
             pool,
             sql: Arc::new(sql),
+            outbox: Arc::new(mysql_outbox(&(
+                crate::table::TableName::outbox(),
+                DEFAULT_OUTBOX_RETENTION,
+            ))),
             checked: Arc::default(),
         }
     }
@@ -178,11 +199,15 @@ impl MySqlStore {
         &self.sql.table
     }
 
+    pub(crate) fn outbox(&self) -> &MySqlOutbox {
+        &self.outbox
+    }
+
     /// Creates the marker table with its `expires_at` index if it does not
     /// exist (the DDL of `sql/mysql.sql`, one `CREATE TABLE IF NOT EXISTS`
     /// statement). Safe to run concurrently.
     pub async fn migrate(&self) -> Result<(), Error> {
-        for statement in &self.sql.ddl {
+        for statement in self.sql.ddl.iter().chain(&self.outbox.ddl) {
             match sqlx::query(AssertSqlSafe(statement.as_str())).execute(&self.pool).await {
                 Ok(_) => {}
                 // A concurrent migration created it between the existence
@@ -200,11 +225,18 @@ impl MySqlStore {
     /// A marker being taken over by a claim is waited for, then kept if the
     /// claim commits.
     pub async fn purge_expired(&self) -> Result<u64, Error> {
+        self.delete_in_batches(&self.sql.purge, None).await
+    }
+
+    /// Runs the `DELETE ... LIMIT ?` `statement` (binding `age_micros`
+    /// first when given) until it deletes less than a batch, each batch its
+    /// own READ COMMITTED transaction retried on deadlocks.
+    pub(crate) async fn delete_in_batches(&self, statement: &str, age_micros: Option<i64>) -> Result<u64, Error> {
         let mut total = 0;
         loop {
             let mut retry = Retry::default();
             let deleted = loop {
-                match self.purge_batch().await {
+                match self.delete_batch(statement, age_micros).await {
                     Ok(deleted) => break deleted,
                     Err(error) => retry.after(error, "purge").await?,
                 }
@@ -216,9 +248,13 @@ impl MySqlStore {
         }
     }
 
-    async fn purge_batch(&self) -> Result<u64, sqlx::Error> {
+    async fn delete_batch(&self, statement: &str, age_micros: Option<i64>) -> Result<u64, sqlx::Error> {
         let mut tx = self.begin().await?;
-        let deleted = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.purge)))
+        let mut query = sqlx::query(AssertSqlSafe(statement));
+        if let Some(age) = age_micros {
+            query = query.bind(age);
+        }
+        let deleted = query
             .bind(self.sql.purge_batch)
             .execute(&mut *tx)
             .await?
@@ -227,7 +263,7 @@ impl MySqlStore {
         Ok(deleted)
     }
 
-    async fn begin(&self) -> Result<Transaction<'static, MySql>, sqlx::Error> {
+    pub(crate) async fn begin(&self) -> Result<Transaction<'static, MySql>, sqlx::Error> {
         self.pool.begin_with(BEGIN_READ_COMMITTED).await
     }
 
@@ -346,6 +382,7 @@ impl Store for MySqlStore {
             Attempt::Fresh(tx) => Ok(Claim::Fresh(SqlGuard::new(
                 tx,
                 Arc::clone(&self.sql.write_result),
+                Arc::clone(&self.outbox.table),
                 req,
                 None,
             ))),
@@ -393,10 +430,12 @@ impl TransactionalStore for MySqlStore {
     type Database = MySql;
 }
 
-sql_backend!(MySql, sqlx::MySqlConnection);
+sql_backend!(MySql, sqlx::MySqlConnection, stage_outbox);
 
 impl crate::janitor::PurgeExpired for MySqlStore {
-    fn purge_expired(&self) -> impl Future<Output = Result<u64, Error>> + Send {
-        MySqlStore::purge_expired(self)
+    /// Expired markers, then dispatched outgoing messages past the
+    /// retention.
+    async fn purge_expired(&self) -> Result<u64, Error> {
+        Ok(MySqlStore::purge_expired(self).await? + self.purge_dispatched().await?)
     }
 }

@@ -6,7 +6,8 @@ use std::sync::Arc;
 use sqlx::{AssertSqlSafe, PgPool, Postgres, Row};
 
 use crate::Error;
-use crate::store::sql::{SqlGuard, SqlStoreBuilder, ddl, sql_backend};
+use crate::store::postgres_outbox::{PgOutboxSql, stage_outbox};
+use crate::store::sql::{DEFAULT_OUTBOX_RETENTION, OutboxParts, SqlGuard, SqlStoreBuilder, ddl, sql_backend};
 use crate::store::{Claim, Replay, Request, Store, TransactionalStore};
 
 /// Begins the claim's transaction at Read Committed, whatever
@@ -34,6 +35,7 @@ const BEGIN_READ_COMMITTED_DURABLE: &str = "BEGIN ISOLATION LEVEL READ COMMITTED
 pub struct PgStore {
     pool: PgPool,
     sql: Arc<PgSql>,
+    outbox: Arc<PgOutbox>,
     /// How claims begin, decided on the first claim from the sessions'
     /// `synchronous_commit`.
     begin: Arc<tokio::sync::OnceCell<&'static str>>,
@@ -57,9 +59,22 @@ pub type PgStoreBuilder = SqlStoreBuilder<PgPool>;
 impl SqlStoreBuilder<PgPool> {
     /// The store, or [`Error::Config`] for an invalid setting.
     pub fn build(self) -> Result<PgStore, Error> {
+        let outbox = self.outbox_settings()?;
         let (pool, table, purge_batch) = self.into_parts()?;
-        Ok(PgStore::assemble(pool, table, purge_batch))
+        Ok(PgStore::assemble(pool, table, purge_batch).with_outbox(&outbox))
     }
+}
+
+/// The store's outbox table (statements in `postgres_outbox.rs`).
+type PgOutbox = OutboxParts<PgOutboxSql>;
+
+fn pg_outbox(settings: &(crate::table::TableName, std::time::Duration)) -> PgOutbox {
+    OutboxParts::new(
+        settings,
+        '"',
+        include_str!("../../sql/postgres_outbox.sql"),
+        PgOutboxSql::new,
+    )
 }
 
 impl PgStore {
@@ -99,8 +114,25 @@ impl PgStore {
         PgStore {
             pool,
             sql: Arc::new(sql),
+            outbox: Arc::new(pg_outbox(&(
+                crate::table::TableName::outbox(),
+                DEFAULT_OUTBOX_RETENTION,
+            ))),
             begin: Arc::default(),
         }
+    }
+
+    fn with_outbox(mut self, settings: &(crate::table::TableName, std::time::Duration)) -> PgStore {
+        self.outbox = Arc::new(pg_outbox(settings));
+        self
+    }
+
+    pub(crate) fn outbox(&self) -> &PgOutbox {
+        &self.outbox
+    }
+
+    pub(crate) fn purge_batch(&self) -> i64 {
+        self.sql.purge_batch
     }
 
     /// A store on `pool` with the default table, `processed_messages`.
@@ -127,8 +159,10 @@ impl PgStore {
         &self.sql.table
     }
 
-    /// Creates the marker table and its `expires_at` index if they do not
-    /// exist (the DDL of `sql/postgres.sql`). Safe to run concurrently.
+    /// Creates the marker table and its `expires_at` index, and the outbox
+    /// table and its indexes, if they do not exist (the DDL of
+    /// `sql/postgres.sql` and `sql/postgres_outbox.sql`). Safe to run
+    /// concurrently.
     pub async fn migrate(&self) -> Result<(), Error> {
         let mut tx = self.pool.begin().await?;
         // Concurrent CREATE TABLE IF NOT EXISTS can still collide in the
@@ -136,7 +170,7 @@ impl PgStore {
         sqlx::query("SELECT pg_advisory_xact_lock(7306369421585737536)")
             .execute(&mut *tx)
             .await?;
-        for statement in &self.sql.ddl {
+        for statement in self.sql.ddl.iter().chain(&self.outbox.ddl) {
             sqlx::query(AssertSqlSafe(statement.as_str())).execute(&mut *tx).await?;
         }
         tx.commit().await?;
@@ -214,6 +248,7 @@ impl Store for PgStore {
             return Ok(Claim::Fresh(SqlGuard::new(
                 tx,
                 Arc::clone(&self.sql.write_result),
+                Arc::clone(&self.outbox.table),
                 req,
                 None,
             )));
@@ -250,10 +285,12 @@ impl TransactionalStore for PgStore {
     type Database = Postgres;
 }
 
-sql_backend!(Postgres, sqlx::PgConnection);
+sql_backend!(Postgres, sqlx::PgConnection, stage_outbox);
 
 impl crate::janitor::PurgeExpired for PgStore {
-    fn purge_expired(&self) -> impl Future<Output = Result<u64, Error>> + Send {
-        PgStore::purge_expired(self)
+    /// Expired markers, then dispatched outgoing messages past the
+    /// retention.
+    async fn purge_expired(&self) -> Result<u64, Error> {
+        Ok(PgStore::purge_expired(self).await? + self.purge_dispatched().await?)
     }
 }

@@ -7,8 +7,15 @@ use std::sync::Arc;
 use sqlx::Transaction;
 
 use crate::Error;
+use crate::outbox::{Outbox, StagedRow};
 use crate::store::{Guard, TransactionGuard};
 use crate::table::TableName;
+
+/// The outbox table of [`SqlStoreBuilder::outbox_table`] by default.
+pub const DEFAULT_OUTBOX_TABLE: &str = "idempotent_outbox";
+
+/// How long dispatched outgoing messages are kept, unless configured.
+pub const DEFAULT_OUTBOX_RETENTION: std::time::Duration = std::time::Duration::from_secs(3600);
 
 /// Markers deleted per statement by `purge_expired`, unless configured.
 pub const DEFAULT_PURGE_BATCH: u32 = 1_000;
@@ -25,12 +32,20 @@ pub trait SqlBackend: sqlx::Database {
         scope: &'a str,
         key: &'a str,
     ) -> impl Future<Output = Result<(), sqlx::Error>> + Send + 'a;
+
+    /// Writes staged outgoing messages into the outbox table `table`
+    /// (quoted), inside the open transaction: the backend's own statement.
+    fn stage_outbox<'a>(
+        conn: &'a mut Self::Connection,
+        table: &'a str,
+        rows: Vec<StagedRow>,
+    ) -> impl Future<Output = Result<(), sqlx::Error>> + Send + 'a;
 }
 
 /// Implements [`SqlBackend`] for a sqlx database: the statement is the
 /// backend's own (built in its file), the binding the same for all.
 macro_rules! sql_backend {
-    ($db:ty, $conn:ty) => {
+    ($db:ty, $conn:ty, $stage:path) => {
         impl $crate::store::sql::SqlBackend for $db {
             async fn write_result<'a>(
                 conn: &'a mut $conn,
@@ -47,6 +62,14 @@ macro_rules! sql_backend {
                     .await?;
                 Ok(())
             }
+
+            fn stage_outbox<'a>(
+                conn: &'a mut $conn,
+                table: &'a str,
+                rows: Vec<$crate::outbox::StagedRow>,
+            ) -> impl ::std::future::Future<Output = Result<(), sqlx::Error>> + Send + 'a {
+                $stage(conn, table, rows)
+            }
         }
     };
 }
@@ -57,21 +80,85 @@ pub(crate) use sql_backend;
 pub struct SqlGuard<DB: SqlBackend> {
     tx: Transaction<'static, DB>,
     write_result_sql: Arc<str>,
+    outbox: Arc<OutboxTable>,
+    /// Outgoing messages were written: wake the relay after the commit.
+    staged: bool,
     scope: String,
     key: String,
     _writer: Option<tokio::sync::OwnedSemaphorePermit>,
+}
+
+/// A store's outbox table, as its guards write it.
+#[derive(Debug)]
+pub(crate) struct OutboxTable {
+    /// The table, quoted for the backend.
+    pub(crate) quoted: String,
+    /// Notified after a commit that staged messages.
+    pub(crate) waker: Arc<tokio::sync::Notify>,
+}
+
+/// A store's outbox: the guards' view of the table, the relay's statements
+/// `S` (each backend's `*_outbox.rs`), and the DDL `migrate()` runs.
+#[derive(Debug)]
+pub(crate) struct OutboxParts<S> {
+    pub(crate) table: Arc<OutboxTable>,
+    pub(crate) sql: Arc<S>,
+    pub(crate) ddl: Vec<String>,
+    /// How long dispatched rows are kept.
+    pub(crate) retention: std::time::Duration,
+}
+
+impl<S> OutboxParts<S> {
+    /// The outbox table `name`, quoted with `quote`, created by the DDL file
+    /// `template`; `sql` builds the relay's statements for the quoted name.
+    pub(crate) fn new(
+        (name, retention): &(TableName, std::time::Duration),
+        quote: char,
+        template: &str,
+        sql: impl FnOnce(&str) -> S,
+    ) -> Self {
+        let quoted = name.quoted(quote);
+        OutboxParts {
+            retention: *retention,
+            sql: Arc::new(sql(&quoted)),
+            ddl: outbox_ddl(template, name, quote),
+            table: Arc::new(OutboxTable {
+                quoted,
+                waker: Arc::default(),
+            }),
+        }
+    }
+}
+
+/// Milliseconds of `d` for a SQL parameter (saturating).
+pub(crate) fn millis(d: std::time::Duration) -> i64 {
+    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
+}
+
+/// `(count, age of the oldest in seconds)` as [`OutboxStore::pending`]
+/// returns it.
+///
+/// [`OutboxStore::pending`]: crate::outbox::OutboxStore::pending
+pub(crate) fn pending_from(count: i64, oldest_secs: Option<f64>) -> (u64, Option<std::time::Duration>) {
+    (
+        u64::try_from(count).unwrap_or(0),
+        oldest_secs.map(|secs| std::time::Duration::from_secs_f64(secs.max(0.0))),
+    )
 }
 
 impl<DB: SqlBackend> SqlGuard<DB> {
     pub(crate) fn new(
         tx: Transaction<'static, DB>,
         write_result_sql: Arc<str>,
+        outbox: Arc<OutboxTable>,
         req: &crate::store::Request<'_>,
         writer: Option<tokio::sync::OwnedSemaphorePermit>,
     ) -> Self {
         SqlGuard {
             tx,
             write_result_sql,
+            outbox,
+            staged: false,
             scope: req.scope().to_owned(),
             key: req.key().to_owned(),
             _writer: writer,
@@ -101,6 +188,9 @@ impl<DB: SqlBackend> Guard for SqlGuard<DB> {
             .await?;
         }
         self.tx.commit().await?;
+        if self.staged {
+            self.outbox.waker.notify_one();
+        }
         Ok(())
     }
 
@@ -118,6 +208,50 @@ impl<DB: SqlBackend> TransactionGuard for SqlGuard<DB> {
     fn transaction(&mut self) -> &mut Transaction<'static, DB> {
         &mut self.tx
     }
+
+    async fn stage(&mut self, outbox: Outbox) -> Result<(), Error> {
+        if outbox.is_empty() {
+            return Ok(());
+        }
+        let rows = outbox.into_rows(&self.scope, &self.key)?;
+        DB::stage_outbox(&mut self.tx, &self.outbox.quoted, rows).await?;
+        self.staged = true;
+        Ok(())
+    }
+}
+
+/// The shipped outbox DDL file with the configured outbox table in place of
+/// `idempotent_outbox` (and its index names derived from it), split into
+/// statements.
+pub(crate) fn outbox_ddl(template: &str, table: &TableName, quote: char) -> Vec<String> {
+    let body: String = template
+        .lines()
+        .filter(|line| !line.trim_start().starts_with("--"))
+        .collect::<Vec<_>>()
+        .join("\n");
+    // Index names `idempotent_outbox_<what>_idx`, then the table itself.
+    let mut out = String::new();
+    let mut rest = body.as_str();
+    while let Some(at) = rest.find(DEFAULT_OUTBOX_TABLE) {
+        out.push_str(&rest[..at]);
+        let after = &rest[at + DEFAULT_OUTBOX_TABLE.len()..];
+        if let Some(suffix) = after.strip_prefix('_') {
+            let end = suffix
+                .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+                .unwrap_or(suffix.len());
+            out.push_str(&format!("{quote}{}_{}{quote}", table.table(), &suffix[..end]));
+            rest = &suffix[end..];
+        } else {
+            out.push_str(&table.quoted(quote));
+            rest = after;
+        }
+    }
+    out.push_str(rest);
+    out.split(';')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map(str::to_owned)
+        .collect()
 }
 
 /// The shipped DDL file with the configured table name in place of the
@@ -166,11 +300,35 @@ impl<P> SqlStoreBuilder<P> {
         self
     }
 
+    /// How long dispatched outgoing messages are kept, unless configured.
+    pub const DEFAULT_OUTBOX_RETENTION: std::time::Duration = std::time::Duration::from_secs(3600);
+
     /// Markers deleted per statement by the store's `purge_expired`
     /// (default 1000).
     pub fn purge_batch(mut self, markers: u32) -> Self {
         self.settings.purge_batch = markers;
         self
+    }
+
+    /// The outbox table (default [`DEFAULT_OUTBOX_TABLE`]), where handlers'
+    /// outgoing messages are written; same rules as [`table`](Self::table).
+    pub fn outbox_table(mut self, name: &str) -> Self {
+        self.settings.outbox = TableName::new(name).map_err(|e| e.to_string());
+        self
+    }
+
+    /// How long dispatched outgoing messages stay in the outbox table before
+    /// the janitor deletes them (default 1 hour): the window in which an
+    /// operator can still see what was sent.
+    pub fn outbox_retention(mut self, keep: std::time::Duration) -> Self {
+        self.settings.outbox_retention = keep;
+        self
+    }
+
+    /// The validated outbox table and its retention.
+    pub(crate) fn outbox_settings(&self) -> Result<(TableName, std::time::Duration), Error> {
+        let table = self.settings.outbox.clone().map_err(Error::Config)?;
+        Ok((table, self.settings.outbox_retention))
     }
 
     /// The pool and the validated settings, or [`Error::Config`].
@@ -184,6 +342,8 @@ impl<P> SqlStoreBuilder<P> {
 pub(crate) struct Settings {
     pub(crate) table: Result<TableName, String>,
     pub(crate) purge_batch: u32,
+    pub(crate) outbox: Result<TableName, String>,
+    pub(crate) outbox_retention: std::time::Duration,
 }
 
 impl Default for Settings {
@@ -191,6 +351,8 @@ impl Default for Settings {
         Settings {
             table: Ok(TableName::default()),
             purge_batch: DEFAULT_PURGE_BATCH,
+            outbox: Ok(TableName::outbox()),
+            outbox_retention: DEFAULT_OUTBOX_RETENTION,
         }
     }
 }

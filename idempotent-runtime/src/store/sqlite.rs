@@ -10,11 +10,12 @@ use sqlx::{AssertSqlSafe, Row, Sqlite, SqlitePool};
 use tokio::sync::Semaphore;
 
 use crate::Error;
-use crate::store::sql::{SqlGuard, SqlStoreBuilder, ddl, sql_backend};
+use crate::store::sql::{DEFAULT_OUTBOX_RETENTION, OutboxParts, SqlGuard, SqlStoreBuilder, ddl, sql_backend};
+use crate::store::sqlite_outbox::{SqliteOutboxSql, stage_outbox};
 use crate::store::{Claim, Replay, Request, Store, TransactionalStore};
 
 /// The database clock in milliseconds since the Unix epoch.
-const NOW_MS: &str = "CAST((julianday('now') - 2440587.5) * 86400000.0 AS INTEGER)";
+pub(crate) const NOW_MS: &str = "CAST((julianday('now') - 2440587.5) * 86400000.0 AS INTEGER)";
 
 /// How long a claim keeps retrying when another process holds the database's
 /// write lock past the pool's busy timeout.
@@ -33,6 +34,19 @@ pub struct SqliteStore {
     pool: SqlitePool,
     writer: Arc<Semaphore>,
     sql: Arc<SqliteSql>,
+    outbox: Arc<SqliteOutbox>,
+}
+
+/// The store's outbox table (statements in `sqlite_outbox.rs`).
+type SqliteOutbox = OutboxParts<SqliteOutboxSql>;
+
+fn sqlite_outbox(settings: &(crate::table::TableName, Duration)) -> SqliteOutbox {
+    OutboxParts::new(
+        settings,
+        '"',
+        include_str!("../../sql/sqlite_outbox.sql"),
+        SqliteOutboxSql::new,
+    )
 }
 
 #[derive(Debug)]
@@ -53,14 +67,17 @@ pub type SqliteStoreBuilder = SqlStoreBuilder<SqlitePool>;
 impl SqlStoreBuilder<SqlitePool> {
     /// The store, or [`Error::Config`] for an invalid setting.
     pub fn build(self) -> Result<SqliteStore, Error> {
+        let outbox = self.outbox_settings()?;
         let (pool, table, purge_batch) = self.into_parts()?;
-        if table.schema().is_some() {
+        if table.schema().is_some() || outbox.0.schema().is_some() {
             return Err(Error::Config(format!(
                 "invalid table name {:?}: SQLite stores take a plain table name",
                 table.to_string()
             )));
         }
-        Ok(SqliteStore::assemble(pool, table, purge_batch))
+        let mut store = SqliteStore::assemble(pool, table, purge_batch);
+        store.outbox = Arc::new(sqlite_outbox(&outbox));
+        Ok(store)
     }
 }
 
@@ -94,6 +111,10 @@ impl SqliteStore {
             pool,
             writer: Arc::new(Semaphore::new(1)),
             sql: Arc::new(sql),
+            outbox: Arc::new(sqlite_outbox(&(
+                crate::table::TableName::outbox(),
+                DEFAULT_OUTBOX_RETENTION,
+            ))),
         }
     }
 
@@ -148,11 +169,19 @@ impl SqliteStore {
         &self.sql.table
     }
 
+    pub(crate) fn outbox(&self) -> &SqliteOutbox {
+        &self.outbox
+    }
+
+    pub(crate) fn purge_batch(&self) -> i64 {
+        self.sql.purge_batch
+    }
+
     /// Creates the marker table and its `expires_at` index if they do not
     /// exist (the DDL of `sql/sqlite.sql`).
     pub async fn migrate(&self) -> Result<(), Error> {
         let (mut tx, _writer) = self.begin_immediate().await?;
-        for statement in &self.sql.ddl {
+        for statement in self.sql.ddl.iter().chain(&self.outbox.ddl) {
             sqlx::query(AssertSqlSafe(statement.as_str())).execute(&mut *tx).await?;
         }
         tx.commit().await?;
@@ -180,7 +209,7 @@ impl SqliteStore {
 
     /// Takes this process's writer turn, then SQLite's write lock
     /// (`BEGIN IMMEDIATE`), retrying while another process holds it.
-    async fn begin_immediate(
+    pub(crate) async fn begin_immediate(
         &self,
     ) -> Result<(sqlx::Transaction<'static, Sqlite>, tokio::sync::OwnedSemaphorePermit), Error> {
         let writer = Arc::clone(&self.writer)
@@ -233,6 +262,7 @@ impl Store for SqliteStore {
             return Ok(Claim::Fresh(SqlGuard::new(
                 tx,
                 Arc::clone(&self.sql.write_result),
+                Arc::clone(&self.outbox.table),
                 req,
                 Some(writer),
             )));
@@ -266,10 +296,12 @@ impl TransactionalStore for SqliteStore {
     type Database = Sqlite;
 }
 
-sql_backend!(Sqlite, sqlx::SqliteConnection);
+sql_backend!(Sqlite, sqlx::SqliteConnection, stage_outbox);
 
 impl crate::janitor::PurgeExpired for SqliteStore {
-    fn purge_expired(&self) -> impl Future<Output = Result<u64, Error>> + Send {
-        SqliteStore::purge_expired(self)
+    /// Expired markers, then dispatched outgoing messages past the
+    /// retention.
+    async fn purge_expired(&self) -> Result<u64, Error> {
+        Ok(SqliteStore::purge_expired(self).await? + self.purge_dispatched().await?)
     }
 }

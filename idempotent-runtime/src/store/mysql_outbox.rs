@@ -1,0 +1,187 @@
+//! `MySqlStore`'s outbox: the statements that stage outgoing messages in the
+//! marker's transaction, and those a relay takes, settles and deletes them
+//! with (`FOR UPDATE SKIP LOCKED`: MariaDB 10.6+, MySQL 8).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use sqlx::{AssertSqlSafe, MySql, MySqlConnection, Row, Transaction};
+
+use crate::Error;
+use crate::outbox::{OutboxBatch, OutboxRow, OutboxStore, StagedRow};
+use crate::store::mysql::MySqlStore;
+use crate::store::sql::pending_from;
+
+/// Rows written per `INSERT` (5 parameters each, well under MySQL's 65535).
+const STAGE_CHUNK: usize = 1000;
+
+/// The longest `last_error` kept, in characters.
+const MAX_ERROR_CHARS: usize = 1000;
+
+/// The relay's statements for one outbox table.
+#[derive(Debug)]
+pub(crate) struct MySqlOutboxSql {
+    table: String,
+    take: String,
+    reschedule: String,
+    pub(crate) purge: String,
+    pending: String,
+}
+
+impl MySqlOutboxSql {
+    pub(crate) fn new(t: &str) -> MySqlOutboxSql {
+        MySqlOutboxSql {
+            table: t.to_owned(),
+            // Due rows in id order; of those sharing an ordering key only the
+            // first pending one. The subquery is a plain read, so a row that
+            // another relay holds locked still counts as pending there and
+            // its followers wait.
+            take: format!(
+                "SELECT id, message_id, destination, ordering_key, headers, payload, attempts FROM {t} o \
+                 WHERE dispatched_at IS NULL AND next_attempt_at <= UTC_TIMESTAMP(3) \
+                 AND (ordering_key IS NULL OR NOT EXISTS (\
+                 SELECT 1 FROM {t} p WHERE p.ordering_key = o.ordering_key \
+                 AND p.dispatched_at IS NULL AND p.id < o.id)) \
+                 ORDER BY id LIMIT ? FOR UPDATE SKIP LOCKED"
+            ),
+            reschedule: format!(
+                "UPDATE {t} SET attempts = attempts + 1, \
+                 next_attempt_at = UTC_TIMESTAMP(3) + INTERVAL ? MICROSECOND, last_error = ? WHERE id = ?"
+            ),
+            purge: format!("DELETE FROM {t} WHERE dispatched_at <= UTC_TIMESTAMP(3) - INTERVAL ? MICROSECOND LIMIT ?"),
+            pending: format!(
+                "SELECT COUNT(*), TIMESTAMPDIFF(MICROSECOND, MIN(created_at), UTC_TIMESTAMP(3)) / 1e6 FROM {t} \
+                 WHERE dispatched_at IS NULL"
+            ),
+        }
+    }
+}
+
+/// Writes staged rows with one multi-row `INSERT` per thousand.
+pub(crate) async fn stage_outbox(
+    conn: &mut MySqlConnection,
+    table: &str,
+    rows: Vec<StagedRow>,
+) -> Result<(), sqlx::Error> {
+    let mut rows = rows.into_iter().peekable();
+    while rows.peek().is_some() {
+        let chunk: Vec<StagedRow> = rows.by_ref().take(STAGE_CHUNK).collect();
+        let values = vec!["(?, ?, ?, ?, ?, UTC_TIMESTAMP(3), UTC_TIMESTAMP(3))"; chunk.len()].join(", ");
+        let insert = format!(
+            "INSERT INTO {table} (message_id, destination, ordering_key, headers, payload, created_at, next_attempt_at) \
+             VALUES {values}"
+        );
+        let mut query = sqlx::query(AssertSqlSafe(insert));
+        for row in chunk {
+            query = query
+                .bind(row.message_id)
+                .bind(row.destination)
+                .bind(row.ordering_key.map(String::into_bytes))
+                .bind(row.headers)
+                .bind(row.payload);
+        }
+        query.execute(&mut *conn).await?;
+    }
+    Ok(())
+}
+
+fn micros(d: Duration) -> i64 {
+    i64::try_from(d.as_micros()).unwrap_or(i64::MAX)
+}
+
+/// Rows a relay took, locked in its transaction.
+pub struct MySqlOutboxBatch {
+    tx: Transaction<'static, MySql>,
+    rows: Vec<OutboxRow>,
+    sql: Arc<MySqlOutboxSql>,
+}
+
+impl std::fmt::Debug for MySqlOutboxBatch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MySqlOutboxBatch")
+            .field("rows", &self.rows.len())
+            .finish()
+    }
+}
+
+impl OutboxBatch for MySqlOutboxBatch {
+    fn rows(&self) -> &[OutboxRow] {
+        &self.rows
+    }
+
+    async fn settle(mut self, dispatched: Vec<i64>, failed: Vec<(i64, Duration, String)>) -> Result<(), Error> {
+        if !dispatched.is_empty() {
+            let ids = vec!["?"; dispatched.len()].join(", ");
+            let update = format!(
+                "UPDATE {} SET dispatched_at = UTC_TIMESTAMP(3), last_error = NULL WHERE id IN ({ids})",
+                self.sql.table
+            );
+            let mut query = sqlx::query(AssertSqlSafe(update));
+            for id in dispatched {
+                query = query.bind(id);
+            }
+            query.execute(&mut *self.tx).await?;
+        }
+        for (id, delay, error) in failed {
+            sqlx::query(AssertSqlSafe(self.sql.reschedule.as_str()))
+                .bind(micros(delay))
+                .bind(error.chars().take(MAX_ERROR_CHARS).collect::<String>())
+                .bind(id)
+                .execute(&mut *self.tx)
+                .await?;
+        }
+        self.tx.commit().await?;
+        Ok(())
+    }
+}
+
+impl MySqlStore {
+    /// Deletes outgoing messages dispatched longer ago than the store's
+    /// outbox retention, in batches of its purge batch size; returns how
+    /// many. The [`Janitor`](crate::Janitor) calls it after the markers.
+    pub async fn purge_dispatched(&self) -> Result<u64, Error> {
+        let outbox = self.outbox();
+        self.delete_in_batches(&outbox.sql.purge, Some(micros(outbox.retention)))
+            .await
+    }
+}
+
+impl OutboxStore for MySqlStore {
+    type Batch = MySqlOutboxBatch;
+
+    fn outbox_waker(&self) -> Arc<tokio::sync::Notify> {
+        Arc::clone(&self.outbox().table.waker)
+    }
+
+    async fn take_batch(&self, limit: u32, _lease: Duration) -> Result<MySqlOutboxBatch, Error> {
+        let sql = Arc::clone(&self.outbox().sql);
+        let mut tx = self.begin().await?;
+        let rows = sqlx::query(AssertSqlSafe(sql.take.as_str()))
+            .bind(limit)
+            .fetch_all(&mut *tx)
+            .await?;
+        let rows = rows
+            .into_iter()
+            .map(|row| {
+                let ordering_key: Option<Vec<u8>> = row.try_get("ordering_key")?;
+                Ok(OutboxRow::new(
+                    i64::try_from(row.try_get::<u64, _>("id")?).unwrap_or(i64::MAX),
+                    row.try_get("message_id")?,
+                    row.try_get("destination")?,
+                    ordering_key.map(|key| String::from_utf8_lossy(&key).into_owned()),
+                    row.try_get::<String, _>("headers")?.as_str(),
+                    row.try_get("payload")?,
+                    i64::from(row.try_get::<i32, _>("attempts")?),
+                ))
+            })
+            .collect::<Result<Vec<_>, sqlx::Error>>()?;
+        Ok(MySqlOutboxBatch { tx, rows, sql })
+    }
+
+    async fn pending(&self) -> Result<(u64, Option<Duration>), Error> {
+        let row = sqlx::query(AssertSqlSafe(self.outbox().sql.pending.as_str()))
+            .fetch_one(self.pool())
+            .await?;
+        Ok(pending_from(row.try_get(0)?, row.try_get(1)?))
+    }
+}
