@@ -131,19 +131,27 @@ fn expand(handler: &Handler, args: &Args, key: &syn::Expr, store: &syn::Expr) ->
 
     // The store is checked on the `store = ..` expression: `Store`, or
     // `TransactionalStore` when the handler takes a transaction parameter.
-    // `OutboxStore` too when it takes an outbox (one bound, so one error).
-    let (claim_fn, binder_fn) = match (&handler.tx, &handler.outbox) {
-        (_, Some(_)) => ("claim_outbox", "binder_outbox"),
-        (Some(_), None) => ("claim_transactional", "binder"),
-        (None, None) => ("claim", "binder"),
-    };
-    let claim_call = call(&rt, claim_fn, quote!(#store_arg, &#request, &#span, #caller), store);
-    let (binder_let, binder_out) = match &handler.tx {
+    // With an outbox, the store's one requirement is checked by `stager`
+    // (so a store without an outbox is reported once), which also lends
+    // the transaction.
+    let stager = format_ident!("__idem_stager", span = mixed);
+    // Likewise `binder` checks a transactional store; the claim itself only
+    // needs a store.
+    let claim_call = call(&rt, "claim", quote!(#store_arg, &#request, &#span, #caller), store);
+    let (stager_let, stager_out) = match &handler.outbox {
         Some(_) => {
-            let binder_call = call(&rt, binder_fn, store_arg.clone(), store);
-            (Some(quote!(let #binder = #binder_call;)), quote!(#binder))
+            let stager_call = call(&rt, "stager", store_arg.clone(), store);
+            (Some(quote!(let #stager = #stager_call;)), quote!(#stager))
         }
         None => (None, quote!(())),
+    };
+    let (binder_let, binder_out) = match (&handler.tx, &handler.outbox) {
+        (Some(_), Some(_)) => (Some(quote!(let #binder = #stager.binder();)), quote!(#binder)),
+        (Some(_), None) => {
+            let binder_call = call(&rt, "binder", store_arg.clone(), store);
+            (Some(quote!(let #binder = #binder_call;)), quote!(#binder))
+        }
+        (None, _) => (None, quote!(())),
     };
     let claim_await = awaited(claim_call, store);
     let bind_tx = handler.tx.as_ref().map(|tx| {
@@ -162,7 +170,7 @@ fn expand(handler: &Handler, args: &Args, key: &syn::Expr, store: &syn::Expr) ->
     let (new_outbox, finish_call) = match &handler.outbox {
         Some(_) => (
             Some(quote!(let mut #outbox = #rt::Outbox::new();)),
-            quote!(#rt::finish_staged(#guard, #outbox, #codec, #outcome, #span, #scope, &#logged_key)),
+            quote!(#rt::finish_staged(#stager, #guard, #outbox, #codec, #outcome, #span, #scope, &#logged_key)),
         ),
         None => (
             None,
@@ -202,9 +210,10 @@ fn expand(handler: &Handler, args: &Args, key: &syn::Expr, store: &syn::Expr) ->
         static #site: #rt::Site = #rt::Site::new(::core::file!(), ::core::line!(), #shared);
         let #handler_path: &'static str = #rt::default_scope(::core::any::type_name_of_val(&|| ()));
         let #scope: &'static str = #scope_value;
-        let (#claim, #span, #binder, #logged_key) = {
+        let (#claim, #span, #binder, #stager, #logged_key) = {
             #[allow(unused_parens, clippy::needless_borrow)]
             let #store_ref = &(#store);
+            #stager_let
             #binder_let
             #[allow(unused_parens, clippy::needless_borrow)]
             let #key_source = &(#key);
@@ -219,7 +228,7 @@ fn expand(handler: &Handler, args: &Args, key: &syn::Expr, store: &syn::Expr) ->
             let #span = #rt::span(&#request);
             let #claim = #claim_await;
             let #logged_key = #rt::logged_key(&#claim, &#key_text);
-            (#claim, #span, #binder_out, #logged_key)
+            (#claim, #span, #binder_out, #stager_out, #logged_key)
         };
         match #claim {
             ::core::result::Result::Err(#error) => ::core::result::Result::Err(#into_error(#error)),

@@ -11,8 +11,8 @@ pub use crate::call::{
 };
 #[cfg(feature = "sqlx")]
 pub use crate::call::{
-    AnyOutboxStore, AnyTransactionalStore, Binder, FromOutbox, bind_outbox, bind_transaction, binder, binder_outbox,
-    claim_outbox, claim_transactional, finish_staged,
+    AnyOutboxStore, AnyTransactionalStore, Binder, FromOutbox, Stager, bind_outbox, bind_transaction, binder,
+    finish_staged, stager,
 };
 #[cfg(feature = "sqlx")]
 pub use crate::outbox::Outbox;

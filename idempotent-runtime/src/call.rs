@@ -242,25 +242,13 @@ impl<S: crate::store::TransactionalStore + ?Sized> AnyTransactionalStore for S {
     }
 }
 
-/// Claims with a store that runs the body in its transaction.
-#[cfg(feature = "sqlx")]
-#[inline]
-pub async fn claim_transactional<S: AnyTransactionalStore + ?Sized>(
-    store: &S,
-    req: &Request<'_>,
-    span: &Span,
-    caller: Caller,
-) -> Result<Claim<S::Guard>, Error> {
-    claim(store, req, span, caller).await
-}
-
 /// How a transactional store's claim lends its transaction to the handler.
 #[cfg(feature = "sqlx")]
 pub type Binder<G, DB> = for<'a> fn(&'a mut G) -> &'a mut sqlx::Transaction<'static, DB>;
 
-/// The [`Binder`] of `store`'s claims. Requires the same bound as
-/// [`claim_transactional`] (reported once, on the `store = ..` expression),
-/// so that [`bind_transaction`] needs none on the guard.
+/// The [`Binder`] of `store`'s claims: the one check that the store is
+/// transactional (reported once, on the `store = ..` expression), so that
+/// neither the claim nor [`bind_transaction`] needs a bound of its own.
 #[cfg(feature = "sqlx")]
 #[inline]
 pub fn binder<S: AnyTransactionalStore + ?Sized>(store: &S) -> Binder<S::Guard, S::Database> {
@@ -286,31 +274,62 @@ where
     label = "this handler takes an outbox, so its store must keep an outbox table in the marker's database",
     note = "the outbox's rows commit with the marker and the effect: use `PgStore`, `SqliteStore` or `MySqlStore` (Redis and in-memory stores cannot join a database transaction)"
 )]
-pub trait AnyOutboxStore: AnyTransactionalStore {}
+pub trait AnyOutboxStore: AnyTransactionalStore {
+    /// [`TransactionGuard::stage`](crate::store::TransactionGuard::stage)
+    /// on this store's guard.
+    fn stage(
+        guard: &mut Self::Guard,
+        outbox: crate::outbox::Outbox,
+    ) -> impl Future<Output = Result<(), Error>> + Send + '_;
+}
 
 #[cfg(feature = "sqlx")]
 #[diagnostic::do_not_recommend]
-impl<S: crate::store::TransactionalStore + crate::outbox::OutboxStore> AnyOutboxStore for S {}
-
-/// Claims with a store that runs the body in its transaction and writes its
-/// outgoing messages there.
-#[cfg(feature = "sqlx")]
-#[inline]
-pub async fn claim_outbox<S: AnyOutboxStore + ?Sized>(
-    store: &S,
-    req: &Request<'_>,
-    span: &Span,
-    caller: Caller,
-) -> Result<Claim<S::Guard>, Error> {
-    claim(store, req, span, caller).await
+impl<S: crate::store::StagesOutbox + ?Sized> AnyOutboxStore for S {
+    #[inline]
+    fn stage(
+        guard: &mut Self::Guard,
+        outbox: crate::outbox::Outbox,
+    ) -> impl Future<Output = Result<(), Error>> + Send + '_ {
+        crate::store::TransactionGuard::stage(guard, outbox)
+    }
 }
 
-/// [`binder`] for a handler that takes an outbox (the bound of
-/// [`claim_outbox`], so one unmet bound is reported once).
+/// How a handler with an outbox reaches its store's transaction and outbox
+/// without naming the store again (the `store = ..` expression may be a
+/// temporary): from [`stager`], whose bound is the only outbox requirement
+/// of the expansion, so a store without an outbox is reported once.
+#[cfg(feature = "sqlx")]
+pub struct Stager<G, DB: sqlx::Database> {
+    binder: Binder<G, DB>,
+    stage: StageFn<G>,
+}
+
+/// [`AnyOutboxStore::stage`] for one guard type (boxed: it runs only when a
+/// body staged messages).
+#[cfg(feature = "sqlx")]
+type StageFn<G> = for<'a> fn(
+    &'a mut G,
+    crate::outbox::Outbox,
+) -> std::pin::Pin<Box<dyn Future<Output = Result<(), Error>> + Send + 'a>>;
+
+#[cfg(feature = "sqlx")]
+impl<G, DB: sqlx::Database> Stager<G, DB> {
+    /// The [`Binder`] of the store's claims, for a transaction parameter.
+    #[inline]
+    pub fn binder(&self) -> Binder<G, DB> {
+        self.binder
+    }
+}
+
+/// The [`Stager`] of `store`.
 #[cfg(feature = "sqlx")]
 #[inline]
-pub fn binder_outbox<S: AnyOutboxStore + ?Sized>(store: &S) -> Binder<S::Guard, S::Database> {
-    store.binder()
+pub fn stager<S: AnyOutboxStore + ?Sized>(store: &S) -> Stager<S::Guard, S::Database> {
+    Stager {
+        binder: store.binder(),
+        stage: |guard, outbox| Box::pin(S::stage(guard, outbox)),
+    }
 }
 
 /// What an outbox parameter can be: `&mut Outbox`.
@@ -344,7 +363,9 @@ pub fn bind_outbox<'a, P: FromOutbox<'a>>(outbox: &'a mut crate::outbox::Outbox)
 /// staged messages are written in the marker's transaction first; a failure
 /// to write them rolls everything back.
 #[cfg(feature = "sqlx")]
-pub async fn finish_staged<G: crate::store::TransactionGuard, T, E>(
+#[allow(clippy::too_many_arguments)]
+pub async fn finish_staged<G: Guard, DB: sqlx::Database, T, E>(
+    stager: Stager<G, DB>,
     mut guard: G,
     outbox: crate::outbox::Outbox,
     codec: Codec<T>,
@@ -353,9 +374,9 @@ pub async fn finish_staged<G: crate::store::TransactionGuard, T, E>(
     scope: &'static str,
     key: &str,
 ) -> Result<Result<T, E>, Error> {
-    if outcome.is_ok() {
+    if outcome.is_ok() && !outbox.is_empty() {
         let messages = outbox.len();
-        if let Err(error) = guard.stage(outbox).await {
+        if let Err(error) = (stager.stage)(&mut guard, outbox).await {
             guard.abort().await;
             note_outage(&error);
             span.in_scope(|| {
@@ -365,9 +386,7 @@ pub async fn finish_staged<G: crate::store::TransactionGuard, T, E>(
             return Err(error);
         }
         #[cfg(feature = "metrics")]
-        if messages > 0 {
-            metrics::counter!("idempotent_outbox_staged_total", "scope" => scope).increment(messages as u64);
-        }
+        metrics::counter!("idempotent_outbox_staged_total", "scope" => scope).increment(messages as u64);
     }
     finish(guard, codec, outcome, span, scope, key).await
 }

@@ -240,6 +240,9 @@ impl<S: crate::store::TransactionalStore> crate::store::TransactionalStore for C
     type Database = S::Database;
 }
 
+#[cfg(feature = "sqlx")]
+impl<S: crate::store::StagesOutbox> crate::store::StagesOutbox for CachedStore<S> {}
+
 /// The inner store's outbox: a duplicate answered from the cache stages
 /// nothing, as one answered by the store.
 #[cfg(feature = "sqlx")]

@@ -227,6 +227,18 @@ pub trait TransactionalStore: Store<Guard: TransactionGuard<Database = Self::Dat
 }
 
 #[cfg(feature = "sqlx")]
+/// A transactional store whose claims write a handler's outgoing messages
+/// into its outbox table, in the marker's transaction
+/// ([`TransactionGuard::stage`]): what a handler taking an
+/// [`Outbox`](crate::outbox::Outbox) needs.
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` cannot write outgoing messages in the marker's transaction",
+    label = "this handler takes an outbox, so its store must keep an outbox table in the marker's database",
+    note = "the outbox's rows commit with the marker and the effect: use `PgStore`, `SqliteStore` or `MySqlStore` (Redis and in-memory stores cannot join a database transaction)"
+)]
+pub trait StagesOutbox: TransactionalStore {}
+
+#[cfg(feature = "sqlx")]
 /// The claim of a transactional store: an open transaction holding the
 /// freshly inserted marker.
 pub trait TransactionGuard: Guard {
@@ -299,6 +311,9 @@ macro_rules! forward_store {
         impl<S: TransactionalStore + ?Sized> TransactionalStore for $ptr {
             type Database = S::Database;
         }
+
+        #[cfg(feature = "sqlx")]
+        impl<S: StagesOutbox + ?Sized> StagesOutbox for $ptr {}
     )*};
 }
 forward_store!(&S, std::sync::Arc<S>);

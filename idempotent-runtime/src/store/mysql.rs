@@ -430,6 +430,8 @@ impl TransactionalStore for MySqlStore {
     type Database = MySql;
 }
 
+impl crate::store::StagesOutbox for MySqlStore {}
+
 sql_backend!(MySql, sqlx::MySqlConnection, stage_outbox);
 
 impl crate::janitor::PurgeExpired for MySqlStore {

@@ -285,6 +285,8 @@ impl TransactionalStore for PgStore {
     type Database = Postgres;
 }
 
+impl crate::store::StagesOutbox for PgStore {}
+
 sql_backend!(Postgres, sqlx::PgConnection, stage_outbox);
 
 impl crate::janitor::PurgeExpired for PgStore {

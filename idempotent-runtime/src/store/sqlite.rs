@@ -296,6 +296,8 @@ impl TransactionalStore for SqliteStore {
     type Database = Sqlite;
 }
 
+impl crate::store::StagesOutbox for SqliteStore {}
+
 sql_backend!(Sqlite, sqlx::SqliteConnection, stage_outbox);
 
 impl crate::janitor::PurgeExpired for SqliteStore {
