@@ -90,3 +90,62 @@ fn outcomes_are_counted_through_the_metrics_facade() {
     let count = |outcome: &str| counters.get(&format!("idempotent_outcomes_total{{outcome={outcome},scope=counted}}"));
     assert_eq!((count("processed"), count("duplicate"), count("failed")), (1, 2, 1));
 }
+
+mod outbox {
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use idempotent_runtime::outbox::{Outbox, OutboxRow, Outgoing, PublishError, Publisher, Relay};
+    use idempotent_runtime::{SqliteStore, idempotent};
+
+    use super::AppError;
+
+    #[idempotent(key = "id", store = store, scope = "staging")]
+    async fn stage(store: &SqliteStore, id: &str, outbox: &mut Outbox) -> Result<(), AppError> {
+        outbox.publish(Outgoing::new("a", id.as_bytes().to_vec()));
+        outbox.publish(Outgoing::new("b", id.as_bytes().to_vec()));
+        Ok(())
+    }
+
+    struct Accept;
+
+    impl Publisher for Accept {
+        async fn publish(&self, _: &OutboxRow) -> Result<(), PublishError> {
+            Ok(())
+        }
+    }
+
+    /// Staged and published outgoing messages are counted too:
+    /// `idempotent_outbox_staged_total{scope}` and
+    /// `idempotent_outbox_published_total`.
+    #[test]
+    fn outgoing_messages_are_counted() {
+        let counters = super::recorder::Counters::default();
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        metrics::with_local_recorder(&counters, || {
+            runtime.block_on(async {
+                let store = SqliteStore::open(dir.path().join("m.db")).await.unwrap();
+                store.migrate().await.unwrap();
+                stage(&store, "s-1").await.unwrap();
+                stage(&store, "s-1").await.unwrap();
+                let relay = Relay::builder(store.clone(), Arc::new(Accept))
+                    .poll_interval(Duration::from_millis(5))
+                    .spawn();
+                while relay.stats().published() < 2 {
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+                relay.shutdown().await;
+            })
+        });
+        assert_eq!(
+            counters.get("idempotent_outbox_staged_total{scope=staging}"),
+            2,
+            "the duplicate stages nothing"
+        );
+        assert_eq!(counters.get("idempotent_outbox_published_total{}"), 2);
+    }
+}

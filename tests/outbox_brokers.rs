@@ -1,0 +1,335 @@
+//! The outbox relay's publishers against the real brokers: what each sets on
+//! the message (id, persistence, headers), what each refuses, a republished
+//! row, and a relay draining a PostgreSQL outbox into each broker.
+
+mod common;
+
+use std::time::Duration;
+
+use idempotent_runtime::async_nats::{self, jetstream};
+use idempotent_runtime::lapin::options::{BasicGetOptions, QueueDeclareOptions, QueueDeleteOptions};
+use idempotent_runtime::lapin::types::{AMQPValue, FieldTable};
+use idempotent_runtime::lapin::{Channel, Connection, ConnectionProperties};
+use idempotent_runtime::outbox::{
+    JetStreamPublisher, Outbox, OutboxRow, Outgoing, PublishError, Publisher, RabbitPublisher, Relay, StreamPublisher,
+};
+use idempotent_runtime::sqlx::{self, AssertSqlSafe, PgConnection};
+use idempotent_runtime::{PgStore, idempotent, redis};
+
+const AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
+const NATS_URL: &str = "127.0.0.1:4222";
+
+fn row(id: i64, message_id: &str, destination: &str, payload: &[u8]) -> OutboxRow {
+    OutboxRow::new(
+        id,
+        message_id.to_owned(),
+        destination.to_owned(),
+        None,
+        r#"{"x-origin":"outbox-test"}"#,
+        payload.to_vec(),
+        0,
+    )
+}
+
+async fn rabbit_queue() -> (Channel, String) {
+    let conn = Connection::connect(AMQP_URL, ConnectionProperties::default())
+        .await
+        .expect("RabbitMQ at 127.0.0.1:5672");
+    let channel = conn.create_channel().await.unwrap();
+    let queue = common::unique("outbox_q");
+    channel
+        .queue_declare(
+            queue.as_str().into(),
+            QueueDeclareOptions::durable(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    (channel, queue)
+}
+
+async fn rabbit_drain(channel: &Channel, queue: &str) -> Vec<idempotent_runtime::lapin::message::BasicGetMessage> {
+    let mut got = Vec::new();
+    while let Some(message) = channel
+        .basic_get(queue.into(), BasicGetOptions { no_ack: true })
+        .await
+        .unwrap()
+    {
+        got.push(message);
+    }
+    got
+}
+
+#[tokio::test]
+async fn rabbitmq_publisher_sets_id_persistence_and_headers_and_refuses_unroutable_messages() {
+    let (channel, queue) = rabbit_queue().await;
+    let publisher = RabbitPublisher::new(AMQP_URL);
+    publisher.publish(&row(1, "id-1", &queue, b"one")).await.unwrap();
+    let got = rabbit_drain(&channel, &queue).await;
+    assert_eq!(got.len(), 1);
+    let properties = &got[0].delivery.properties;
+    assert_eq!(got[0].delivery.data, b"one");
+    assert_eq!(properties.message_id().as_ref().map(|id| id.as_str()), Some("id-1"));
+    assert_eq!(*properties.delivery_mode(), Some(2), "persistent");
+    let header = properties
+        .headers()
+        .as_ref()
+        .and_then(|headers| headers.inner().get("x-origin").cloned());
+    assert!(
+        matches!(&header, Some(AMQPValue::LongString(value)) if value.as_bytes() == b"outbox-test"),
+        "{header:?}"
+    );
+
+    // No queue behind the routing key: returned by the broker, so the row
+    // stays pending instead of being marked dispatched and lost.
+    let unroutable = publisher
+        .publish(&row(2, "id-2", "no-such-queue-anywhere", b"two"))
+        .await;
+    match unroutable {
+        Err(PublishError(message)) => assert!(message.contains("no queue is bound"), "{message}"),
+        Ok(()) => panic!("an unroutable message counted as published"),
+    }
+
+    // An exchange that does not exist closes the channel; the next publish
+    // opens a new one.
+    let closed = RabbitPublisher::new(AMQP_URL).exchange(common::unique("no_such_exchange"));
+    assert!(closed.publish(&row(3, "id-3", &queue, b"three")).await.is_err());
+    assert!(closed.publish(&row(4, "id-4", &queue, b"four")).await.is_err());
+    publisher.publish(&row(5, "id-5", &queue, b"five")).await.unwrap();
+    assert_eq!(rabbit_drain(&channel, &queue).await.len(), 1);
+    channel
+        .queue_delete(queue.as_str().into(), QueueDeleteOptions::default())
+        .await
+        .unwrap();
+}
+
+async fn nats_stream() -> (jetstream::Context, String, String) {
+    let client = async_nats::connect(NATS_URL).await.expect("NATS at 127.0.0.1:4222");
+    let js = jetstream::new(client);
+    let stream = common::unique("OUTBOX");
+    let subject = format!("{stream}.events");
+    js.create_stream(jetstream::stream::Config {
+        name: stream.clone(),
+        subjects: vec![subject.clone()],
+        duplicate_window: Duration::from_secs(120),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    (js, stream, subject)
+}
+
+#[tokio::test]
+async fn jetstream_publisher_sets_the_message_id_and_a_republished_row_is_stored_once() {
+    let (js, stream, subject) = nats_stream().await;
+    let publisher = JetStreamPublisher::new(js.clone());
+    let first = row(1, "charged-1", &subject, b"one");
+    publisher.publish(&first).await.unwrap();
+    // The relay died before marking it: published again, same id.
+    publisher.publish(&first).await.unwrap();
+    publisher.publish(&row(2, "charged-2", &subject, b"two")).await.unwrap();
+    let mut info = js.get_stream(&stream).await.unwrap();
+    assert_eq!(
+        info.info().await.unwrap().state.messages,
+        2,
+        "the duplicate was dropped by JetStream"
+    );
+    let stored = info.get_raw_message(1).await.unwrap();
+    assert_eq!(stored.payload.as_ref(), b"one");
+    let headers = stored.headers;
+    assert_eq!(
+        headers.get(async_nats::header::NATS_MESSAGE_ID).map(|v| v.as_str()),
+        Some("charged-1")
+    );
+    assert_eq!(headers.get("x-origin").map(|v| v.as_str()), Some("outbox-test"));
+
+    // No stream captures the subject: an error, not a silent drop.
+    let nowhere = publisher
+        .publish(&row(3, "lost-3", &common::unique("nowhere"), b"x"))
+        .await;
+    assert!(nowhere.is_err(), "publishing where no stream listens must fail");
+    js.delete_stream(&stream).await.unwrap();
+}
+
+#[tokio::test]
+async fn stream_publisher_writes_what_the_stream_consumer_reads() {
+    let client = redis::Client::open(common::REDIS_URL).unwrap();
+    let conn = redis::aio::ConnectionManager::new(client).await.unwrap();
+    let stream = common::unique("outbox_stream");
+    let publisher = StreamPublisher::new(conn.clone()).max_len(1000);
+    publisher.publish(&row(1, "id-1", &stream, b"one")).await.unwrap();
+    publisher.publish(&row(2, "id-2", &stream, b"two")).await.unwrap();
+    let mut conn = conn;
+    let entries: Vec<(String, Vec<(String, Vec<u8>)>)> = redis::cmd("XRANGE")
+        .arg(&stream)
+        .arg("-")
+        .arg("+")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(entries.len(), 2);
+    let fields = &entries[0].1;
+    let field = |name: &str| fields.iter().find(|(n, _)| n == name).map(|(_, v)| v.clone());
+    assert_eq!(field("message_id").as_deref(), Some(&b"id-1"[..]));
+    assert_eq!(field("body").as_deref(), Some(&b"one"[..]));
+    assert_eq!(field("x-origin").as_deref(), Some(&b"outbox-test"[..]));
+    let _: () = redis::cmd("DEL").arg(&stream).query_async(&mut conn).await.unwrap();
+}
+
+// ---- A relay draining PostgreSQL into each broker -------------------------
+
+#[derive(Debug, thiserror::Error)]
+enum AppError {
+    #[error(transparent)]
+    Idem(#[from] idempotent_runtime::Error),
+    #[error(transparent)]
+    Db(#[from] sqlx::Error),
+}
+
+struct Payments {
+    store: PgStore,
+    destination: String,
+}
+
+impl Payments {
+    #[idempotent(key = "id", store = self.store, scope = "outbox_brokers.charge")]
+    async fn charge(&self, id: &str, outbox: &mut Outbox, tx: &mut PgConnection) -> Result<(), AppError> {
+        sqlx::query("SELECT 1").execute(&mut *tx).await?;
+        outbox.publish(Outgoing::new(self.destination.clone(), id.as_bytes().to_vec()));
+        Ok(())
+    }
+}
+
+/// Stages `count` messages through the handler (each charged twice: the
+/// duplicate stages nothing), runs a relay with `publisher` until the
+/// outbox is drained, and returns the message ids the rows carried.
+async fn stage_and_relay<P: Publisher>(destination: &str, count: usize, publisher: P) -> (Vec<String>, Tables) {
+    let pool = common::pg_pool(8).await;
+    let tables = Tables {
+        pool: pool.clone(),
+        markers: common::unique("markers"),
+        outbox: common::unique("outbox"),
+    };
+    let store = PgStore::builder(pool.clone())
+        .table(&tables.markers)
+        .outbox_table(&tables.outbox)
+        .build()
+        .unwrap();
+    store.migrate().await.unwrap();
+    let payments = Payments {
+        store: store.clone(),
+        destination: destination.to_owned(),
+    };
+    for i in 0..count {
+        payments.charge(&format!("p{i}")).await.unwrap();
+        payments.charge(&format!("p{i}")).await.unwrap();
+    }
+    let relay = Relay::builder(store.clone(), publisher)
+        .poll_interval(Duration::from_millis(50))
+        .spawn();
+    let outbox = &tables.outbox;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let pending: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
+            "SELECT count(*) FROM {outbox} WHERE dispatched_at IS NULL"
+        )))
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+        if pending == 0 {
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "{pending} rows still pending");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    relay.shutdown().await;
+    let ids: Vec<String> = sqlx::query_scalar(AssertSqlSafe(format!("SELECT message_id FROM {outbox} ORDER BY id")))
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+    assert_eq!(ids.len(), count, "one row per charge, none for the duplicates");
+    (ids, tables)
+}
+
+/// A test's marker and outbox tables.
+struct Tables {
+    pool: sqlx::PgPool,
+    markers: String,
+    outbox: String,
+}
+
+async fn drop_tables(tables: &Tables) {
+    common::drop_pg_table(&tables.pool, &tables.outbox).await;
+    common::drop_pg_table(&tables.pool, &tables.markers).await;
+}
+
+#[tokio::test]
+async fn a_relay_drains_postgres_into_rabbitmq() {
+    let (channel, queue) = rabbit_queue().await;
+    let (ids, tables) = stage_and_relay(&queue, 25, RabbitPublisher::new(AMQP_URL)).await;
+    let got: Vec<String> = rabbit_drain(&channel, &queue)
+        .await
+        .iter()
+        .map(|m| m.delivery.properties.message_id().as_ref().unwrap().to_string())
+        .collect();
+    let (mut got, mut ids) = (got, ids);
+    got.sort();
+    ids.sort();
+    assert_eq!(got, ids);
+    channel
+        .queue_delete(queue.as_str().into(), QueueDeleteOptions::default())
+        .await
+        .unwrap();
+    drop_tables(&tables).await;
+}
+
+#[tokio::test]
+async fn a_relay_drains_postgres_into_jetstream() {
+    let (js, stream, subject) = nats_stream().await;
+    let (ids, tables) = stage_and_relay(&subject, 25, JetStreamPublisher::new(js.clone())).await;
+    let mut info = js.get_stream(&stream).await.unwrap();
+    let count = info.info().await.unwrap().state.messages;
+    assert_eq!(count, 25);
+    let mut got = Vec::new();
+    for sequence in 1..=count {
+        let message = info.get_raw_message(sequence).await.unwrap();
+        got.push(
+            message
+                .headers
+                .get(async_nats::header::NATS_MESSAGE_ID)
+                .unwrap()
+                .to_string(),
+        );
+    }
+    let mut ids = ids;
+    got.sort();
+    ids.sort();
+    assert_eq!(got, ids);
+    js.delete_stream(&stream).await.unwrap();
+    drop_tables(&tables).await;
+}
+
+#[tokio::test]
+async fn a_relay_drains_postgres_into_a_redis_stream() {
+    let client = redis::Client::open(common::REDIS_URL).unwrap();
+    let mut conn = redis::aio::ConnectionManager::new(client).await.unwrap();
+    let stream = common::unique("outbox_stream");
+    let (ids, tables) = stage_and_relay(&stream, 25, StreamPublisher::new(conn.clone())).await;
+    let entries: Vec<(String, Vec<(String, String)>)> = redis::cmd("XRANGE")
+        .arg(&stream)
+        .arg("-")
+        .arg("+")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let mut got: Vec<String> = entries
+        .iter()
+        .map(|(_, fields)| fields.iter().find(|(n, _)| n == "message_id").unwrap().1.clone())
+        .collect();
+    let mut ids = ids;
+    got.sort();
+    ids.sort();
+    assert_eq!(got, ids);
+    let _: () = redis::cmd("DEL").arg(&stream).query_async(&mut conn).await.unwrap();
+    drop_tables(&tables).await;
+}
