@@ -14,10 +14,12 @@
 //! after the broker confirmed; a crash between the publish and the mark
 //! publishes the row again with the same message id, which the consumers
 //! downstream (idempotent themselves) recognise. Several relays can run at
-//! once (rows are taken with `FOR UPDATE SKIP LOCKED`); messages given an
-//! ordering key are published in order per key. The relay is woken right
-//! after a commit that staged messages in the same process, and polls for
-//! rows left by processes that died.
+//! once (rows are taken with `FOR UPDATE SKIP LOCKED`, or leased on
+//! SQLite); messages given an ordering key are published in order per key.
+//! The relay is woken right after a commit that staged messages in the same
+//! process, and polls for rows left by processes that died. The
+//! [`Janitor`](crate::Janitor) deletes dispatched rows once they are older
+//! than the store's `outbox_retention`.
 //!
 //! ```no_run
 //! use idempotent_runtime::outbox::{Outbox, Outgoing};
