@@ -87,7 +87,12 @@ async fn scenario(wake: Wake, callers: usize, paced: bool, messages: usize) -> O
         .connect(PG_URL)
         .await
         .expect("PostgreSQL at 127.0.0.1:5432");
-    let (markers, outbox, effects, queue) = (unique("markers"), unique("outbox"), unique("effects"), unique("bench_q"));
+    let (markers, outbox, effects, queue) = (
+        unique("markers"),
+        unique("outbox"),
+        unique("effects"),
+        unique("bench_q"),
+    );
     let build = || {
         PgStore::builder(pool.clone())
             .table(&markers)
@@ -107,7 +112,11 @@ async fn scenario(wake: Wake, callers: usize, paced: bool, messages: usize) -> O
         .expect("RabbitMQ at 127.0.0.1:5672");
     let channel = conn.create_channel().await.expect("channel");
     channel
-        .queue_declare(queue.as_str().into(), QueueDeclareOptions::durable(), FieldTable::default())
+        .queue_declare(
+            queue.as_str().into(),
+            QueueDeclareOptions::durable(),
+            FieldTable::default(),
+        )
         .await
         .expect("queue");
     let committed: Arc<Mutex<HashMap<String, Instant>>> = Arc::default();
@@ -139,7 +148,10 @@ async fn scenario(wake: Wake, callers: usize, paced: bool, messages: usize) -> O
                     }
                     tokio::task::yield_now().await;
                 };
-                latencies.lock().expect("lock").push(arrived.saturating_duration_since(at));
+                latencies
+                    .lock()
+                    .expect("lock")
+                    .push(arrived.saturating_duration_since(at));
                 seen += 1;
                 if seen == messages {
                     break;

@@ -6,9 +6,9 @@
 //! expansion calls the runtime by absolute path
 //! (`::idempotent_runtime::__private`), or through `crate = "path"`.
 //!
-//! The pipeline, one module per stage: [`args`] parses the attribute,
-//! [`handler`] models and checks the function's signature, [`expand`] writes
-//! the code. Every stage collects its errors in a [`ctxt::Ctxt`] so a user
+//! The pipeline, one module per stage: `args` parses the attribute,
+//! `handler` models and checks the function's signature, `expand` writes
+//! the code. Every stage collects its errors in a `ctxt::Ctxt` so a user
 //! sees all their mistakes, each spanned where it is.
 
 mod args;

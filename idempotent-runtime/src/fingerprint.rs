@@ -32,7 +32,7 @@ use sha2::{Digest, Sha256};
 
 use crate::Error;
 
-/// The SHA-256 of a value's canonical form (see the [module](self)
+/// The SHA-256 of a value's canonical form (see the module
 /// documentation), as 64 lowercase hex digits.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct Fingerprint(String);

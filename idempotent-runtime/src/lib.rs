@@ -55,7 +55,7 @@
 //! every re-exported driver whose feature is on: `sqlx` (`sslmode=verify-full`,
 //! `ssl-mode=VERIFY_IDENTITY`), `redis` (`rediss://`); `lapin` (`amqps://`)
 //! and `async_nats` (`tls://`) speak TLS with rustls and ring in any case.
-
+#![cfg_attr(docsrs, feature(doc_cfg))]
 #![warn(missing_docs)]
 
 mod call;

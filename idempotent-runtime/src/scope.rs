@@ -23,7 +23,7 @@
 //! processed before the change would be processed again: **give production
 //! handlers an explicit `scope`**, which nothing but you changes.
 //!
-//! A path longer than [`MAX_SCOPE_BYTES`](crate::MAX_SCOPE_BYTES) keeps its
+//! A path longer than [`MAX_SCOPE_BYTES`] keeps its
 //! last bytes and gains a hash of the whole path, so it stays unique.
 //!
 //! # One scope, one handler

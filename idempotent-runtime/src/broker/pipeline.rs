@@ -1,14 +1,14 @@
 //! The delivery pipeline, written once for every broker.
 //!
-//! [`run`] keeps a [`Session`] (a live connection and subscription),
+//! `run` keeps a [`Session`] (a live connection and subscription),
 //! making it again with backoff when it is lost, and takes deliveries while
-//! handler slots are free. Each delivery goes through [`process`]: its span,
+//! handler slots are free. Each delivery goes through `process`: its span,
 //! the last-delivery rule, decoding (a body that does not decode is
 //! dead-lettered as poison), the handler call (panics caught, progress sent
 //! while it runs), the verdict on a failure (outage: run again in place;
 //! retry: hand it to the broker with a delay; otherwise dead-letter), and
 //! the settlement, never on a connection other than the one it came on.
-//! On shutdown, [`drain`] gives the handlers in flight their time, then
+//! On shutdown, `drain` gives the handlers in flight their time, then
 //! asks them to let go.
 //!
 //! A broker supplies a [`Broker`] (how to connect), a [`Session`] (how to

@@ -190,7 +190,7 @@ pub trait Store: Send + Sync {
 
     /// What identifies the markers this store keeps (the database and table,
     /// the key prefix...), interned with
-    /// [`intern_namespace`](crate::scope::intern_namespace). In one process,
+    /// [`intern_namespace`]. In one process,
     /// two different handlers claiming one scope on stores with the same
     /// namespace get [`Error::ScopeConflict`] (see [`crate::scope`]).
     /// `None` (the default) leaves the store out of that check.
