@@ -20,9 +20,10 @@
 //! Faults, in per mille (each draw is independent):
 //!
 //! - `abort_after_commit`: a consumer (`payments` or `notifications`) aborts
-//!   right after its handler committed, before the ack. A payment's event is
-//!   then committed and (almost always) not yet published: the crash lands
-//!   between the commit and the publish.
+//!   right after its handler committed, before the ack. A payments process
+//!   stops its own relay's publishing first, so the payment's event is
+//!   committed and not published: the crash lands between the commit and
+//!   the publish (another process's relay publishes it later).
 //! - `abort_before_publish`: a relay aborts with a batch of rows taken and
 //!   locked, before publishing one of them.
 //! - `abort_after_confirm`: a relay aborts right after the broker confirmed
@@ -86,6 +87,11 @@ struct Faults {
     before_publish: u32,
     after_confirm: u32,
 }
+
+/// Set by a consumer about to abort after its commit: the relay of this
+/// process publishes nothing more, so the event it just committed dies
+/// unpublished with it (the crash lands between the commit and the publish).
+static DYING: AtomicBool = AtomicBool::new(false);
 
 fn draw(per_mille: u32) -> bool {
     per_mille > 0 && rand::rng().random_ratio(per_mille.min(1000), 1000)
@@ -198,6 +204,9 @@ struct CrashingPublisher {
 
 impl Publisher for CrashingPublisher {
     async fn publish(&self, row: &OutboxRow) -> Result<(), PublishError> {
+        if DYING.load(Ordering::SeqCst) {
+            std::future::pending::<()>().await;
+        }
         if draw(self.faults.before_publish) {
             self.log.abort(&row.message_id, "relay-abort-before-publish").await;
         }
@@ -224,7 +233,10 @@ fn start_relay(store: PgStore, names: &Names, faults: Faults, log: &Log) -> Rela
         .spawn()
 }
 
-fn consumer(names: &Names, queue: &str) -> idempotent_runtime::broker::ConsumerBuilder<idempotent_runtime::rabbitmq::Rabbit> {
+fn consumer(
+    names: &Names,
+    queue: &str,
+) -> idempotent_runtime::broker::ConsumerBuilder<idempotent_runtime::rabbitmq::Rabbit> {
     let url = std::env::var("IDEMPOTENT_BROKER_URL").unwrap_or_else(|_| AMQP_URL.to_owned());
     RabbitConsumer::builder(url, names.queue(queue))
         .declare_queue(false)
@@ -280,6 +292,7 @@ async fn run(role: &str, names: Names, faults: Faults) -> Result<(), BoxError> {
                     } else if draw(faults.after_commit) {
                         // Committed (effect, marker, event), neither acked
                         // nor published.
+                        DYING.store(true, Ordering::SeqCst);
                         log.abort(&msg.message_id, "pay-abort-after-commit").await;
                     }
                     Ok::<_, AppError>(())
@@ -343,21 +356,16 @@ async fn run(role: &str, names: Names, faults: Faults) -> Result<(), BoxError> {
 async fn main() -> Result<(), BoxError> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let [role, prefix, after_commit, before_publish, after_confirm] = args.as_slice() else {
-        return Err("usage: chain_process <payments|relay|notifications> <prefix> <abort_after_commit‰> \
+        return Err(
+            "usage: chain_process <payments|relay|notifications> <prefix> <abort_after_commit‰> \
                     <abort_before_publish‰> <abort_after_confirm‰>"
-            .into());
+                .into(),
+        );
     };
     let faults = Faults {
         after_commit: after_commit.parse()?,
         before_publish: before_publish.parse()?,
         after_confirm: after_confirm.parse()?,
     };
-    run(
-        role,
-        Names {
-            prefix: prefix.clone(),
-        },
-        faults,
-    )
-    .await
+    run(role, Names { prefix: prefix.clone() }, faults).await
 }
