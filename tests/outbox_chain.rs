@@ -568,9 +568,10 @@ async fn chained_services_apply_and_notify_each_payment_once_through_crashes() {
         payments_processes: 2,
         relay_processes: 1,
         notification_processes: 2,
+        // Enough that each crash point is hit several times in 300 payments.
         abort_after_commit: 50,
-        abort_before_publish: 20,
-        abort_after_confirm: 20,
+        abort_before_publish: 40,
+        abort_after_confirm: 40,
         kills: 6,
         deadline: Duration::from_secs(180),
     })
