@@ -1,8 +1,10 @@
 //! The broker examples of the README (`cargo run --example rabbitmq_payments`,
-//! `nats_payments`, `redis_streams_payments`) against the real RabbitMQ,
-//! NATS JetStream, Redis and PostgreSQL of `.ci/run`: each must exit 0 and
-//! print the proof (every payment once, none twice, a consumer killed
-//! before its ack and its redelivery recognised as a duplicate).
+//! `nats_payments`, `redis_streams_payments`, `outbox_chain`) against the
+//! real RabbitMQ, NATS JetStream, Redis and PostgreSQL of `.ci/run`: each
+//! must exit 0 and print the proof (every payment once, none twice, a
+//! consumer killed before its ack and its redelivery recognised as a
+//! duplicate; for the chain, every payment notified once downstream and the
+//! events published again recognised there).
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -75,4 +77,43 @@ fn nats_payments_example_applies_each_payment_once() {
 #[test]
 fn redis_streams_payments_example_applies_each_payment_once() {
     assert_proof(&run("redis_streams_payments"));
+}
+
+/// `cargo run --example outbox_chain`: payments -> outbox -> relay ->
+/// `payment.charged` -> notifications, with a consumer killed after its
+/// commit, the relays started late and publishes confirmed but not marked.
+#[test]
+fn outbox_chain_example_charges_and_notifies_each_payment_once() {
+    let out = run("outbox_chain");
+    assert!(
+        out.contains("each payment was charged once and notified once."),
+        "{out}"
+    );
+    assert_eq!(value(&out, "payment messages"), 200, "{out}");
+    assert!(value(&out, "messages published (with duplicates)") > 200, "{out}");
+    assert_eq!(
+        value(&out, "payments consumers killed after commit, before ack"),
+        1,
+        "{out}"
+    );
+    assert!(value(&out, "payment duplicates skipped") >= 50, "{out}");
+    assert_eq!(value(&out, "payments in the table"), 200, "{out}");
+    assert_eq!(value(&out, "payments charged twice"), 0, "{out}");
+    assert!(value(&out, "events committed before any relay ran") >= 50, "{out}");
+    assert_eq!(value(&out, "events in the outbox (one per payment)"), 200, "{out}");
+    assert_eq!(
+        value(&out, "publishes confirmed but not marked (relay died)"),
+        10,
+        "{out}"
+    );
+    assert!(value(&out, "payment.charged deliveries") >= 210, "{out}");
+    assert!(value(&out, "of them events published again") >= 10, "{out}");
+    assert_eq!(value(&out, "notifications in the table"), 200, "{out}");
+    assert_eq!(value(&out, "payments notified twice"), 0, "{out}");
+    assert_eq!(value(&out, "payments never notified (lost)"), 0, "{out}");
+    assert_eq!(
+        value(&out, "events pending, messages unsettled or dead-lettered"),
+        0,
+        "{out}"
+    );
 }

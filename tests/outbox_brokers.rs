@@ -151,6 +151,9 @@ async fn jetstream_publisher_sets_the_message_id_and_a_republished_row_is_stored
     js.delete_stream(&stream).await.unwrap();
 }
 
+/// An `XRANGE` entry: its id and its fields.
+type StreamEntry = (String, Vec<(String, Vec<u8>)>);
+
 #[tokio::test]
 async fn stream_publisher_writes_what_the_stream_consumer_reads() {
     let client = redis::Client::open(common::REDIS_URL).unwrap();
@@ -160,7 +163,7 @@ async fn stream_publisher_writes_what_the_stream_consumer_reads() {
     publisher.publish(&row(1, "id-1", &stream, b"one")).await.unwrap();
     publisher.publish(&row(2, "id-2", &stream, b"two")).await.unwrap();
     let mut conn = conn;
-    let entries: Vec<(String, Vec<(String, Vec<u8>)>)> = redis::cmd("XRANGE")
+    let entries: Vec<StreamEntry> = redis::cmd("XRANGE")
         .arg(&stream)
         .arg("-")
         .arg("+")
