@@ -8,7 +8,6 @@
 
 use std::path::PathBuf;
 use std::process::Command;
-use std::time::{Duration, Instant};
 
 /// `target/<profile>/examples/<name>`: cargo builds examples before it runs
 /// the tests.
@@ -21,7 +20,6 @@ fn example(name: &str) -> PathBuf {
 }
 
 fn run(name: &str) -> String {
-    let start = Instant::now();
     let output = Command::new(example(name))
         .output()
         .unwrap_or_else(|e| panic!("run example {name}: {e}"));
@@ -30,11 +28,6 @@ fn run(name: &str) -> String {
         output.status.success(),
         "{name} failed:\n{stdout}\n{}",
         String::from_utf8_lossy(&output.stderr)
-    );
-    assert!(
-        start.elapsed() < Duration::from_secs(30),
-        "{name} took {:?}",
-        start.elapsed()
     );
     stdout
 }
