@@ -160,7 +160,9 @@ async fn stream_publisher_writes_what_the_stream_consumer_reads() {
     publisher.publish(&row(1, "id-1", &stream, b"one")).await.unwrap();
     publisher.publish(&row(2, "id-2", &stream, b"two")).await.unwrap();
     let mut conn = conn;
-    let entries: Vec<(String, Vec<(String, Vec<u8>)>)> = redis::cmd("XRANGE")
+    // Entry id, then its fields.
+    type Entry = (String, Vec<(String, Vec<u8>)>);
+    let entries: Vec<Entry> = redis::cmd("XRANGE")
         .arg(&stream)
         .arg("-")
         .arg("+")
