@@ -1,8 +1,10 @@
 //! What an `#[idempotent]` call does, step by step: the key's text, the
 //! fingerprint, the request; the check that the parameters the macro left
 //! in the signature are not transactions; registering the scope and
-//! claiming the key; logging and counting the outcome; storing the result
-//! or replaying it; converting the store's errors into the handler's.
+//! claiming the key; logging, counting and tracing the outcome (the
+//! `idempotent` span's `idempotency.*` attributes, see [`span`]); storing
+//! the result or replaying it; converting the store's errors into the
+//! handler's.
 //!
 //! Expansions reach these items through [`crate::__private`], a list of
 //! re-exports; none of them is public API.
@@ -15,13 +17,14 @@ use tracing::Span;
 use crate::scope::Site;
 
 use crate::fingerprint::Fingerprint;
+use crate::signal::Outcome;
 use crate::store::{Claim, Guard, Replay, Request, Store, encode_result};
 use crate::{Error, IdempotencyKey};
 
 /// The key's text, or `MissingKey`.
 #[inline]
 pub fn key<'k, K: IdempotencyKey + ?Sized>(scope: &str, key: &'k K) -> Result<Cow<'k, str>, Error> {
-    crate::key::require(scope, key.key_text())
+    crate::key::require(scope, key.key_text()).inspect_err(note_refused)
 }
 
 /// A value the `fingerprint = ..` expression can give.
@@ -57,16 +60,72 @@ pub fn request<'a>(
     lease_ms: u64,
     fingerprint: Result<Option<Fingerprint>, Error>,
 ) -> Result<Request<'a>, Error> {
-    Ok(Request::new(scope, key)?
-        .with_ttl(std::time::Duration::from_millis(ttl_ms))
-        .with_lease(std::time::Duration::from_millis(lease_ms))
-        .with_fingerprint(fingerprint?))
+    let request = match (Request::new(scope, key), fingerprint) {
+        (Ok(request), Ok(fingerprint)) => Ok(request
+            .with_ttl(std::time::Duration::from_millis(ttl_ms))
+            .with_lease(std::time::Duration::from_millis(lease_ms))
+            .with_fingerprint(fingerprint)),
+        (Err(error), _) | (_, Err(error)) => Err(error),
+    };
+    request.inspect_err(note_refused)
 }
 
-/// The span a call's events and body run in.
+/// Tells a broker adapter running this call that it was refused before its
+/// span existed (missing or invalid key, fingerprint that cannot be hashed).
+#[cold]
+fn note_refused(error: &Error) {
+    crate::signal::outcome(Outcome::of_error(error));
+}
+
+/// The span a call's events and body run in: `idempotent` (target
+/// `idempotent`, debug level), a child of the span the handler was called
+/// in (a broker adapter's `process` span). Its fields follow the
+/// OpenTelemetry conventions for attributes of one's own:
+/// `idempotency.scope`, `idempotency.key`, and once the call is decided
+/// `idempotency.outcome` (`processed`, `duplicate`, `failed`, `key_reused`,
+/// `in_progress` or `error`); a call that ends in an error also gets
+/// `error.type` and `otel.status_code = "error"`.
 #[inline]
 pub fn span(req: &Request<'_>) -> Span {
-    tracing::debug_span!(target: "idempotent", "idempotent", scope = req.scope(), key = req.key())
+    tracing::debug_span!(
+        target: "idempotent",
+        "idempotent",
+        idempotency.scope = req.scope(),
+        idempotency.key = req.key(),
+        idempotency.outcome = tracing::field::Empty,
+        error.type = tracing::field::Empty,
+        otel.status_code = tracing::field::Empty,
+    )
+}
+
+/// Records what a call came to on its span and tells a broker adapter
+/// running it (which records it on the delivery's span).
+fn trace_outcome(span: &Span, outcome: Outcome, error_type: Option<&str>) {
+    span.record("idempotency.outcome", outcome.as_str());
+    if let Some(error_type) = error_type {
+        span.record("error.type", error_type);
+        span.record("otel.status_code", "error");
+    }
+    crate::signal::outcome(outcome);
+}
+
+/// [`trace_outcome`] of a call that failed with a store error.
+fn trace_error(span: &Span, error: &Error) {
+    trace_outcome(span, Outcome::of_error(error), Some(error_type(error)));
+}
+
+/// The `error.type` of a store error: its variant, in snake case.
+fn error_type(error: &Error) -> &'static str {
+    match error {
+        Error::MissingKey { .. } => "missing_key",
+        Error::InvalidKey { .. } => "invalid_key",
+        Error::KeyReused { .. } => "key_reused",
+        Error::InProgress { .. } => "in_progress",
+        Error::Store(_) => "store",
+        Error::ScopeConflict { .. } => "scope_conflict",
+        Error::Codec(_) => "codec",
+        Error::Config(_) => "config",
+    }
 }
 
 /// The type of a `store = ..` expression: any [`Store`].
@@ -379,6 +438,7 @@ pub async fn finish_staged<G: Guard, DB: sqlx::Database, T, E>(
         if let Err(error) = (stager.stage)(&mut guard, outbox).await {
             guard.abort().await;
             note_outage(&error);
+            trace_error(&span, &error);
             span.in_scope(|| {
                 tracing::warn!(target: "idempotent", scope, key, outcome = "failed", messages, %error, "outgoing messages not written; rolled back")
             });
@@ -409,12 +469,14 @@ fn log_claim<G>(claim: &Result<Claim<G>, Error>, req: &Request<'_>, span: &Span)
     span.in_scope(|| match claim {
         Ok(Claim::Fresh(_)) => {}
         Ok(Claim::Done(_)) => {
+            trace_outcome(span, Outcome::Duplicate, None);
             count(scope, "duplicate");
             tracing::info!(target: "idempotent", scope, key, outcome = "duplicate", "duplicate message skipped")
         }
         Err(error) => {
             count(scope, "failed");
             note_outage(error);
+            trace_error(span, error);
             tracing::warn!(target: "idempotent", scope, key, outcome = "failed", %error, "claim failed")
         }
     });
@@ -533,6 +595,7 @@ pub async fn finish<G: Guard, T, E>(
                 Ok(stored) => stored,
                 Err(error) => {
                     guard.abort().await;
+                    trace_error(&span, &error);
                     span.in_scope(
                         || tracing::warn!(target: "idempotent", scope, key, outcome = "failed", %error, "result not stored"),
                     );
@@ -542,6 +605,7 @@ pub async fn finish<G: Guard, T, E>(
             };
             match guard.complete(stored).await {
                 Ok(()) => {
+                    trace_outcome(&span, Outcome::Processed, None);
                     span.in_scope(
                         || tracing::debug!(target: "idempotent", scope, key, outcome = "processed", "message processed"),
                     );
@@ -549,6 +613,7 @@ pub async fn finish<G: Guard, T, E>(
                 }
                 Err(error) => {
                     note_outage(&error);
+                    trace_error(&span, &error);
                     span.in_scope(
                         || tracing::warn!(target: "idempotent", scope, key, outcome = "failed", %error, "commit failed"),
                     );
@@ -558,6 +623,9 @@ pub async fn finish<G: Guard, T, E>(
         }
         Err(error) => {
             guard.abort().await;
+            // The handler's own error type names the failure (OpenTelemetry's
+            // `error.type` is the error's type name).
+            trace_outcome(&span, Outcome::Failed, Some(std::any::type_name::<E>()));
             span.in_scope(
                 || tracing::debug!(target: "idempotent", scope, key, outcome = "failed", "handler failed; claim released"),
             );

@@ -127,13 +127,14 @@ pub(crate) enum Called<E> {
 
 /// Runs the handler's future, catching a panic so that it counts as a failed
 /// attempt instead of leaving the delivery unacknowledged forever. Also
-/// tells whether an `#[idempotent]` store failed during the call.
-pub(crate) async fn call<Fut, T, E>(fut: Fut, recorder: &stats::Recorder) -> (Called<E>, bool)
+/// tells what its `#[idempotent]` calls noted: whether a store failed, and
+/// their outcome.
+pub(crate) async fn call<Fut, T, E>(fut: Fut, recorder: &stats::Recorder) -> (Called<E>, crate::signal::Noted)
 where
     Fut: Future<Output = Result<T, E>>,
 {
     let start = Instant::now();
-    let (result, store_failed) = crate::signal::watch(AssertUnwindSafe(fut).catch_unwind()).await;
+    let (result, noted) = crate::signal::watch(AssertUnwindSafe(fut).catch_unwind()).await;
     recorder.handler_duration(start.elapsed());
     let called = match result {
         Ok(Ok(_)) => Called::Ok,
@@ -147,7 +148,7 @@ where
             Called::Panicked(format!("handler panicked: {text}"))
         }
     };
-    (called, store_failed)
+    (called, noted)
 }
 
 /// `reason` cut to [`MAX_REASON_BYTES`], on one line.

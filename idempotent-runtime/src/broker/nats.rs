@@ -89,7 +89,7 @@ use async_nats::jetstream::consumer::{AckPolicy, FromConsumer, PullConsumer};
 use async_nats::jetstream::{self, AckKind};
 use futures_util::StreamExt;
 
-use super::pipeline::{self, Broker, Connect, Letter, Meta, Next, Settle};
+use super::pipeline::{self, Broker, Connect, Letter, Messaging, Meta, Next, Settle};
 pub use super::{
     Backoff, CancellationToken, Classify, ConsumerError, ConsumerOptions, ConsumerStats, Decoder, DeliveryInfo,
     HEADER_ATTEMPTS, HEADER_KIND, HEADER_MSG_ID, HEADER_REASON, HEADER_SOURCE, Json, Reconnect, RetryAll, RetryPolicy,
@@ -256,6 +256,13 @@ impl Broker for JetStream {
     fn source(&self) -> String {
         let info = self.consumer.cached_info();
         format!("{}/{}", info.stream_name, info.name)
+    }
+
+    /// The stream, read by the durable consumer as the group its
+    /// instances share.
+    fn messaging(&self) -> Messaging {
+        let info = self.consumer.cached_info();
+        Messaging::new(info.stream_name.clone()).consumer_group(info.name.clone())
     }
 
     async fn connect(&self, _options: &ConsumerOptions) -> Result<Session, Connect> {
@@ -489,6 +496,9 @@ impl Delivery {
             message_id,
             last: shared.ready.max_deliver.is_some_and(|max| attempt >= max),
             position: format!("stream_sequence={stream_sequence} subject={}", msg.subject),
+            destination: None,
+            routing_key: None,
+            delivery_tag: None,
         };
         Delivery {
             shared,

@@ -11,6 +11,14 @@
 //! On shutdown, `drain` gives the handlers in flight their time, then
 //! asks them to let go.
 //!
+//! The span of a delivery follows the OpenTelemetry messaging conventions
+//! for a `process` operation (through `tracing-opentelemetry`, which reads
+//! the `otel.*` fields as the span's name, kind and status): its name is
+//! `process {destination}`, its kind `consumer`, and its fields are the
+//! `messaging.*` attributes, from the broker's [`Broker::messaging`] and the
+//! delivery's [`Meta`], with the `idempotency.outcome` of the handler's
+//! `#[idempotent]` calls and, when the delivery failed, `error.type`.
+//!
 //! A broker supplies a [`Broker`] (how to connect), a [`Session`] (how to
 //! receive) and a [`Delivery`] (how to settle one message): implement them
 //! to run the pipeline on a broker of your own, as
@@ -24,7 +32,8 @@ use std::time::Duration;
 
 use tokio::task::JoinSet;
 use tokio::time::Instant;
-use tracing::Instrument;
+use tracing::field::Empty;
+use tracing::{Instrument, Span};
 
 use super::options::ConsumerOptions;
 use super::stats::{ConnectionEvent, DeadKind, Outcome, Recorder};
@@ -32,6 +41,7 @@ use super::{
     Called, CancellationToken, ConsumerError, ConsumerStats, Decoder, DeliveryInfo, RetryPolicy, RunStats,
     TRACING_TARGET, Verdict, sleep_unless_cancelled, truncate_reason,
 };
+use crate::signal::Outcome as Idempotency;
 
 /// How long handlers that were asked to let go (after the shutdown timeout)
 /// get to release their deliveries before their tasks are aborted.
@@ -39,7 +49,8 @@ const ABANDON_GRACE: Duration = Duration::from_secs(5);
 
 /// A broker: how a consumer connects to it and what it checks at build.
 pub trait Broker: Send + Sync + 'static {
-    /// The `broker` label of spans and metrics.
+    /// The `broker` label of metrics, and the `messaging.system` of spans
+    /// (`rabbitmq`, `nats`, `redis`).
     const NAME: &'static str;
     /// A connection with its subscription.
     type Session: Session;
@@ -51,9 +62,55 @@ pub trait Broker: Send + Sync + 'static {
     /// Where it consumes from (queue, `stream/consumer`...).
     fn source(&self) -> String;
 
+    /// What the spans of its deliveries say about the consumer, in
+    /// OpenTelemetry's messaging terms; by default the destination is
+    /// [`source`](Self::source).
+    fn messaging(&self) -> Messaging {
+        Messaging::new(self.source())
+    }
+
     /// Connects, sets up what it needs (declarations, checks) and
     /// subscribes.
     fn connect(&self, options: &ConsumerOptions) -> impl Future<Output = Result<Self::Session, Connect>> + Send;
+}
+
+/// The OpenTelemetry messaging attributes of a consumer's spans (see
+/// [`Broker::messaging`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Messaging {
+    /// `messaging.destination.name`: what it consumes from (a queue, a
+    /// stream), unless a delivery names its own ([`Meta::destination`]).
+    pub destination: String,
+    /// `messaging.consumer.group.name`: the group its instances share the
+    /// messages in (a JetStream durable consumer, a Redis Streams group).
+    pub consumer_group: Option<String>,
+    /// `messaging.client.id`: this instance in the group (a Redis Streams
+    /// consumer name).
+    pub client_id: Option<String>,
+}
+
+impl Messaging {
+    /// A consumer of `destination`.
+    pub fn new(destination: impl Into<String>) -> Messaging {
+        Messaging {
+            destination: destination.into(),
+            consumer_group: None,
+            client_id: None,
+        }
+    }
+
+    /// In the consumer group `group`.
+    pub fn consumer_group(mut self, group: impl Into<String>) -> Messaging {
+        self.consumer_group = Some(group.into());
+        self
+    }
+
+    /// As the client `id`.
+    pub fn client_id(mut self, id: impl Into<String>) -> Messaging {
+        self.client_id = Some(id.into());
+        self
+    }
 }
 
 /// Why [`Broker::connect`] failed.
@@ -108,6 +165,14 @@ pub struct Meta {
     /// Where it is in the broker (delivery tag, stream sequence, entry
     /// id), for the span.
     pub position: String,
+    /// Its `messaging.destination.name`, when it says more than the
+    /// consumer's ([`Messaging::destination`]): RabbitMQ's
+    /// `{exchange}:{routing key}:{queue}`.
+    pub destination: Option<String>,
+    /// Its `messaging.rabbitmq.destination.routing_key` (RabbitMQ).
+    pub routing_key: Option<String>,
+    /// Its `messaging.rabbitmq.message.delivery_tag` (RabbitMQ).
+    pub delivery_tag: Option<u64>,
 }
 
 /// A dead letter to publish.
@@ -191,6 +256,7 @@ pub trait Delivery: Send + Sync + 'static {
 struct Worker<D, R, H> {
     source: String,
     broker: &'static str,
+    messaging: Messaging,
     options: ConsumerOptions,
     decoder: D,
     retry: R,
@@ -226,6 +292,7 @@ where
     let worker = Arc::new(Worker {
         source: source.clone(),
         broker: B::NAME,
+        messaging: broker.messaging(),
         options: options.clone(),
         decoder,
         retry,
@@ -436,21 +503,49 @@ where
     E: fmt::Display,
 {
     let meta = delivery.meta();
+    let messaging = &worker.messaging;
+    let destination = meta.destination.as_deref().unwrap_or(&messaging.destination);
     let span = tracing::info_span!(
         target: TRACING_TARGET,
         "delivery",
-        broker = worker.broker,
+        otel.name = format!("process {destination}").as_str(),
+        otel.kind = "consumer",
+        otel.status_code = Empty,
+        messaging.system = worker.broker,
+        messaging.operation.type = "process",
+        messaging.operation.name = "process",
+        messaging.destination.name = destination,
+        messaging.consumer.group.name = messaging.consumer_group.as_deref(),
+        messaging.client.id = messaging.client_id.as_deref(),
+        messaging.message.id = meta.message_id.as_deref(),
+        messaging.message.body.size = otel_int(delivery.body().len()),
+        messaging.rabbitmq.destination.routing_key = meta.routing_key.as_deref(),
+        messaging.rabbitmq.message.delivery_tag = meta.delivery_tag.map(otel_int),
         source = %worker.source,
         position = %meta.position,
-        message_id = tracing::field::Empty,
-        attempt = meta.attempt,
+        attempt = i64::from(meta.attempt),
         redelivered = meta.redelivered,
-        outcome = tracing::field::Empty,
+        outcome = Empty,
+        idempotency.outcome = Empty,
+        error.type = Empty,
     );
-    if let Some(id) = &meta.message_id {
-        span.record("message_id", id.as_str());
-    }
     worker.handle(&delivery).instrument(span).await;
+}
+
+/// A count as a signed integer: `tracing-opentelemetry` exports `i64`
+/// fields as integer attributes, and unsigned ones as strings.
+fn otel_int<N: TryInto<i64>>(n: N) -> i64 {
+    n.try_into().unwrap_or(i64::MAX)
+}
+
+/// Marks the current delivery's span as failed: `error.type` (`poison`,
+/// `exhausted`, `handler_error`, `panic`, `ack_failed`, or the
+/// idempotency outcome that failed the handler: `key_reused`,
+/// `in_progress`, `error`) and an error status.
+fn trace_failure(error_type: &str) {
+    let span = Span::current();
+    span.record("error.type", error_type);
+    span.record("otel.status_code", "error");
 }
 
 impl<D, R, H> Worker<D, R, H> {
@@ -475,6 +570,7 @@ impl<D, R, H> Worker<D, R, H> {
                  delivery is kept for dead-lettering it"
             );
             tracing::error!(target: TRACING_TARGET, attempt, "last allowed delivery: dead-lettering the message");
+            trace_failure("exhausted");
             self.dead_letter(
                 delivery,
                 DeadKind::Exhausted,
@@ -487,16 +583,18 @@ impl<D, R, H> Worker<D, R, H> {
         }
         if let Some(reason) = delivery.malformed() {
             tracing::error!(target: TRACING_TARGET, %reason, "malformed (poison) message: dead-lettering it");
+            trace_failure("poison");
             self.dead_letter(delivery, DeadKind::Poison, &reason, 0, Outcome::Poison)
                 .await;
             return;
         }
         let mut outages = 0u32;
-        let (reason, verdict) = loop {
+        let (reason, verdict, error_type) = loop {
             let decoded = match self.decoder.decode(delivery.body()) {
                 Ok(decoded) => decoded,
                 Err(reason) => {
                     tracing::error!(target: TRACING_TARGET, %reason, "undecodable (poison) message: dead-lettering it");
+                    trace_failure("poison");
                     self.dead_letter(delivery, DeadKind::Poison, &reason, 0, Outcome::Poison)
                         .await;
                     return;
@@ -508,25 +606,36 @@ impl<D, R, H> Worker<D, R, H> {
                 redelivered: meta.redelivered,
             };
             let call = super::call((self.handler)(decoded, info), &self.recorder);
-            let Some((called, store_failed)) = self.watched(delivery, call).await else {
+            let Some((called, noted)) = self.watched(delivery, call).await else {
                 self.let_go(delivery).await;
                 return;
             };
-            let (reason, verdict) = match called {
+            if let Some(outcome) = noted.outcome {
+                Span::current().record("idempotency.outcome", outcome.as_str());
+            }
+            // A handler that failed because an `#[idempotent]` call did is
+            // named by that call's outcome.
+            let handler_error = match noted.outcome {
+                Some(outcome @ (Idempotency::KeyReused | Idempotency::InProgress | Idempotency::Error)) => {
+                    outcome.as_str()
+                }
+                _ => "handler_error",
+            };
+            let (reason, verdict, error_type) = match called {
                 Called::Ok => {
                     self.ack(delivery).await;
                     return;
                 }
-                Called::Err(err) if store_failed => (err.to_string(), Verdict::Outage),
+                Called::Err(err) if noted.store_failed => (err.to_string(), Verdict::Outage, handler_error),
                 Called::Err(err) => {
                     let verdict = self.retry.verdict(&err);
-                    (err.to_string(), verdict)
+                    (err.to_string(), verdict, handler_error)
                 }
-                Called::Panicked(reason) => (reason, Verdict::Retry),
+                Called::Panicked(reason) => (reason, Verdict::Retry, "panic"),
             };
             self.recorder.handler_failed();
             if verdict != Verdict::Outage {
-                break (reason, verdict);
+                break (reason, verdict, error_type);
             }
             // A dependency is down: keep the message, run it again later,
             // without spending an attempt.
@@ -550,6 +659,7 @@ impl<D, R, H> Worker<D, R, H> {
                 return;
             }
         };
+        trace_failure(error_type);
 
         if verdict == Verdict::Retry && attempt < self.options.max_attempts {
             let delay = self.options.retry_backoff.delay(attempt);
@@ -634,6 +744,7 @@ impl<D, R, H> Worker<D, R, H> {
             }
             Err(err) => {
                 self.recorder.outcome(Outcome::AckFailed);
+                trace_failure("ack_failed");
                 tracing::warn!(
                     target: TRACING_TARGET,
                     error = %err,

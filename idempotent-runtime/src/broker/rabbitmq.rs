@@ -491,6 +491,20 @@ impl pipeline::Session for Session {
     }
 }
 
+/// The `messaging.destination.name` of a delivery, as OpenTelemetry's
+/// RabbitMQ conventions put it on the consumer side:
+/// `{exchange}:{routing key}:{queue}`, without the parts that are empty (the
+/// default exchange) and with the routing key once when it is the queue's
+/// name.
+fn destination_name(exchange: &str, routing_key: &str, queue: &str) -> String {
+    let routing_key = if routing_key == queue { "" } else { routing_key };
+    [exchange, routing_key, queue]
+        .into_iter()
+        .filter(|part| !part.is_empty())
+        .collect::<Vec<_>>()
+        .join(":")
+}
+
 /// One RabbitMQ delivery.
 pub struct Delivery {
     shared: Arc<Shared>,
@@ -500,12 +514,20 @@ pub struct Delivery {
 
 impl Delivery {
     fn new(shared: Arc<Shared>, delivery: AmqpDelivery) -> Delivery {
+        let routing_key = delivery.routing_key.as_str();
         let meta = Meta {
             attempt: attempt_of(&delivery.properties),
             redelivered: delivery.redelivered,
             message_id: delivery.properties.message_id().as_ref().map(ToString::to_string),
             last: false,
             position: format!("delivery_tag={}", delivery.delivery_tag),
+            destination: Some(destination_name(
+                delivery.exchange.as_str(),
+                routing_key,
+                shared.queue.as_str(),
+            )),
+            routing_key: (!routing_key.is_empty()).then(|| routing_key.to_owned()),
+            delivery_tag: Some(delivery.delivery_tag),
         };
         Delivery { shared, delivery, meta }
     }
@@ -659,6 +681,21 @@ fn edit_headers(props: &BasicProperties, edit: impl FnOnce(&mut BTreeMap<ShortSt
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn destination_names_follow_the_rabbitmq_conventions() {
+        // The default exchange, routed by queue name: the queue alone.
+        assert_eq!(destination_name("", "payments", "payments"), "payments");
+        // An exchange and a routing key other than the queue: all three.
+        assert_eq!(
+            destination_name("orders", "order.paid", "billing"),
+            "orders:order.paid:billing"
+        );
+        // A fanout exchange (no routing key).
+        assert_eq!(destination_name("events", "", "audit"), "events:audit");
+        // An exchange whose routing key is the queue's name.
+        assert_eq!(destination_name("direct", "billing", "billing"), "direct:billing");
+    }
 
     #[test]
     fn attempt_reads_our_header_and_delivery_count() {

@@ -95,7 +95,7 @@ use redis::streams::{StreamAutoClaimReply, StreamId, StreamPendingCountReply, St
 use redis::{AsyncConnectionConfig, Script, Value};
 use tokio::time::Instant;
 
-use super::pipeline::{self, Broker, Connect, Letter, Meta, Next, Settle};
+use super::pipeline::{self, Broker, Connect, Letter, Messaging, Meta, Next, Settle};
 pub use super::{
     Backoff, CancellationToken, Classify, ConsumerError, ConsumerOptions, ConsumerStats, Decoder, DeliveryInfo,
     HEADER_ATTEMPT, HEADER_ATTEMPTS, HEADER_KIND, HEADER_REASON, HEADER_SOURCE, Json, Reconnect, RetryAll, RetryPolicy,
@@ -344,6 +344,13 @@ impl Broker for RedisStream {
 
     fn source(&self) -> String {
         format!("{}/{}", self.stream, self.group)
+    }
+
+    /// The stream, read by a consumer group as this consumer.
+    fn messaging(&self) -> Messaging {
+        Messaging::new(self.stream.clone())
+            .consumer_group(self.group.clone())
+            .client_id(self.consumer.clone())
     }
 
     async fn connect(&self, _options: &ConsumerOptions) -> Result<Session, Connect> {
@@ -602,6 +609,9 @@ impl Delivery {
             message_id,
             last: delivered > ready.max_attempts,
             position: format!("entry_id={}", entry.id),
+            destination: None,
+            routing_key: None,
+            delivery_tag: None,
         };
         Delivery {
             shared,

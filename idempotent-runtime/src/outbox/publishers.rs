@@ -108,6 +108,22 @@ mod rabbitmq {
     }
 
     impl Publisher for RabbitPublisher {
+        fn system(&self) -> &'static str {
+            "rabbitmq"
+        }
+
+        /// `{exchange}:{routing key}`, as OpenTelemetry's RabbitMQ
+        /// conventions put it on the producer side (the routing key alone
+        /// on the default exchange).
+        fn destination_name(&self, row: &OutboxRow) -> String {
+            match (self.exchange.as_str(), row.destination.as_str()) {
+                ("", "") => "amq.default".to_owned(),
+                ("", key) => key.to_owned(),
+                (exchange, "") => exchange.to_owned(),
+                (exchange, key) => format!("{exchange}:{key}"),
+            }
+        }
+
         async fn publish(&self, row: &OutboxRow) -> Result<(), PublishError> {
             let channel = self.channel().await?;
             let mut headers = FieldTable::default();
@@ -183,6 +199,10 @@ mod nats {
     }
 
     impl Publisher for JetStreamPublisher {
+        fn system(&self) -> &'static str {
+            "nats"
+        }
+
         async fn publish(&self, row: &OutboxRow) -> Result<(), PublishError> {
             let mut headers = HeaderMap::new();
             for (name, value) in &row.headers {
@@ -244,6 +264,10 @@ mod redis_streams {
     }
 
     impl Publisher for StreamPublisher {
+        fn system(&self) -> &'static str {
+            "redis"
+        }
+
         async fn publish(&self, row: &OutboxRow) -> Result<(), PublishError> {
             let mut xadd = redis::cmd("XADD");
             xadd.arg(&row.destination);

@@ -8,6 +8,13 @@
 //! ones with a backoff, and commits. A relay that dies mid-round leaves its
 //! rows pending: another round publishes them again, with the same message
 //! ids.
+//!
+//! Each publish runs in a span that follows the OpenTelemetry messaging
+//! conventions for a `send` operation: `outbox_publish` (target
+//! `idempotent::outbox`, info level), named `send {destination}` for
+//! `tracing-opentelemetry`, of kind `producer`, with the `messaging.*`
+//! attributes the [`Publisher`] gives and, when the publish failed,
+//! `error.type` (`publish_error` or `timeout`) and an error status.
 
 use std::fmt;
 use std::future::Future;
@@ -18,6 +25,8 @@ use std::time::Duration;
 use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
+use tracing::field::Empty;
 
 use crate::Error;
 
@@ -92,11 +101,29 @@ impl std::error::Error for PublishError {}
 pub trait Publisher: Send + Sync + 'static {
     /// Publishes one row; `Ok` only once the broker holds it.
     fn publish(&self, row: &OutboxRow) -> impl Future<Output = Result<(), PublishError>> + Send;
+
+    /// The `messaging.system` of the publish spans (`rabbitmq`, `nats`,
+    /// `redis`); by default `_OTHER`.
+    fn system(&self) -> &'static str {
+        "_OTHER"
+    }
+
+    /// The `messaging.destination.name` of a row's publish span; by default
+    /// the row's destination.
+    fn destination_name(&self, row: &OutboxRow) -> String {
+        row.destination.clone()
+    }
 }
 
 impl<P: Publisher + ?Sized> Publisher for Arc<P> {
     fn publish(&self, row: &OutboxRow) -> impl Future<Output = Result<(), PublishError>> + Send {
         (**self).publish(row)
+    }
+    fn system(&self) -> &'static str {
+        (**self).system()
+    }
+    fn destination_name(&self, row: &OutboxRow) -> String {
+        (**self).destination_name(row)
     }
 }
 
@@ -339,19 +366,9 @@ async fn round<S: OutboxStore, P: Publisher>(relay: &RelayBuilder<S, P>, counter
     }
     counters.rounds.fetch_add(1, Ordering::Relaxed);
     let span = tracing::debug_span!(target: TARGET, "outbox_round", rows = taken);
-    let results = {
-        let _entered = span.enter();
-        futures_util::future::join_all(batch.rows().iter().map(|row| async move {
-            match tokio::time::timeout(relay.publish_timeout, relay.publisher.publish(row)).await {
-                Ok(result) => result,
-                Err(_) => Err(PublishError(format!(
-                    "the broker did not confirm within {:?}",
-                    relay.publish_timeout
-                ))),
-            }
-        }))
-        .await
-    };
+    let results = futures_util::future::join_all(batch.rows().iter().map(|row| publish(relay, row)))
+        .instrument(span)
+        .await;
     let mut dispatched = Vec::with_capacity(taken);
     let mut failed = Vec::new();
     for (row, result) in batch.rows().iter().zip(results) {
@@ -382,6 +399,45 @@ async fn round<S: OutboxStore, P: Publisher>(relay: &RelayBuilder<S, P>, counter
         metrics::counter!("idempotent_outbox_retried_total").increment(retried);
     }
     Ok(taken)
+}
+
+/// Publishes one row in its `send` span.
+async fn publish<S, P: Publisher>(relay: &RelayBuilder<S, P>, row: &OutboxRow) -> Result<(), PublishError> {
+    let destination = relay.publisher.destination_name(row);
+    let span = tracing::info_span!(
+        target: TARGET,
+        "outbox_publish",
+        otel.name = format!("send {destination}").as_str(),
+        otel.kind = "producer",
+        otel.status_code = Empty,
+        messaging.system = relay.publisher.system(),
+        messaging.operation.type = "send",
+        messaging.operation.name = "publish",
+        messaging.destination.name = destination.as_str(),
+        messaging.message.id = row.message_id.as_str(),
+        // Signed: `tracing-opentelemetry` exports unsigned fields as strings.
+        messaging.message.body.size = i64::try_from(row.payload.len()).unwrap_or(i64::MAX),
+        outbox.row_id = row.id,
+        outbox.attempt = i64::from(row.attempts).saturating_add(1),
+        error.type = Empty,
+    );
+    let published = tokio::time::timeout(relay.publish_timeout, relay.publisher.publish(row))
+        .instrument(span.clone())
+        .await;
+    let (result, error_type) = match published {
+        Ok(Ok(())) => return Ok(()),
+        Ok(Err(error)) => (Err(error), "publish_error"),
+        Err(_) => (
+            Err(PublishError(format!(
+                "the broker did not confirm within {:?}",
+                relay.publish_timeout
+            ))),
+            "timeout",
+        ),
+    };
+    span.record("error.type", error_type);
+    span.record("otel.status_code", "error");
+    result
 }
 
 async fn report_pending<S: OutboxStore>(store: &S, counters: &Counters) {
