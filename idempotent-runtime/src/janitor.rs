@@ -94,6 +94,19 @@ pub(crate) fn lock_digest(parts: &[&str]) -> [u8; 32] {
     hash.finalize().into()
 }
 
+/// A connection of its own for a janitor lock, opened with a pool's options
+/// within the pool's acquire timeout (a server that does not answer fails
+/// the round instead of holding it up).
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+pub(crate) async fn lock_connection<C: sqlx::Connection>(options: &C::Options, timeout: Duration) -> Result<C, Error> {
+    match tokio::time::timeout(timeout, C::connect_with(options)).await {
+        Ok(connection) => Ok(connection?),
+        Err(_) => Err(Error::Store(
+            format!("no connection for the janitor lock within {timeout:?}").into(),
+        )),
+    }
+}
+
 /// A running janitor task. Dropping it stops the task; [`Janitor::shutdown`]
 /// stops it and waits for a purge in progress to finish.
 ///

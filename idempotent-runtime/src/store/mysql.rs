@@ -449,7 +449,9 @@ impl crate::janitor::PurgeExpired for MySqlStore {
     /// or the process dies.
     async fn try_lock_janitor(&self) -> Result<Option<crate::janitor::JanitorLock>, Error> {
         use sqlx::Connection;
-        let mut conn = sqlx::MySqlConnection::connect_with(&self.pool.connect_options()).await?;
+        let mut conn: sqlx::MySqlConnection =
+            crate::janitor::lock_connection(&*self.pool.connect_options(), self.pool.options().get_acquire_timeout())
+                .await?;
         let database: Option<String> = sqlx::query_scalar("SELECT DATABASE()").fetch_one(&mut conn).await?;
         let digest = crate::janitor::lock_digest(&[
             "mysql",

@@ -308,7 +308,9 @@ impl crate::janitor::PurgeExpired for PgStore {
         let mut key = [0; 8];
         key.copy_from_slice(&digest[..8]);
         let key = i64::from_be_bytes(key);
-        let mut conn = sqlx::PgConnection::connect_with(&self.pool.connect_options()).await?;
+        let mut conn: sqlx::PgConnection =
+            crate::janitor::lock_connection(&*self.pool.connect_options(), self.pool.options().get_acquire_timeout())
+                .await?;
         let held: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock($1)")
             .bind(key)
             .fetch_one(&mut conn)
