@@ -30,6 +30,7 @@ impl TableName {
     }
 
     /// The default outbox table, `idempotent_outbox`.
+    #[cfg(feature = "sqlx")]
     pub(crate) fn outbox() -> Self {
         TableName {
             schema: None,

@@ -692,10 +692,12 @@ async fn fingerprint_mismatch_is_key_reused_and_commits_nothing() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn expired_markers_are_taken_over_and_purged() {
     let fx = Arc::new(Fixture::with_batch("expiry", 10, 7).await);
+    // A one-second ttl: long enough that a loaded machine still sees the
+    // marker live right after completing it, short enough to wait out.
     let short = |key: &'static str| {
         Request::new("pay", key)
             .expect("request")
-            .with_ttl(Duration::from_millis(30))
+            .with_ttl(Duration::from_secs(1))
     };
 
     let mut guard = fresh(fx.store.claim(&short("k-exp")).await);
@@ -705,7 +707,7 @@ async fn expired_markers_are_taken_over_and_purged() {
         done(fx.store.claim(&short("k-exp")).await).as_deref(),
         Some(r#""first""#)
     );
-    tokio::time::sleep(Duration::from_millis(120)).await;
+    tokio::time::sleep(Duration::from_millis(1100)).await;
 
     // Taking over an expired marker whose body then fails keeps the old
     // (expired) marker: the redelivery takes it over again.
@@ -727,7 +729,7 @@ async fn expired_markers_are_taken_over_and_purged() {
     // Eight consumers race for one expired marker: exactly one takes it.
     let guard = fresh(fx.store.claim(&short("k-race")).await);
     guard.complete(Some(r#""old""#.to_owned())).await.expect("complete");
-    tokio::time::sleep(Duration::from_millis(120)).await;
+    tokio::time::sleep(Duration::from_millis(1100)).await;
     let start = Arc::new(tokio::sync::Barrier::new(8));
     let mut tasks = tokio::task::JoinSet::new();
     for i in 0..8 {

@@ -131,6 +131,7 @@ impl<S> OutboxParts<S> {
 }
 
 /// Milliseconds of `d` for a SQL parameter (saturating).
+#[cfg(any(feature = "postgres", feature = "sqlite"))]
 pub(crate) fn millis(d: std::time::Duration) -> i64 {
     i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
 }
