@@ -243,8 +243,8 @@ async fn sigkilled_holder_is_taken_over(backend: Backend) {
     let table = Table::create(backend).await;
     let dir = tempfile::tempdir().unwrap();
     let log = dir.path().join("janitor.log");
-    // Rounds of 1.5 s; the replicas would run for a minute if not killed.
-    let mut children = spawn_replicas(&table, &log, 3, 1500, 60_000);
+    // Rounds of 1.5 s; the replicas would run for 20 s if not killed.
+    let mut children = spawn_replicas(&table, &log, 3, 1500, 20_000);
 
     // The holder: a process in the middle of a round, while another one
     // skips its rounds.
