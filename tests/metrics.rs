@@ -149,3 +149,63 @@ mod outbox {
         assert_eq!(counters.get("idempotent_outbox_published_total{}"), 2);
     }
 }
+
+mod janitor {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+    use std::time::Duration;
+
+    use idempotent_runtime::store::{JanitorLock, PurgeExpired};
+    use idempotent_runtime::{Error, Janitor};
+
+    /// A store whose janitor lock another replica holds while `held` is set.
+    #[derive(Clone, Default)]
+    struct Shared {
+        held: Arc<AtomicBool>,
+        purges: Arc<AtomicU64>,
+    }
+
+    impl PurgeExpired for Shared {
+        async fn purge_expired(&self) -> Result<u64, Error> {
+            self.purges.fetch_add(1, Ordering::SeqCst);
+            Ok(3)
+        }
+
+        async fn try_lock_janitor(&self) -> Result<Option<JanitorLock>, Error> {
+            Ok((!self.held.load(Ordering::SeqCst)).then(|| JanitorLock::new(async {})))
+        }
+    }
+
+    /// Janitor rounds are counted by outcome
+    /// (`idempotent_janitor_rounds_total{outcome}`), the rows they deleted
+    /// as `idempotent_janitor_deleted_total`; a skipped round purges nothing.
+    #[test]
+    fn janitor_rounds_are_counted() {
+        let counters = super::recorder::Counters::default();
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let store = Shared::default();
+        store.held.store(true, Ordering::SeqCst);
+        let skipped = || counters.get("idempotent_janitor_rounds_total{outcome=skipped}");
+        let purged = || counters.get("idempotent_janitor_rounds_total{outcome=purged}");
+        metrics::with_local_recorder(&counters, || {
+            runtime.block_on(async {
+                let janitor = Janitor::spawn(store.clone(), Duration::from_millis(5)).unwrap();
+                while skipped() < 3 {
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+                assert_eq!(store.purges.load(Ordering::SeqCst), 0, "a skipped round purged");
+                store.held.store(false, Ordering::SeqCst);
+                while purged() < 2 {
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+                janitor.shutdown().await;
+            })
+        });
+        assert_eq!(purged(), store.purges.load(Ordering::SeqCst));
+        assert_eq!(counters.get("idempotent_janitor_deleted_total{}"), 3 * purged());
+        assert_eq!(counters.get("idempotent_janitor_rounds_total{outcome=failed}"), 0);
+    }
+}

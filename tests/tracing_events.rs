@@ -77,3 +77,42 @@ async fn at_the_default_level_a_skipped_duplicate_names_its_handler_and_key() {
         "the debug span is not shown at info: {line}"
     );
 }
+
+/// A replica whose janitor lock is held elsewhere says so at debug level.
+#[tokio::test]
+async fn a_skipped_janitor_round_is_traced() {
+    use idempotent_runtime::store::{JanitorLock, PurgeExpired};
+
+    static PURGED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+    struct HeldElsewhere;
+
+    impl PurgeExpired for HeldElsewhere {
+        async fn purge_expired(&self) -> Result<u64, idempotent_runtime::Error> {
+            PURGED.store(true, std::sync::atomic::Ordering::SeqCst);
+            Ok(0)
+        }
+
+        async fn try_lock_janitor(&self) -> Result<Option<JanitorLock>, idempotent_runtime::Error> {
+            Ok(None)
+        }
+    }
+
+    let captured = common::Captured::default();
+    let _guard = tracing::subscriber::set_default(captured.subscriber(tracing::Level::DEBUG));
+    let janitor = idempotent_runtime::Janitor::spawn(HeldElsewhere, std::time::Duration::from_millis(5)).unwrap();
+    while !captured.text().contains("janitor round skipped") {
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+    janitor.shutdown().await;
+    let out = captured.text();
+    let line = out
+        .lines()
+        .find(|l| l.contains("janitor round skipped"))
+        .unwrap_or_default();
+    assert!(line.contains("DEBUG") && line.contains("idempotent"), "{line}");
+    assert!(
+        !PURGED.load(std::sync::atomic::Ordering::SeqCst),
+        "purged without the lock"
+    );
+}

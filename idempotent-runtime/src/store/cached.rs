@@ -274,6 +274,15 @@ impl<S: crate::janitor::PurgeExpired> crate::janitor::PurgeExpired for CachedSto
         self.cache.counters.expirations.fetch_add(dropped, Ordering::Relaxed);
         self.inner.purge_expired()
     }
+
+    /// The inner store's lock. The cache belongs to this process, so its
+    /// expired entries are dropped here as well, in every round, whoever
+    /// holds the lock.
+    fn try_lock_janitor(&self) -> impl Future<Output = Result<Option<crate::janitor::JanitorLock>, Error>> + Send {
+        let dropped = self.cache.lock().purge(Instant::now());
+        self.cache.counters.expirations.fetch_add(dropped, Ordering::Relaxed);
+        self.inner.try_lock_janitor()
+    }
 }
 
 /// The claim of a [`CachedStore`]: the inner store's guard, and what to

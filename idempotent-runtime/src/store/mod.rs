@@ -319,7 +319,7 @@ macro_rules! forward_store {
 forward_store!(&S, std::sync::Arc<S>);
 
 pub use crate::fingerprint::Fingerprint;
-pub use crate::janitor::PurgeExpired;
+pub use crate::janitor::{JanitorLock, PurgeExpired};
 pub use crate::scope::intern_namespace;
 pub use crate::table::{MAX_TABLE_NAME_BYTES, TableName};
 pub use cached::{CacheStats, CachedGuard, CachedStore, DEFAULT_CACHE_MAX_AGE};

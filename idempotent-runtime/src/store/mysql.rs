@@ -440,4 +440,44 @@ impl crate::janitor::PurgeExpired for MySqlStore {
     async fn purge_expired(&self) -> Result<u64, Error> {
         Ok(MySqlStore::purge_expired(self).await? + self.purge_dispatched().await?)
     }
+
+    /// `GET_LOCK(name, 0)` with a name derived from the database and the
+    /// marker and outbox tables (`GET_LOCK` names are per server), on a
+    /// connection of its own opened with the pool's options: it does not
+    /// take one of the pool's connections, and the server frees the lock when
+    /// that connection closes, whether the round ends, its future is dropped
+    /// or the process dies.
+    async fn try_lock_janitor(&self) -> Result<Option<crate::janitor::JanitorLock>, Error> {
+        use sqlx::Connection;
+        let mut conn: sqlx::MySqlConnection =
+            crate::janitor::lock_connection(&*self.pool.connect_options(), self.pool.options().get_acquire_timeout())
+                .await?;
+        let database: Option<String> = sqlx::query_scalar("SELECT DATABASE()").fetch_one(&mut conn).await?;
+        let digest = crate::janitor::lock_digest(&[
+            "mysql",
+            database.as_deref().unwrap_or_default(),
+            &self.sql.table.to_string(),
+            &self.outbox.table.quoted,
+        ]);
+        // GET_LOCK names are at most 64 characters: 19 + 40.
+        let name: String = std::iter::once("idempotent-janitor:".to_owned())
+            .chain(digest[..20].iter().map(|byte| format!("{byte:02x}")))
+            .collect();
+        let held: Option<i64> = sqlx::query_scalar("SELECT GET_LOCK(?, 0)")
+            .bind(&name)
+            .fetch_one(&mut conn)
+            .await?;
+        if held != Some(1) {
+            let _ = conn.close().await;
+            return Ok(None);
+        }
+        Ok(Some(crate::janitor::JanitorLock::new(async move {
+            // Closing the session frees the lock even if the release fails.
+            let _ = sqlx::query("SELECT RELEASE_LOCK(?)")
+                .bind(&name)
+                .execute(&mut conn)
+                .await;
+            let _ = conn.close().await;
+        })))
+    }
 }

@@ -295,4 +295,37 @@ impl crate::janitor::PurgeExpired for PgStore {
     async fn purge_expired(&self) -> Result<u64, Error> {
         Ok(PgStore::purge_expired(self).await? + self.purge_dispatched().await?)
     }
+
+    /// A session advisory lock (`pg_try_advisory_lock`) named after the
+    /// marker and outbox tables, on a connection of its own opened with the
+    /// pool's options: it does not take one of the pool's connections, and
+    /// the server frees the lock when that connection closes, whether the
+    /// round ends, its future is dropped or the process dies. It needs a
+    /// session of its own: not through a pooler in transaction mode.
+    async fn try_lock_janitor(&self) -> Result<Option<crate::janitor::JanitorLock>, Error> {
+        use sqlx::Connection;
+        let digest = crate::janitor::lock_digest(&["postgres", &self.sql.table.to_string(), &self.outbox.table.quoted]);
+        let mut key = [0; 8];
+        key.copy_from_slice(&digest[..8]);
+        let key = i64::from_be_bytes(key);
+        let mut conn: sqlx::PgConnection =
+            crate::janitor::lock_connection(&*self.pool.connect_options(), self.pool.options().get_acquire_timeout())
+                .await?;
+        let held: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock($1)")
+            .bind(key)
+            .fetch_one(&mut conn)
+            .await?;
+        if !held {
+            let _ = conn.close().await;
+            return Ok(None);
+        }
+        Ok(Some(crate::janitor::JanitorLock::new(async move {
+            // Closing the session frees the lock even if the unlock fails.
+            let _ = sqlx::query("SELECT pg_advisory_unlock($1)")
+                .bind(key)
+                .execute(&mut conn)
+                .await;
+            let _ = conn.close().await;
+        })))
+    }
 }

@@ -311,7 +311,8 @@ async fn warn_about_server(conn: ConnectionManager) {
 }
 
 /// Redis expires markers by itself (each completed marker carries its
-/// `ttl` as a Redis expiry), so there is nothing to purge: always `Ok(0)`.
+/// `ttl` as a Redis expiry), so there is nothing to purge: always `Ok(0)`,
+/// and no janitor lock (a fleet has nothing to take turns at).
 impl crate::janitor::PurgeExpired for RedisStore {
     fn purge_expired(&self) -> impl Future<Output = Result<u64, Error>> + Send {
         std::future::ready(Ok(0))

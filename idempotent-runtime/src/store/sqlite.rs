@@ -300,6 +300,9 @@ impl crate::store::StagesOutbox for SqliteStore {}
 
 sql_backend!(Sqlite, sqlx::SqliteConnection, stage_outbox);
 
+/// No janitor lock (the default, [`JanitorLock::unshared`](crate::store::JanitorLock::unshared)):
+/// SQLite runs one write transaction at a time, so janitors of several
+/// processes on one file already take turns, batch by batch.
 impl crate::janitor::PurgeExpired for SqliteStore {
     /// Expired markers, then dispatched outgoing messages past the
     /// retention.
