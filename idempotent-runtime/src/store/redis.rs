@@ -571,6 +571,20 @@ mod tests {
     }
 
     #[test]
+    fn a_syntax_error_selects_the_claim_script() {
+        let refusal = |reply: &[u8]| {
+            let value = redis::parse_redis_value(reply).unwrap();
+            value.extract_error().unwrap_err()
+        };
+        // What Redis < 7.0 answers to `SET .. NX .. GET`.
+        assert!(refuses_nx_get(&refusal(b"-ERR syntax error\r\n")));
+        assert!(!refuses_nx_get(&refusal(
+            b"-WRONGTYPE Operation against a key holding the wrong kind of value\r\n"
+        )));
+        assert!(!refuses_nx_get(&refusal(b"-ERR max number of clients reached\r\n")));
+    }
+
+    #[test]
     fn tokens_differ() {
         let a = new_token();
         assert_eq!(a.len(), 32);
