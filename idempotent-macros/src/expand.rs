@@ -112,6 +112,11 @@ fn expand(handler: &Handler, args: &Args, key: &syn::Expr, store: &syn::Expr) ->
         .err_type
         .as_ref()
         .map_or_else(|| return_type.clone(), ToTokens::to_token_stream);
+    // `T` written `()` (the only spelling that is always the unit type):
+    // duplicates replay `()` whatever is stored, so without a fingerprint
+    // the store need not read the marker. An alias of `()` is not
+    // recognised and keeps the read.
+    let unit_result = handler.ok_type.as_ref().is_some_and(is_unit);
     let codec_of = qualified(&rt, &ok_type, "StoredResult", "codec", &ok_at);
     let from_store = qualified(&rt, &err_type, "HandlerError", "from_store", &err_at);
     let key_call = call(&rt, "key", quote!(#scope, #key_arg), key);
@@ -221,7 +226,7 @@ fn expand(handler: &Handler, args: &Args, key: &syn::Expr, store: &syn::Expr) ->
                 ::core::result::Result::Ok(key) => key,
                 #bail
             };
-            let #request = match #rt::request(#scope, &#key_text, #ttl, #lease, #fingerprint) {
+            let #request = match #rt::request(#scope, &#key_text, #ttl, #lease, #fingerprint, #unit_result) {
                 ::core::result::Result::Ok(request) => request,
                 #bail
             };
@@ -255,6 +260,16 @@ fn expand(handler: &Handler, args: &Args, key: &syn::Expr, store: &syn::Expr) ->
     out.sig.inputs = without_tx(handler);
     *out.block = new_block;
     quote!(#out)
+}
+
+/// `()`, possibly parenthesised.
+fn is_unit(ty: &syn::Type) -> bool {
+    match ty {
+        syn::Type::Tuple(tuple) => tuple.elems.is_empty(),
+        syn::Type::Paren(inner) => is_unit(&inner.elem),
+        syn::Type::Group(inner) => is_unit(&inner.elem),
+        _ => false,
+    }
 }
 
 /// For every parameter that could be a database transaction or connection

@@ -51,7 +51,9 @@ pub fn fingerprint<T: FingerprintSource + ?Sized>(value: &T) -> Result<Option<Fi
     value.fingerprint()
 }
 
-/// The validated request of one call.
+/// The validated request of one call. `unit_result`: the handler's declared
+/// result is `()` (known to the macro at compile time), so a duplicate
+/// without fingerprint needs no read of the stored marker.
 #[inline]
 pub fn request<'a>(
     scope: &'a str,
@@ -59,12 +61,14 @@ pub fn request<'a>(
     ttl_ms: u64,
     lease_ms: u64,
     fingerprint: Result<Option<Fingerprint>, Error>,
+    unit_result: bool,
 ) -> Result<Request<'a>, Error> {
     let request = match (Request::new(scope, key), fingerprint) {
         (Ok(request), Ok(fingerprint)) => Ok(request
             .with_ttl(std::time::Duration::from_millis(ttl_ms))
             .with_lease(std::time::Duration::from_millis(lease_ms))
-            .with_fingerprint(fingerprint)),
+            .with_fingerprint(fingerprint)
+            .with_unit_result(unit_result)),
         (Err(error), _) | (_, Err(error)) => Err(error),
     };
     request.inspect_err(note_refused)

@@ -224,7 +224,14 @@ impl<S: Store> Store for CachedStore<S> {
                         id,
                         Entry {
                             fingerprint,
-                            result: replay.json().map(str::to_owned),
+                            // A request that needs no read (a `()` result,
+                            // no fingerprint) may get a replay the inner
+                            // store did not read: unknown for others.
+                            result: if req.needs_read() {
+                                Known::Yes(replay.json().map(str::to_owned))
+                            } else {
+                                Known::No
+                            },
                             expires_at,
                         },
                     );
@@ -321,7 +328,7 @@ impl<G: Guard> Guard for CachedGuard<G> {
             fill.id,
             Entry {
                 fingerprint: fill.fingerprint,
-                result: cached,
+                result: Known::Yes(cached),
                 expires_at: fill.expires_at,
             },
         );
@@ -358,19 +365,22 @@ fn cache_id(scope: &str, key: &str) -> String {
     id
 }
 
-/// Whether the fingerprint stored with the marker is known.
+/// Whether the fingerprint (or result) stored with the marker is known.
 #[derive(Clone)]
 enum Known {
     /// The marker holds exactly this fingerprint (`None`: no fingerprint).
     Yes(Option<String>),
-    /// Learnt from a replay to a request without fingerprint: a request with
-    /// one must ask the inner store, which checks it.
+    /// Not known: learnt from a replay to a request without fingerprint (or
+    /// with a `()` result, for the result); a request that needs it must ask
+    /// the inner store, which checks the fingerprint and reads the result.
     No,
 }
 
 struct Entry {
     fingerprint: Known,
-    result: Option<String>,
+    /// The stored result; `No` when learnt from a replay the inner store
+    /// was allowed not to read (a `()` handler's).
+    result: Known,
     expires_at: Instant,
 }
 
@@ -424,7 +434,12 @@ impl Cache {
             (Known::No, None) => None,
             (Known::No, Some(_)) => return None,
         };
-        let result = entry.result.clone();
+        let result = match (&entry.result, req.unit_result()) {
+            (Known::Yes(result), _) => result.clone(),
+            // `()` replays `()` whatever was stored.
+            (Known::No, true) => None,
+            (Known::No, false) => return None,
+        };
         lru.touch(slot);
         Some((fingerprint, result))
     }
@@ -509,7 +524,7 @@ impl Lru {
         let id = Arc::clone(&self.nodes[slot].id);
         self.map.remove(&id);
         // Drop the entry's strings now rather than when the slot is reused.
-        self.nodes[slot].entry.result = None;
+        self.nodes[slot].entry.result = Known::No;
         self.nodes[slot].entry.fingerprint = Known::No;
         self.free.push(slot);
     }
@@ -587,7 +602,7 @@ mod tests {
     fn entry(result: &str, expires_in: Duration) -> Entry {
         Entry {
             fingerprint: Known::Yes(None),
-            result: Some(result.to_owned()),
+            result: Known::Yes(Some(result.to_owned())),
             expires_at: Instant::now() + expires_in,
         }
     }

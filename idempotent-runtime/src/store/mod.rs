@@ -29,6 +29,7 @@ pub struct Request<'a> {
     ttl: Duration,
     lease: Duration,
     fingerprint: Option<Fingerprint>,
+    unit_result: bool,
 }
 
 impl<'a> Request<'a> {
@@ -45,6 +46,7 @@ impl<'a> Request<'a> {
             ttl: DEFAULT_TTL,
             lease: DEFAULT_LEASE,
             fingerprint: None,
+            unit_result: false,
         })
     }
 
@@ -63,6 +65,15 @@ impl<'a> Request<'a> {
     /// With the fingerprint that duplicates must match.
     pub fn with_fingerprint(mut self, fingerprint: Option<Fingerprint>) -> Self {
         self.fingerprint = fingerprint;
+        self
+    }
+
+    /// With whether the handler's result is `()` (`#[idempotent]` sets it
+    /// when the declared `Result<T, E>` has `T` written `()`): a duplicate
+    /// then replays `()` whatever the marker stores, so a store need not
+    /// read the stored result (see [`needs_read`](Self::needs_read)).
+    pub fn with_unit_result(mut self, unit: bool) -> Self {
+        self.unit_result = unit;
         self
     }
 
@@ -89,6 +100,19 @@ impl<'a> Request<'a> {
     /// The fingerprint of the message, if the handler declares one.
     pub fn fingerprint(&self) -> Option<&Fingerprint> {
         self.fingerprint.as_ref()
+    }
+
+    /// Whether the handler's result is `()`, so duplicates replay `()`.
+    pub fn unit_result(&self) -> bool {
+        self.unit_result
+    }
+
+    /// Whether a duplicate must read the stored marker: to check its
+    /// fingerprint, or to replay a result other than `()`. When `false` a
+    /// store answers a live completed marker with [`Replay::default`]
+    /// (`()`) without reading its fingerprint or result.
+    pub fn needs_read(&self) -> bool {
+        !self.unit_result || self.fingerprint.is_some()
     }
 
     /// The marker lifetime in whole milliseconds, at least 1.

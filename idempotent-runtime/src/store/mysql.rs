@@ -292,6 +292,16 @@ impl MySqlStore {
                 )));
             }
         }
+        if !req.needs_read() {
+            // A `()` handler without fingerprint replays `()` whatever the
+            // marker holds: no read. The dropped transaction's ROLLBACK is
+            // queued and sent with the connection's release.
+            drop(tx);
+            return Ok(Attempt::Done {
+                fingerprint: None,
+                result: None,
+            });
+        }
         // A live marker: the claim statement holds an exclusive lock on it,
         // so it cannot change or vanish before this read, which at READ
         // COMMITTED sees its committed values.

@@ -253,6 +253,13 @@ impl Store for PgStore {
                 None,
             )));
         }
+        if !req.needs_read() {
+            // A `()` handler without fingerprint replays `()` whatever the
+            // marker holds: no read. The dropped transaction's ROLLBACK is
+            // queued and sent with the connection's release.
+            drop(tx);
+            return Ok(Claim::Done(Replay::default()));
+        }
         // A live marker exists: ON CONFLICT DO UPDATE locked it, so it cannot
         // vanish before this read (a new snapshot, so it also sees a marker
         // committed by a concurrent claim this one waited for).

@@ -1,9 +1,10 @@
 //! `RedisStore`: a lease store on Redis, for high throughput when the effect
 //! does not need to be atomic with the marker.
 //!
-//! A claim is one atomic `SET key <lease> NX PX <lease>` (inside a small Lua
-//! script that also reads the existing value when the key is taken), holding
-//! a lease with a random fencing token. While the body runs the lease is
+//! A claim is one atomic `SET key <lease> NX PX <lease> GET` (Redis ≥ 7.0;
+//! on older servers the same in a small Lua script), which also returns the
+//! existing value when the key is taken, holding a lease with a random
+//! fencing token. While the body runs the lease is
 //! renewed; completion replaces the lease by the completed marker only if
 //! the token still matches, and failure deletes the lease under the same
 //! condition, so a consumer whose lease expired and was taken over can never
@@ -28,7 +29,7 @@
 
 use std::fmt;
 use std::hash::{BuildHasher, Hasher};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, LazyLock};
 use std::time::Duration;
 
@@ -46,7 +47,8 @@ const DEFAULT_PREFIX: &str = "idempotent:";
 const MAX_PREFIX_BYTES: usize = 128;
 
 /// Sets the lease if the key is free; otherwise returns the current value.
-/// ARGV: lease value, lease ms. Returns nil when claimed.
+/// ARGV: lease value, lease ms. Returns nil when claimed. For servers older
+/// than 7.0, which refuse `SET .. NX .. GET`.
 static CLAIM: LazyLock<Script> = LazyLock::new(|| {
     Script::new(
         r"if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return false end
@@ -114,6 +116,9 @@ pub struct RedisStore {
     renew: bool,
     /// The server's settings were checked (on the first claim).
     checked: Arc<tokio::sync::OnceCell<()>>,
+    /// The server refused `SET .. NX .. GET` (Redis < 7.0): claims use the
+    /// Lua script instead.
+    scripted_claim: Arc<AtomicBool>,
 }
 
 fn namespace(prefix: &str) -> &'static str {
@@ -129,6 +134,7 @@ impl RedisStore {
             namespace: namespace(DEFAULT_PREFIX),
             renew: true,
             checked: Arc::default(),
+            scripted_claim: Arc::default(),
         }
     }
 
@@ -211,6 +217,7 @@ impl RedisStoreBuilder {
             prefix: Arc::from(prefix),
             renew: self.renew,
             checked: Arc::default(),
+            scripted_claim: Arc::default(),
         })
     }
 }
@@ -239,13 +246,7 @@ impl Store for RedisStore {
         let lease = format!("L{}", new_token());
         let lease_ms = req.lease_millis();
         let mut conn = self.conn.clone();
-        let current: Option<Vec<u8>> = CLAIM
-            .key(&key)
-            .arg(&lease)
-            .arg(lease_ms)
-            .invoke_async(&mut conn)
-            .await
-            .map_err(Error::store)?;
+        let current = self.set_lease(&mut conn, &key, &lease, lease_ms).await?;
         let Some(current) = current else {
             let renewal = self
                 .renew
@@ -263,6 +264,9 @@ impl Store for RedisStore {
         };
         match current.first() {
             Some(b'L') => Err(req.in_progress()),
+            // A `()` handler without fingerprint replays `()` whatever the
+            // marker holds: nothing to decode.
+            Some(b'D') if !req.needs_read() => Ok(Claim::Done(Replay::default())),
             Some(b'D') => {
                 let (fingerprint, result) = std::str::from_utf8(&current[1..])
                     .ok()
@@ -274,6 +278,51 @@ impl Store for RedisStore {
             _ => Err(unrecognised(&key)),
         }
     }
+}
+
+impl RedisStore {
+    /// Sets the lease on `key` unless it exists: `None` when set, else the
+    /// current value. One native command (`SET key lease NX PX ms GET`,
+    /// Redis ≥ 7.0), or the `CLAIM` script on a server that refuses it.
+    async fn set_lease(
+        &self,
+        conn: &mut ConnectionManager,
+        key: &str,
+        lease: &str,
+        lease_ms: i64,
+    ) -> Result<Option<Vec<u8>>, Error> {
+        if !self.scripted_claim.load(Ordering::Relaxed) {
+            let set: redis::RedisResult<Option<Vec<u8>>> = redis::cmd("SET")
+                .arg(key)
+                .arg(lease)
+                .arg("NX")
+                .arg("PX")
+                .arg(lease_ms)
+                .arg("GET")
+                .query_async(conn)
+                .await;
+            match set {
+                Err(error) if refuses_nx_get(&error) => {
+                    tracing::debug!(target: "idempotent", %error, "SET NX GET refused (Redis < 7.0): claiming with a script");
+                    self.scripted_claim.store(true, Ordering::Relaxed);
+                }
+                other => return other.map_err(Error::store),
+            }
+        }
+        CLAIM
+            .key(key)
+            .arg(lease)
+            .arg(lease_ms)
+            .invoke_async(conn)
+            .await
+            .map_err(Error::store)
+    }
+}
+
+/// The error of a server that does not take `NX` together with `GET`
+/// (before Redis 7.0: "ERR syntax error"); nothing was written.
+fn refuses_nx_get(error: &redis::RedisError) -> bool {
+    error.code() == Some("ERR") && error.detail().is_some_and(|detail| detail.contains("syntax"))
 }
 
 /// Warns (once per store, on its first claim) about server settings that
@@ -520,6 +569,20 @@ mod tests {
         for rest in ["", "x", "3:ab", "3:abcx", "-x", "+1:a", "1a:b"] {
             assert_eq!(decode_done(rest), None, "{rest}");
         }
+    }
+
+    #[test]
+    fn a_syntax_error_selects_the_claim_script() {
+        let refusal = |reply: &[u8]| {
+            let value = redis::parse_redis_value(reply).unwrap();
+            value.extract_error().unwrap_err()
+        };
+        // What Redis < 7.0 answers to `SET .. NX .. GET`.
+        assert!(refuses_nx_get(&refusal(b"-ERR syntax error\r\n")));
+        assert!(!refuses_nx_get(&refusal(
+            b"-WRONGTYPE Operation against a key holding the wrong kind of value\r\n"
+        )));
+        assert!(!refuses_nx_get(&refusal(b"-ERR max number of clients reached\r\n")));
     }
 
     #[test]

@@ -1,0 +1,129 @@
+//! Every variant of `benches/throughput.rs` delivers one fresh message and
+//! its duplicate, once, in the default test run: the benchmark's code paths
+//! (PostgreSQL, SQLite, Redis, memory) keep compiling and keep telling a
+//! fresh message from a duplicate. No timing is measured here.
+
+#[allow(dead_code)]
+#[path = "../benches/throughput/harness.rs"]
+mod harness;
+#[allow(dead_code)]
+#[path = "../benches/throughput/redis.rs"]
+mod kv;
+#[allow(dead_code)]
+#[path = "../benches/throughput/lite.rs"]
+mod lite;
+#[allow(dead_code)]
+#[path = "../benches/throughput/mem.rs"]
+mod mem;
+#[allow(dead_code)]
+#[path = "../benches/throughput/pg.rs"]
+mod pg;
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use harness::{Outcome, Variant};
+use idempotent_runtime::{CachedStore, MemoryStore};
+
+/// The name helper the benchmark's modules call as `crate::unique`.
+pub fn unique(prefix: &str) -> String {
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let nanos = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos());
+    format!(
+        "{prefix}_{}_{}_{}",
+        std::process::id(),
+        nanos % 1_000_000_000,
+        COUNTER.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
+/// One fresh delivery, then the same key again: a duplicate, unless the
+/// variant has no idempotency (`bare`).
+async fn once(name: &str, variant: &impl Variant, bare: bool) {
+    variant.reset().await;
+    let key = unique("smoke");
+    let first = variant
+        .deliver(key.clone())
+        .await
+        .unwrap_or_else(|e| panic!("{name}: {e}"));
+    assert!(matches!(first, Outcome::Fresh), "{name}: first delivery is fresh");
+    let again = variant.deliver(key).await.unwrap_or_else(|e| panic!("{name}: {e}"));
+    let expected = if bare { "Fresh" } else { "Duplicate" };
+    let got = match again {
+        Outcome::Fresh => "Fresh",
+        Outcome::Duplicate => "Duplicate",
+        Outcome::Busy => "Busy",
+    };
+    assert_eq!(got, expected, "{name}: second delivery");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_variants_run_once() {
+    let env = pg::PgEnv::connect(2).await.expect("PostgreSQL at 127.0.0.1:5432");
+    once("pg (a)", &pg::Bare::new(env.tables("a").await), true).await;
+    once("pg (b)", &pg::Article::new(env.tables("b").await), false).await;
+    once("pg (c)", &pg::ClaimFirst::new(env.tables("c").await, false), false).await;
+    once("pg (c')", &pg::ClaimFirst::new(env.tables("c3").await, true), false).await;
+    let td = env.tables("d").await;
+    once("pg (d)", &pg::Macro::new(td.clone(), td.store()), false).await;
+    let tk = env.tables("dk").await;
+    let cached = pg::cached(&tk, 100);
+    once("pg (d+cache)", &pg::Macro::new(tk, cached), false).await;
+    env.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_variants_run_once() {
+    let env = lite::LiteEnv::open().await;
+    once("sqlite (a)", &lite::Bare::new(env.tables("a").await), true).await;
+    once("sqlite (b)", &lite::Article::new(env.tables("b").await), false).await;
+    once("sqlite (c)", &lite::ClaimFirst::new(env.tables("c").await), false).await;
+    once("sqlite (d)", &lite::Macro::new(env.tables("d").await), false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_variants_run_once() {
+    let conn = kv::connect(kv::REDIS_URL).await.expect("Redis at 127.0.0.1:6379");
+    let base = format!("{}:", unique("idem-smoke"));
+    let article = kv::Article {
+        conn: conn.clone(),
+        prefix: format!("{base}article:"),
+        effects: AtomicU64::new(0),
+    };
+    once("redis (b)", &article, false).await;
+    let claim_first = kv::ClaimFirst {
+        conn: conn.clone(),
+        prefix: format!("{base}claimfirst:"),
+        effects: AtomicU64::new(0),
+    };
+    once("redis (c)", &claim_first, false).await;
+    let store = kv::Macro {
+        store: kv::store(conn.clone(), &format!("{base}store:")),
+        effects: AtomicU64::new(0),
+    };
+    once("redis (d)", &store, false).await;
+    let no_renewal = kv::Macro {
+        store: kv::store_without_renewal(conn.clone(), &format!("{base}norenew:")),
+        effects: AtomicU64::new(0),
+    };
+    once("redis (d')", &no_renewal, false).await;
+    let cached = kv::Macro {
+        store: kv::cached(conn.clone(), &format!("{base}cached:"), 100),
+        effects: AtomicU64::new(0),
+    };
+    once("redis (d+cache)", &cached, false).await;
+    let deleted = kv::delete_prefix(&mut conn.clone(), &base).await;
+    assert_eq!(deleted, 5, "one marker per variant");
+}
+
+#[tokio::test]
+async fn memory_variants_run_once() {
+    once("memory (a)", &mem::Bare::default(), true).await;
+    once("memory (d)", &mem::Macro::new(MemoryStore::new()), false).await;
+    once(
+        "memory (d+cache)",
+        &mem::Macro::new(CachedStore::new(MemoryStore::new(), 100)),
+        false,
+    )
+    .await;
+}
