@@ -86,7 +86,8 @@ impl SqlStoreBuilder<PgPool> {
     }
 
     /// How far ahead `migrate` and the janitor create partitions (default:
-    /// the default ttl, 7 days, plus one period): a claim whose marker
+    /// the default ttl, 7 days, plus one period, but at most 999 periods):
+    /// a claim whose marker
     /// expires beyond it creates its partition itself, at the cost of a
     /// retry. At most 1000 partitions ahead. Only with
     /// [`partitioned`](Self::partitioned).

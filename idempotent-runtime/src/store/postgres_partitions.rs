@@ -78,7 +78,12 @@ impl Partitions {
                 "partition period must be at most 366 days (got {period:?})"
             )));
         }
-        let horizon = settings.horizon.unwrap_or(crate::store::DEFAULT_TTL + period);
+        // By default the default ttl plus one period, or as many periods as
+        // are allowed ahead when that is fewer (claims beyond the horizon
+        // create their partition themselves).
+        let horizon = settings.horizon.unwrap_or_else(|| {
+            (crate::store::DEFAULT_TTL + period).min(period.saturating_mul((MAX_PARTITIONS_AHEAD - 1) as u32))
+        });
         let ahead = horizon.as_secs().div_ceil(period.as_secs()) + 1;
         if ahead > MAX_PARTITIONS_AHEAD {
             return Err(Error::Config(format!(
@@ -367,7 +372,8 @@ mod tests {
         let table = TableName::default();
         assert!(Partitions::new(&table, settings(86_400, None)).is_ok());
         assert!(Partitions::new(&table, settings(1, Some(10))).is_ok());
-        for bad in [settings(0, None), settings(1, None), settings(400 * 86_400, None)] {
+        assert!(Partitions::new(&table, settings(1, None)).is_ok(), "a capped default horizon");
+        for bad in [settings(0, None), settings(1, Some(5000)), settings(400 * 86_400, None)] {
             let err = Partitions::new(&table, bad).unwrap_err();
             assert!(matches!(err, Error::Config(_)), "{err}");
         }
