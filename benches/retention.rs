@@ -54,9 +54,15 @@ fn arg<T: std::str::FromStr>(name: &str, default: T) -> T {
 
 async fn layout(pool: &PgPool, partitioned: bool) -> Layout {
     let (name, table) = if partitioned {
-        ("partitioned (daily)", format!("bench_retention_part_{}", std::process::id()))
+        (
+            "partitioned (daily)",
+            format!("bench_retention_part_{}", std::process::id()),
+        )
     } else {
-        ("DELETE (plain table)", format!("bench_retention_plain_{}", std::process::id()))
+        (
+            "DELETE (plain table)",
+            format!("bench_retention_plain_{}", std::process::id()),
+        )
     };
     sqlx::query(AssertSqlSafe(format!("DROP TABLE IF EXISTS \"{table}\"")))
         .execute(pool)
@@ -225,7 +231,12 @@ async fn main() {
     for layout in &layouts {
         let start = Instant::now();
         fill(layout, markers).await;
-        println!("filled {}: {:.0} s, {} MB", layout.name, start.elapsed().as_secs_f64(), mb(size(layout).await));
+        println!(
+            "filled {}: {:.0} s, {} MB",
+            layout.name,
+            start.elapsed().as_secs_f64(),
+            mb(size(layout).await)
+        );
     }
 
     let mut rates: [Vec<f64>; 2] = [Vec::new(), Vec::new()];
@@ -247,7 +258,10 @@ async fn main() {
             layout.name, rates[i][0], rates[i][1], rates[i][2], medians[i]
         );
     }
-    println!("\npartitioned / DELETE claim throughput: {:.2}", medians[1] / medians[0]);
+    println!(
+        "\npartitioned / DELETE claim throughput: {:.2}",
+        medians[1] / medians[0]
+    );
 
     println!("\npurge of the expired half (`purge_expired`):\n");
     println!("| layout | time s | markers removed | WAL MB | table MB before | after |");
@@ -276,12 +290,19 @@ async fn main() {
     println!("| layout | claims/s |");
     println!("| --- | ---: |");
     for layout in &layouts {
-        println!("| {} | {:.0} |", layout.name, claims(&layout.store, secs, "after").await);
+        println!(
+            "| {} | {:.0} |",
+            layout.name,
+            claims(&layout.store, secs, "after").await
+        );
     }
     for layout in &layouts {
-        sqlx::query(AssertSqlSafe(format!("DROP TABLE {}", layout.store.table().quoted('"'))))
-            .execute(&pool)
-            .await
-            .expect("drop");
+        sqlx::query(AssertSqlSafe(format!(
+            "DROP TABLE {}",
+            layout.store.table().quoted('"')
+        )))
+        .execute(&pool)
+        .await
+        .expect("drop");
     }
 }

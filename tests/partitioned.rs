@@ -75,8 +75,14 @@ async fn migrate_creates_the_partitions_up_to_the_horizon() {
     // One per second from now to now + 4 s: 5 (or 6 when a second boundary
     // passed between the bounds' computation and this query).
     assert!((5..=6).contains(&parts.len()), "{parts:?}");
-    assert!(parts.iter().all(|(name, _)| name.starts_with(&format!("{table}_"))), "{parts:?}");
-    assert!(parts.last().unwrap().1 >= 4.0, "the last one covers now + 4 s: {parts:?}");
+    assert!(
+        parts.iter().all(|(name, _)| name.starts_with(&format!("{table}_"))),
+        "{parts:?}"
+    );
+    assert!(
+        parts.last().unwrap().1 >= 4.0,
+        "the last one covers now + 4 s: {parts:?}"
+    );
     common::drop_pg_table(&pool, &table).await;
 }
 
@@ -96,7 +102,10 @@ async fn janitor_creates_upcoming_partitions_and_drops_expired_ones_keeping_live
     // time to run the janitor after that.
     let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
     while markers(&pool, &table).await > 3 {
-        assert!(tokio::time::Instant::now() < deadline, "expired partitions were not dropped");
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "expired partitions were not dropped"
+        );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     tokio::time::sleep(Duration::from_millis(1500)).await;
@@ -110,11 +119,16 @@ async fn janitor_creates_upcoming_partitions_and_drops_expired_ones_keeping_live
         parts.iter().any(|(_, upper)| *upper >= 3.0),
         "the janitor keeps creating partitions up to the horizon: {parts:?}"
     );
-    assert!(parts.iter().any(|(_, upper)| *upper >= 3500.0), "the live markers' partition stays");
+    assert!(
+        parts.iter().any(|(_, upper)| *upper >= 3500.0),
+        "the live markers' partition stays"
+    );
     assert_eq!(markers(&pool, &table).await, 3, "the live markers stay");
     for i in 0..3 {
         assert_eq!(
-            replayed(&store, &format!("live-{i}"), Duration::from_secs(3600)).await.as_deref(),
+            replayed(&store, &format!("live-{i}"), Duration::from_secs(3600))
+                .await
+                .as_deref(),
             Some("live")
         );
     }
@@ -178,9 +192,7 @@ async fn duplicates_across_a_partition_boundary_wait_and_replay() {
     let mut duplicates = Vec::new();
     for _ in 0..7 {
         let store = store.clone();
-        duplicates.push(tokio::spawn(
-            async move { replayed(&store, "boundary", ttl).await },
-        ));
+        duplicates.push(tokio::spawn(async move { replayed(&store, "boundary", ttl).await }));
         tokio::time::sleep(Duration::from_millis(250)).await;
     }
     assert!(
@@ -258,12 +270,18 @@ async fn migrate_refuses_a_table_of_the_other_layout_or_period() {
         .build()
         .unwrap();
     let err = on_plain.migrate().await.unwrap_err();
-    assert!(matches!(&err, Error::Config(m) if m.contains("not partitioned")), "{err}");
+    assert!(
+        matches!(&err, Error::Config(m) if m.contains("not partitioned")),
+        "{err}"
+    );
 
     let (_part, part_table) = partitioned_store(pool.clone(), Duration::from_secs(2)).await;
     let unpartitioned = PgStore::builder(pool.clone()).table(&part_table).build().unwrap();
     let err = unpartitioned.migrate().await.unwrap_err();
-    assert!(matches!(&err, Error::Config(m) if m.contains("is partitioned")), "{err}");
+    assert!(
+        matches!(&err, Error::Config(m) if m.contains("is partitioned")),
+        "{err}"
+    );
     let other_period = PgStore::builder(pool.clone())
         .table(&part_table)
         .partitioned(Duration::from_secs(60))
@@ -276,7 +294,10 @@ async fn migrate_refuses_a_table_of_the_other_layout_or_period() {
         .partition_horizon(SECOND)
         .build()
         .unwrap_err();
-    assert!(matches!(&err, Error::Config(m) if m.contains("partitioned(period)")), "{err}");
+    assert!(
+        matches!(&err, Error::Config(m) if m.contains("partitioned(period)")),
+        "{err}"
+    );
     common::drop_pg_table(&pool, &plain_table).await;
     common::drop_pg_table(&pool, &part_table).await;
 }

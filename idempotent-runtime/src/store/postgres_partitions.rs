@@ -372,7 +372,10 @@ mod tests {
         let table = TableName::default();
         assert!(Partitions::new(&table, settings(86_400, None)).is_ok());
         assert!(Partitions::new(&table, settings(1, Some(10))).is_ok());
-        assert!(Partitions::new(&table, settings(1, None)).is_ok(), "a capped default horizon");
+        assert!(
+            Partitions::new(&table, settings(1, None)).is_ok(),
+            "a capped default horizon"
+        );
         for bad in [settings(0, None), settings(1, Some(5000)), settings(400 * 86_400, None)] {
             let err = Partitions::new(&table, bad).unwrap_err();
             assert!(matches!(err, Error::Config(_)), "{err}");
