@@ -1,10 +1,12 @@
 //! Retention at scale (issue 13, part 3): `PgStore`'s plain marker table,
 //! purged by batched `DELETE`, against the partitioned layout
-//! (`.partitioned(1 day)`), whose janitor drops whole expired partitions.
+//! (`.partitioned(1 day)`, or `--period-days=N`), whose janitor drops whole
+//! expired partitions.
 //!
 //! ```text
 //! cargo bench --bench retention                                 # 10 M markers per layout
 //! cargo bench --bench retention -- --markers=1000000 --secs=5   # quicker
+//! cargo bench --bench retention -- --period-days=7              # weekly partitions
 //! ```
 //!
 //! On PostgreSQL (postgres://postgres@127.0.0.1:5432/test), each layout in
@@ -12,8 +14,9 @@
 //!
 //! 1. fill: `--markers` markers per layout with `INSERT .. SELECT
 //!    generate_series`, half of them expired (expiries spread over the two
-//!    days before today, UTC) and half live (expiring within the next 7
-//!    days); `VACUUM ANALYZE`;
+//!    periods before the current one: for daily partitions the two days
+//!    before today, UTC) and half live (expiring within the next 6 days and
+//!    an hour); `VACUUM ANALYZE`;
 //! 2. claim throughput: fresh claims/s with 8 concurrent callers (claim,
 //!    store a result, commit), `--secs` seconds per layout, the layouts
 //!    interleaved over 3 rounds so load from other processes hits both;
@@ -36,12 +39,14 @@ use idempotent_runtime::store::{Claim, Guard, Request, Store};
 
 const PG_URL: &str = "postgres://postgres@127.0.0.1:5432/test";
 const CALLERS: usize = 8;
-const DAY: Duration = Duration::from_secs(86_400);
+const DAY: u64 = 86_400;
 
 struct Layout {
-    name: &'static str,
+    name: String,
     store: PgStore,
     partitioned: bool,
+    /// Seconds per partition (also what the expired half is spread over).
+    period: i64,
 }
 
 fn arg<T: std::str::FromStr>(name: &str, default: T) -> T {
@@ -52,15 +57,15 @@ fn arg<T: std::str::FromStr>(name: &str, default: T) -> T {
         .unwrap_or(default)
 }
 
-async fn layout(pool: &PgPool, partitioned: bool) -> Layout {
+async fn layout(pool: &PgPool, partitioned: bool, period_days: u64) -> Layout {
     let (name, table) = if partitioned {
         (
-            "partitioned (daily)",
+            format!("partitioned ({period_days} d)"),
             format!("bench_retention_part_{}", std::process::id()),
         )
     } else {
         (
-            "DELETE (plain table)",
+            "DELETE (plain table)".to_owned(),
             format!("bench_retention_plain_{}", std::process::id()),
         )
     };
@@ -70,7 +75,7 @@ async fn layout(pool: &PgPool, partitioned: bool) -> Layout {
         .expect("drop");
     let mut builder = PgStore::builder(pool.clone()).table(&table);
     if partitioned {
-        builder = builder.partitioned(DAY);
+        builder = builder.partitioned(Duration::from_secs(period_days * DAY));
     }
     let store = builder.build().expect("store");
     store.migrate().await.expect("migrate");
@@ -78,24 +83,26 @@ async fn layout(pool: &PgPool, partitioned: bool) -> Layout {
         name,
         store,
         partitioned,
+        period: (period_days * DAY) as i64,
     }
 }
 
-/// `markers` markers, half expired over the two days before today (UTC),
-/// half live over the next 7 days.
+/// `markers` markers, half expired over the two periods before the current
+/// one (UTC), half live over the next 6 days.
 async fn fill(layout: &Layout, markers: u64) {
     let pool = layout.store.pool();
     let t = layout.store.table().quoted('"');
+    let p = layout.period;
     if layout.partitioned {
-        // The two past days' partitions, named as the store names them, so
-        // its janitor finds and drops them.
-        for days_ago in 1..=2 {
+        // The two past periods' partitions, named as the store names them,
+        // so its janitor finds and drops them.
+        for periods_ago in 1..=2i64 {
             let (lower, suffix): (i64, String) = sqlx::query_as(
                 "SELECT extract(epoch FROM d)::bigint, to_char(d AT TIME ZONE 'UTC', 'YYYYMMDDHH24MISS') \
-                 FROM (SELECT date_trunc('day', now() AT TIME ZONE 'UTC') AT TIME ZONE 'UTC' \
-                       - $1 * interval '1 day' AS d) x",
+                 FROM (SELECT to_timestamp((floor(extract(epoch FROM now()) / $2)::bigint - $1) * $2) AS d) x",
             )
-            .bind(days_ago)
+            .bind(periods_ago)
+            .bind(p)
             .fetch_one(pool)
             .await
             .expect("bounds");
@@ -103,7 +110,7 @@ async fn fill(layout: &Layout, markers: u64) {
             sqlx::query(AssertSqlSafe(format!(
                 "CREATE TABLE IF NOT EXISTS {child} PARTITION OF {t} FOR VALUES FROM (to_timestamp({lower})) \
                  TO (to_timestamp({}))",
-                lower + 86_400
+                lower + p
             )))
             .execute(pool)
             .await
@@ -114,9 +121,10 @@ async fn fill(layout: &Layout, markers: u64) {
     let expired = format!(
         "INSERT INTO {t} (scope, message_id, processed_at, expires_at, fingerprint, result) \
          SELECT 'bench', 'old-' || i, m - interval '9 days', \
-                m - interval '2 days' + (i::float8 / $1) * interval '172799 seconds', NULL, '{{\"ok\":true}}' \
+                m + (i::float8 / $1) * interval '{span} seconds', NULL, '{{\"ok\":true}}' \
          FROM generate_series(0, $1 - 1) AS i, \
-              (SELECT date_trunc('day', now() AT TIME ZONE 'UTC') AT TIME ZONE 'UTC' AS m) x"
+              (SELECT to_timestamp((floor(extract(epoch FROM now()) / {p})::bigint - 2) * {p}) AS m) x",
+        span = 2 * p - 1
     );
     let live = format!(
         "INSERT INTO {t} (scope, message_id, processed_at, expires_at, fingerprint, result) \
@@ -220,13 +228,17 @@ fn mb(bytes: i64) -> String {
 #[tokio::main]
 async fn main() {
     let markers: u64 = arg("markers", 10_000_000);
+    let period_days: u64 = arg("period-days", 1);
     let secs: u64 = arg("secs", 10);
     let pool = PgPoolOptions::new()
         .max_connections(CALLERS as u32 + 2)
         .connect(PG_URL)
         .await
         .expect("PostgreSQL at 127.0.0.1:5432");
-    let layouts = [layout(&pool, false).await, layout(&pool, true).await];
+    let layouts = [
+        layout(&pool, false, period_days).await,
+        layout(&pool, true, period_days).await,
+    ];
     println!("retention: {markers} markers per layout (half expired), {CALLERS} callers, {secs} s per claim run\n");
     for layout in &layouts {
         let start = Instant::now();
