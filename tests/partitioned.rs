@@ -301,3 +301,42 @@ async fn migrate_refuses_a_table_of_the_other_layout_or_period() {
     common::drop_pg_table(&pool, &plain_table).await;
     common::drop_pg_table(&pool, &part_table).await;
 }
+
+/// Claims beyond the horizon that need the same new partition, all at once,
+/// on sessions defaulting to Repeatable Read, after concurrent migrations:
+/// one creates it, the others see it once they get the lock.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_migrations_and_partition_creations_do_not_collide() {
+    let pool = common::pg_pool_with(20, common::settings::PG_REPEATABLE_READ).await;
+    let table = common::unique("partrr");
+    let store = PgStore::builder(pool.clone())
+        .table(&table)
+        .partitioned(SECOND)
+        .partition_horizon(Duration::from_secs(2))
+        .build()
+        .unwrap();
+    let migrations: Vec<_> = (0..4)
+        .map(|_| {
+            let store = store.clone();
+            tokio::spawn(async move { store.migrate().await })
+        })
+        .collect();
+    for migration in futures_util::future::join_all(migrations).await {
+        migration.unwrap().unwrap();
+    }
+    let start = Arc::new(tokio::sync::Barrier::new(12));
+    let claims: Vec<_> = (0..12)
+        .map(|i| {
+            let (store, start) = (store.clone(), Arc::clone(&start));
+            tokio::spawn(async move {
+                start.wait().await;
+                process(&store, &format!("far-{i}"), Duration::from_secs(3600), "far").await;
+            })
+        })
+        .collect();
+    for claim in futures_util::future::join_all(claims).await {
+        claim.unwrap();
+    }
+    assert_eq!(markers(&pool, &table).await, 12);
+    common::drop_pg_table(&pool, &table).await;
+}

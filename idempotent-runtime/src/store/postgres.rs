@@ -13,7 +13,7 @@ use crate::store::{Claim, Replay, Request, Store, TransactionalStore};
 
 /// Begins the claim's transaction at Read Committed, whatever
 /// `default_transaction_isolation` says.
-const BEGIN_READ_COMMITTED: &str = "BEGIN ISOLATION LEVEL READ COMMITTED";
+pub(crate) const BEGIN_READ_COMMITTED: &str = "BEGIN ISOLATION LEVEL READ COMMITTED";
 
 /// The same, for sessions whose `synchronous_commit` is `off`: a commit
 /// that returns before it is durable would let the broker's message be
@@ -218,7 +218,10 @@ impl PgStore {
     /// [`Error::Config`] when the table exists in the other layout (or
     /// partitioned with another period).
     pub async fn migrate(&self) -> Result<(), Error> {
-        let mut tx = self.pool.begin().await?;
+        // Read Committed whatever the sessions' default, so that the
+        // catalog queries after the lock see what a concurrent migration
+        // committed while this one waited.
+        let mut tx = self.pool.begin_with(BEGIN_READ_COMMITTED).await?;
         // Concurrent CREATE TABLE IF NOT EXISTS can still collide in the
         // catalog; serialize migrations with a transaction-scoped lock.
         sqlx::query("SELECT pg_advisory_xact_lock(7306369421585737536)")

@@ -202,7 +202,10 @@ impl Partitions {
     /// to `now() + to` (milliseconds), each attached to the parent with a
     /// `SHARE UPDATE EXCLUSIVE` lock (claims keep running); returns how many.
     async fn ensure(&self, pool: &PgPool, from_millis: i64, to_millis: i64) -> Result<u64, Error> {
-        let mut tx = pool.begin().await?;
+        // Read Committed whatever the sessions' default (at Repeatable Read
+        // the snapshot would predate the lock, and a partition another
+        // claim created while this one waited would look missing).
+        let mut tx = pool.begin_with(crate::store::postgres::BEGIN_READ_COMMITTED).await?;
         sqlx::query("SELECT pg_advisory_xact_lock($1)")
             .bind(self.create_key)
             .execute(&mut *tx)
