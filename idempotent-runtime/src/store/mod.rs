@@ -375,6 +375,8 @@ pub(crate) mod mysql_outbox;
 pub(crate) mod postgres;
 #[cfg(feature = "postgres")]
 pub(crate) mod postgres_outbox;
+#[cfg(feature = "postgres")]
+pub(crate) mod postgres_partitions;
 #[cfg(feature = "redis")]
 pub(crate) mod redis;
 #[cfg(feature = "sqlx")]

@@ -7,12 +7,13 @@ use sqlx::{AssertSqlSafe, PgPool, Postgres, Row};
 
 use crate::Error;
 use crate::store::postgres_outbox::{PgOutboxSql, stage_outbox};
+use crate::store::postgres_partitions::{PartitionSettings, Partitions};
 use crate::store::sql::{DEFAULT_OUTBOX_RETENTION, OutboxParts, SqlGuard, SqlStoreBuilder, ddl, sql_backend};
 use crate::store::{Claim, Replay, Request, Store, TransactionalStore};
 
 /// Begins the claim's transaction at Read Committed, whatever
 /// `default_transaction_isolation` says.
-const BEGIN_READ_COMMITTED: &str = "BEGIN ISOLATION LEVEL READ COMMITTED";
+pub(crate) const BEGIN_READ_COMMITTED: &str = "BEGIN ISOLATION LEVEL READ COMMITTED";
 
 /// The same, for sessions whose `synchronous_commit` is `off`: a commit
 /// that returns before it is durable would let the broker's message be
@@ -51,6 +52,9 @@ struct PgSql {
     purge: Arc<str>,
     ddl: Vec<String>,
     purge_batch: i64,
+    /// The partitioned layout (`.partitioned(period)`), or `None` for the
+    /// plain table purged by `DELETE`.
+    partitions: Option<Arc<Partitions>>,
 }
 
 /// Configures a [`PgStore`]: see [`SqlStoreBuilder`](crate::store::SqlStoreBuilder).
@@ -60,8 +64,41 @@ impl SqlStoreBuilder<PgPool> {
     /// The store, or [`Error::Config`] for an invalid setting.
     pub fn build(self) -> Result<PgStore, Error> {
         let outbox = self.outbox_settings()?;
+        let partitioning = self.settings.partitions;
         let (pool, table, purge_batch) = self.into_parts()?;
-        Ok(PgStore::assemble(pool, table, purge_batch).with_outbox(&outbox))
+        let partitions = match partitioning {
+            Some(settings) => Some(Partitions::new(&table, settings)?),
+            None => None,
+        };
+        Ok(PgStore::assemble(pool, table, purge_batch, partitions).with_outbox(&outbox))
+    }
+
+    /// Partitions the marker table by expiry, one partition per `period`
+    /// (a whole number of seconds; bounds are multiples of it since the Unix
+    /// epoch, so a day is midnight to midnight UTC): the janitor then drops
+    /// whole expired partitions instead of deleting rows. See the README,
+    /// "Partitioned retention". The table must be created partitioned (by
+    /// `migrate`); a store refuses a table of the other layout.
+    pub fn partitioned(mut self, period: std::time::Duration) -> Self {
+        let horizon = self.settings.partitions.and_then(|p| p.horizon);
+        self.settings.partitions = Some(PartitionSettings { period, horizon });
+        self
+    }
+
+    /// How far ahead `migrate` and the janitor create partitions (default:
+    /// the default ttl, 7 days, plus one period, but at most 999 periods):
+    /// a claim whose marker
+    /// expires beyond it creates its partition itself, at the cost of a
+    /// retry. At most 1000 partitions ahead. Only with
+    /// [`partitioned`](Self::partitioned).
+    pub fn partition_horizon(mut self, ahead: std::time::Duration) -> Self {
+        match &mut self.settings.partitions {
+            Some(settings) => settings.horizon = Some(ahead),
+            None => {
+                self.settings.table = Err("partition_horizon needs partitioned(period) before it".into());
+            }
+        }
+        self
     }
 }
 
@@ -78,8 +115,17 @@ fn pg_outbox(settings: &(crate::table::TableName, std::time::Duration)) -> PgOut
 }
 
 impl PgStore {
-    fn assemble(pool: PgPool, table: crate::table::TableName, purge_batch: u32) -> PgStore {
+    fn assemble(
+        pool: PgPool,
+        table: crate::table::TableName,
+        purge_batch: u32,
+        partitions: Option<Partitions>,
+    ) -> PgStore {
         let t = table.quoted('"');
+        let template = match partitions {
+            Some(_) => include_str!("../../sql/postgres_partitioned.sql"),
+            None => include_str!("../../sql/postgres.sql"),
+        };
         let sql = PgSql {
             // The plain upsert: the cheapest statement for a fresh message
             // (a one-statement "claim or read" CTE was measured: it saved a
@@ -106,8 +152,9 @@ impl PgStore {
                  LIMIT $1 FOR UPDATE SKIP LOCKED))"
             )
             .into(),
-            ddl: ddl(include_str!("../../sql/postgres.sql"), &table, '"'),
+            ddl: ddl(template, &table, '"'),
             purge_batch: i64::from(purge_batch),
+            partitions: partitions.map(Arc::new),
             namespace: namespace(&pool, &table),
             table,
         };
@@ -141,6 +188,7 @@ impl PgStore {
             pool,
             crate::table::TableName::default(),
             crate::store::sql::DEFAULT_PURGE_BATCH,
+            None,
         )
     }
 
@@ -163,24 +211,62 @@ impl PgStore {
     /// table and its indexes, if they do not exist (the DDL of
     /// `sql/postgres.sql` and `sql/postgres_outbox.sql`). Safe to run
     /// concurrently.
+    ///
+    /// A [`partitioned`](PgStoreBuilder::partitioned) store creates the
+    /// partitioned table of `sql/postgres_partitioned.sql` instead, and its
+    /// partitions from now to the horizon. Either fails with
+    /// [`Error::Config`] when the table exists in the other layout (or
+    /// partitioned with another period).
     pub async fn migrate(&self) -> Result<(), Error> {
-        let mut tx = self.pool.begin().await?;
+        // Read Committed whatever the sessions' default, so that the
+        // catalog queries after the lock see what a concurrent migration
+        // committed while this one waited.
+        let mut tx = self.pool.begin_with(BEGIN_READ_COMMITTED).await?;
         // Concurrent CREATE TABLE IF NOT EXISTS can still collide in the
         // catalog; serialize migrations with a transaction-scoped lock.
         sqlx::query("SELECT pg_advisory_xact_lock(7306369421585737536)")
             .execute(&mut *tx)
             .await?;
+        if self.sql.partitions.is_none() {
+            let kind: Option<String> =
+                sqlx::query_scalar("SELECT relkind::text FROM pg_class WHERE oid = to_regclass($1)")
+                    .bind(self.sql.table.quoted('"'))
+                    .fetch_optional(&mut *tx)
+                    .await?;
+            if kind.as_deref() == Some("p") {
+                return Err(Error::Config(format!(
+                    "marker table {} is partitioned: build the store with `.partitioned(period)`",
+                    self.sql.table
+                )));
+            }
+        }
         for statement in self.sql.ddl.iter().chain(&self.outbox.ddl) {
             sqlx::query(AssertSqlSafe(statement.as_str())).execute(&mut *tx).await?;
         }
+        if let Some(partitions) = &self.sql.partitions {
+            partitions.check_parent(&mut tx).await?;
+        }
         tx.commit().await?;
+        if let Some(partitions) = &self.sql.partitions {
+            partitions.create_ahead(&self.pool).await?;
+        }
         Ok(())
     }
 
     /// Deletes expired markers, in batches of the configured size (each its
     /// own short statement, skipping rows that claims hold locked); returns
     /// how many were deleted.
+    ///
+    /// On a [`partitioned`](PgStoreBuilder::partitioned) store: creates the
+    /// partitions up to the horizon, then detaches (concurrently) and drops
+    /// the partitions whose upper bound has passed; returns how many markers
+    /// they held. Expired markers in a partition that is still current stay
+    /// until it ends (at most one period).
     pub async fn purge_expired(&self) -> Result<u64, Error> {
+        if let Some(partitions) = &self.sql.partitions {
+            partitions.create_ahead(&self.pool).await?;
+            return partitions.drop_expired(&self.pool).await;
+        }
         let mut total = 0;
         loop {
             let deleted = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.purge)))
@@ -230,6 +316,9 @@ impl Store for PgStore {
     }
 
     async fn claim(&self, req: &Request<'_>) -> Result<Claim<Self::Guard>, Error> {
+        if let Some(partitions) = &self.sql.partitions {
+            return self.claim_partitioned(partitions, req).await;
+        }
         // Read Committed whatever the server's or role's default: at
         // Repeatable Read or Serializable a concurrent duplicate fails with
         // a serialization error (40001) instead of waiting for the first
@@ -286,6 +375,61 @@ fn namespace(pool: &PgPool, table: &crate::table::TableName) -> &'static str {
     };
     let database = options.get_database().unwrap_or(options.get_username());
     crate::scope::intern_namespace(format!("postgres://{host}/{database}/{table}"))
+}
+
+impl PgStore {
+    /// The claim on a partitioned table (see `postgres_partitions.rs`): a
+    /// per-key advisory lock, then "find a live marker or insert one" in a
+    /// fresh snapshot. A claim whose expiry has no partition yet creates it
+    /// (outside its transaction) and tries again.
+    async fn claim_partitioned(
+        &self,
+        partitions: &Partitions,
+        req: &Request<'_>,
+    ) -> Result<Claim<SqlGuard<Postgres>>, Error> {
+        let begin = self.begin_statement().await?;
+        let mut attempts = 0;
+        loop {
+            attempts += 1;
+            let mut tx = self.pool.begin_with(begin).await?;
+            sqlx::query(AssertSqlSafe(Arc::clone(&partitions.claim_lock)))
+                .bind(req.scope())
+                .bind(req.key())
+                .execute(&mut *tx)
+                .await?;
+            let row = sqlx::query(AssertSqlSafe(Arc::clone(&partitions.claim)))
+                .bind(req.scope())
+                .bind(req.key())
+                .bind(req.ttl_millis())
+                .bind(req.fingerprint().map(|f| f.as_str()))
+                .fetch_one(&mut *tx)
+                .await;
+            let row = match row {
+                Ok(row) => row,
+                Err(error) if attempts < 3 && Partitions::is_missing_partition(&error) => {
+                    // Roll back first: the new partition is attached while
+                    // this claim holds no lock on the table.
+                    drop(tx);
+                    partitions.create_for_ttl(&self.pool, req.ttl_millis()).await?;
+                    continue;
+                }
+                Err(error) => return Err(error.into()),
+            };
+            if row.try_get::<bool, _>("fresh")? {
+                return Ok(Claim::Fresh(SqlGuard::new(
+                    tx,
+                    Arc::clone(&partitions.write_result),
+                    Arc::clone(&self.outbox.table),
+                    req,
+                    None,
+                )));
+            }
+            drop(tx);
+            let fingerprint: Option<String> = row.try_get("fingerprint")?;
+            req.check_fingerprint(fingerprint.as_deref())?;
+            return Ok(Claim::Done(Replay::new(row.try_get("result")?)));
+        }
+    }
 }
 
 impl TransactionalStore for PgStore {

@@ -282,7 +282,7 @@ pub(crate) fn ddl(template: &str, table: &TableName, quote: char) -> Vec<String>
 #[derive(Debug, Clone)]
 pub struct SqlStoreBuilder<P> {
     pool: P,
-    settings: Settings,
+    pub(crate) settings: Settings,
 }
 
 impl<P> SqlStoreBuilder<P> {
@@ -345,6 +345,9 @@ pub(crate) struct Settings {
     pub(crate) purge_batch: u32,
     pub(crate) outbox: Result<TableName, String>,
     pub(crate) outbox_retention: std::time::Duration,
+    /// PostgreSQL only: markers partitioned by expiry.
+    #[cfg(feature = "postgres")]
+    pub(crate) partitions: Option<crate::store::postgres_partitions::PartitionSettings>,
 }
 
 impl Default for Settings {
@@ -354,6 +357,8 @@ impl Default for Settings {
             purge_batch: DEFAULT_PURGE_BATCH,
             outbox: Ok(TableName::outbox()),
             outbox_retention: DEFAULT_OUTBOX_RETENTION,
+            #[cfg(feature = "postgres")]
+            partitions: None,
         }
     }
 }
