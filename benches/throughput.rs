@@ -5,7 +5,7 @@
 //! cargo bench --bench throughput                    # full run (~10-15 min), writes docs/
 //! cargo bench --bench throughput -- --quick         # ~1 min (or IDEMPOTENT_BENCH_QUICK=1)
 //! cargo bench --bench throughput -- --compile-cost  # build time of 100 handlers, with/without the attribute
-//! cargo bench --bench throughput -- --only=pg,redis # sections: pg, cache, rtt, sqlite, redis, memory, size, purge
+//! cargo bench --bench throughput -- --only=pg,redis # sections: pg, batch, cache, rtt, sqlite, redis, memory, size, purge
 //! cargo bench --bench throughput -- --out=DIR       # where the markdown and SVG files go
 //! ```
 //!
@@ -396,6 +396,63 @@ async fn run(cfg: Config) {
         charts.push((
             "throughput-postgres.svg".into(),
             "PostgreSQL: deliveries/s (median, min–max)".into(),
+            names,
+            groups,
+        ));
+        env.cleanup().await;
+    }
+
+    // -- PostgreSQL: batch transactions (c=8) -------------------------------------------------
+    if let (Some(env), true) = (&env, cfg.wants("batch")) {
+        let mut rows = vec![
+            row(
+                "(a) bare tx, no idempotency",
+                pg::Bare::new(env.tables("ba").await),
+                t,
+                &warm,
+            ),
+            {
+                let td = env.tables("bd").await;
+                row(
+                    "(d) #[idempotent], one tx per message",
+                    pg::Macro::new(td.clone(), td.store()),
+                    t,
+                    &warm,
+                )
+            },
+        ];
+        for (size, name) in [
+            (1, "(e1) batch of 1"),
+            (8, "(e8) batch of 8"),
+            (32, "(e32) batch of 32"),
+            (128, "(e128) batch of 128"),
+        ] {
+            rows.push(row(name, pg::Batched::new(env.tables(&format!("be{size}")).await, size), t, &warm));
+        }
+        let names: Vec<&'static str> = rows.iter().map(|r| r.name).collect();
+        let groups = grid("batch", &rows, &cells(&cfg.dups, &[8]), &plans, cfg.reps).await;
+        let mut text = String::from(
+            "## PostgreSQL: batch transactions\n\nThe (d) handler, unchanged, run N deliveries per transaction \
+             (`PgStore::begin_batch`, each call inside `Batch::run`, one `Batch::commit`): each claim joins the \
+             batch's transaction, a fresh message's body runs under a savepoint, duplicates are answered as usual, \
+             one commit for the batch (what `ConsumerBuilder::batch` does between the broker and the handler). A \
+             worker takes N deliveries at once; every message of a batch counts the batch's latency (it is \
+             acknowledged after the commit). Concurrency 8 (8 batches at once).\n\n",
+        );
+        text.push_str(&report::rate_table(
+            &names,
+            &groups,
+            &[(2, 1), (3, 0), (3, 1), (4, 0), (4, 1), (5, 0), (5, 1)],
+            cfg.reps,
+        ));
+        text.push_str("\nLatency per message, p50 / p99 (ms):\n\n");
+        text.push_str(&report::latency_table(&names, &groups));
+        text.push_str("\nCPU per delivery, µs: this process (client) + every PostgreSQL process (server):\n\n");
+        text.push_str(&report::cpu_table(&names, &groups));
+        doc.section(&text);
+        charts.push((
+            "batch-postgres.svg".into(),
+            "PostgreSQL, c=8: deliveries/s by batch size".into(),
             names,
             groups,
         ));

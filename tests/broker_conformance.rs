@@ -474,6 +474,166 @@ pub async fn a_store_outage_is_retried_without_spending_attempts<F: Fixture>() {
     fx.teardown().await;
 }
 
+/// A service whose effect is a row in PostgreSQL, in the marker's
+/// transaction: what batch mode needs (an in-memory effect would survive a
+/// batch's rollback).
+struct DbLedger {
+    store: PgStore,
+    effects: String,
+    /// Messages whose first run fails (returns `Err`) or panics.
+    fail_once: Mutex<HashMap<String, &'static str>>,
+}
+
+impl DbLedger {
+    async fn new(name: &str) -> Arc<DbLedger> {
+        let pool = common::pg_pool(8).await;
+        let store = PgStore::builder(pool.clone())
+            .table(&common::unique(&format!("{name}_m")))
+            .build()
+            .unwrap();
+        store.migrate().await.unwrap();
+        let effects = common::unique(&format!("{name}_e"));
+        let ddl = format!("CREATE TABLE {effects} (message_id TEXT NOT NULL)");
+        idempotent_runtime::sqlx::query(idempotent_runtime::sqlx::AssertSqlSafe(ddl))
+            .execute(&pool)
+            .await
+            .unwrap();
+        Arc::new(DbLedger {
+            store,
+            effects,
+            fail_once: Mutex::default(),
+        })
+    }
+
+    #[idempotent(key = "msg.message_id", store = self.store, scope = "conformance.batch")]
+    async fn pay(&self, msg: &Payment, tx: &mut idempotent_runtime::sqlx::PgConnection) -> Result<(), AppError> {
+        let insert = format!("INSERT INTO {} (message_id) VALUES ($1)", self.effects);
+        idempotent_runtime::sqlx::query(idempotent_runtime::sqlx::AssertSqlSafe(insert))
+            .bind(&msg.message_id)
+            .execute(&mut *tx)
+            .await?;
+        let failure = self.fail_once.lock().unwrap().remove(&msg.message_id);
+        match failure {
+            Some("panic") => panic!("first run of {} panics", msg.message_id),
+            Some(_) => Err(AppError::Failed(format!("first run of {} fails", msg.message_id))),
+            None => Ok(()),
+        }
+    }
+
+    /// Effects per message id.
+    async fn effects(&self) -> HashMap<String, i64> {
+        let sql = format!("SELECT message_id, COUNT(*) FROM {} GROUP BY message_id", self.effects);
+        idempotent_runtime::sqlx::query_as::<_, (String, i64)>(idempotent_runtime::sqlx::AssertSqlSafe(sql))
+            .fetch_all(self.store.pool())
+            .await
+            .unwrap()
+            .into_iter()
+            .collect()
+    }
+
+    async fn teardown(&self) {
+        common::drop_pg_table(self.store.pool(), &self.store.table().to_string()).await;
+        common::drop_pg_table(self.store.pool(), &self.effects).await;
+    }
+}
+
+/// Runs `consumer` with the ledger's handler until it is idle.
+async fn run_batches<B: Broker>(consumer: Consumer<B>, ledger: &Arc<DbLedger>) -> RunStats {
+    let ledger = Arc::clone(ledger);
+    tokio::time::timeout(
+        WAIT * 2,
+        consumer.run(
+            move |msg: Payment| {
+                let ledger = Arc::clone(&ledger);
+                async move { ledger.pay(&msg).await }
+            },
+            CancellationToken::new(),
+        ),
+    )
+    .await
+    .expect("returns once idle")
+    .unwrap()
+}
+
+pub async fn batches_apply_each_message_once_and_settle_after_the_commit<F: Fixture>() {
+    let fx = F::setup("batch").await;
+    let ledger = DbLedger::new("batch").await;
+    ledger.fail_once.lock().unwrap().insert("batch-7".into(), "error");
+    for i in 0..40 {
+        fx.publish(&payment(&format!("batch-{i}")), &format!("batch-{i}")).await;
+    }
+    // Redeliveries of processed messages (other broker-level ids).
+    for i in 0..10 {
+        fx.publish(&payment(&format!("batch-{i}")), &format!("again-{i}")).await;
+    }
+    fx.publish(b"{not json", "poison").await;
+    let consumer = fx
+        .builder()
+        .concurrency(2)
+        .batch(ledger.store.clone(), 8)
+        .batch_wait(Duration::from_millis(5))
+        .stop_when_idle(Duration::from_millis(1500))
+        .build()
+        .unwrap();
+    let stats = run_batches(consumer, &ledger).await;
+    let effects = ledger.effects().await;
+    assert_eq!(effects.len(), 40, "every message applied: {effects:?}");
+    assert!(effects.values().all(|&n| n == 1), "none twice: {effects:?}");
+    assert_eq!(
+        (stats.acked, stats.retried, stats.poison, stats.dead_lettered),
+        (50, 1, 1, 0),
+        "{stats:?}"
+    );
+    assert!(stats.batches >= 1, "{stats:?}");
+    assert_eq!(stats.batched, 51, "every decoded delivery ran in a committed batch: {stats:?}");
+    assert_eq!(stats.batches_aborted, 0);
+    assert_eq!(fx.backlog().await, 0);
+    ledger.teardown().await;
+    fx.teardown().await;
+}
+
+pub async fn a_batch_that_cannot_commit_runs_its_deliveries_alone<F: Fixture>() {
+    let fx = F::setup("batch-abort").await;
+    let ledger = DbLedger::new("batch_abort").await;
+    // A panic with the claim open: the batch's transaction is lost.
+    ledger.fail_once.lock().unwrap().insert("abort-3".into(), "panic");
+    for i in 0..12 {
+        fx.publish(&payment(&format!("abort-{i}")), &format!("abort-{i}")).await;
+    }
+    let consumer = fx
+        .builder()
+        .concurrency(1)
+        .batch(ledger.store.clone(), 6)
+        .batch_wait(Duration::from_millis(20))
+        .stop_when_idle(Duration::from_millis(1500))
+        .build()
+        .unwrap();
+    let stats = run_batches(consumer, &ledger).await;
+    let effects = ledger.effects().await;
+    assert_eq!(effects.len(), 12, "every message applied: {effects:?}");
+    assert!(effects.values().all(|&n| n == 1), "none twice: {effects:?}");
+    assert_eq!(stats.batches_aborted, 1, "{stats:?}");
+    assert_eq!((stats.acked, stats.dead_lettered), (12, 0), "{stats:?}");
+    assert_eq!(fx.backlog().await, 0);
+    ledger.teardown().await;
+    fx.teardown().await;
+}
+
+#[test]
+fn batch_settings_are_checked_at_build() {
+    use idempotent_runtime::rabbitmq::RabbitConsumer;
+    let store = || PgStore::new(idempotent_runtime::sqlx::PgPool::connect_lazy(common::PG_URL).unwrap());
+    let build = |b: ConsumerBuilder<idempotent_runtime::rabbitmq::Rabbit>| b.build().map(|_| ()).unwrap_err().to_string();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let _guard = rt.enter();
+    let zero = build(RabbitConsumer::builder("amqp://x", "q").batch(store(), 0));
+    assert!(zero.contains("at least 1"), "{zero}");
+    let long = build(RabbitConsumer::builder("amqp://x", "q").batch(store(), 8).batch_wait(Duration::from_secs(1)));
+    assert!(long.contains("never longer"), "{long}");
+    let alone = build(RabbitConsumer::builder("amqp://x", "q").batch_wait(Duration::from_millis(1)));
+    assert!(alone.contains("needs batch"), "{alone}");
+}
+
 macro_rules! conformance {
     ($module:ident, $fixture:ty) => {
         mod $module {
@@ -508,6 +668,14 @@ macro_rules! conformance {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn a_store_outage_is_retried_without_spending_attempts() {
                 super::a_store_outage_is_retried_without_spending_attempts::<$fixture>().await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn batches_apply_each_message_once_and_settle_after_the_commit() {
+                super::batches_apply_each_message_once_and_settle_after_the_commit::<$fixture>().await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_batch_that_cannot_commit_runs_its_deliveries_alone() {
+                super::a_batch_that_cannot_commit_runs_its_deliveries_alone::<$fixture>().await
             }
         }
     };

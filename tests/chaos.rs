@@ -65,6 +65,8 @@ struct Plan {
     connection_kills: usize,
     database_restarts: usize,
     deadline: Duration,
+    /// Batches of up to this many deliveries per transaction.
+    batch: Option<usize>,
 }
 
 #[derive(Debug, Default)]
@@ -79,6 +81,7 @@ struct Figures {
     connections_killed: i64,
     database_restarts: usize,
     crashes_after_commit: i64,
+    crashes_mid_batch: i64,
     injected_failures: i64,
     effects: i64,
     dead_lettered: usize,
@@ -501,6 +504,7 @@ async fn run(plan: Plan) -> Figures {
         .to_vec(),
         env: vec![
             ("IDEMPOTENT_BROKER_URL".into(), broker_url),
+            ("IDEMPOTENT_CHAOS_BATCH".into(), plan.batch.map_or_else(String::new, |n| n.to_string())),
             ("IDEMPOTENT_PG_URL".into(), database.url()),
         ],
         children: Vec::new(),
@@ -635,6 +639,7 @@ async fn run(plan: Plan) -> Figures {
         connections_killed,
         database_restarts: plan.database_restarts,
         crashes_after_commit: events("crash").await,
+        crashes_mid_batch: events("mid-batch crash").await,
         injected_failures: events("failure").await,
         effects: effects.values().sum(),
         dead_lettered: dead.len(),
@@ -708,6 +713,7 @@ fn fast(broker: BrokerKind) -> Plan {
         connection_kills: 1,
         database_restarts: 1,
         deadline: Duration::from_secs(120),
+        batch: None,
     }
 }
 
@@ -723,6 +729,22 @@ async fn jetstream_consumers_apply_each_message_once_through_every_fault() {
     let figures = run(fast(BrokerKind::Nats)).await;
     report("fast", &figures);
     check(&figures);
+}
+
+/// The same faults with batch transactions (`ConsumerBuilder::batch`):
+/// SIGKILLs and aborts land mid-batch (nothing of the batch committed) and
+/// right after a batch's commit, before its acks.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rabbitmq_batches_apply_each_message_once_through_every_fault() {
+    let figures = run(Plan {
+        batch: Some(16),
+        crash_percent: 3,
+        ..fast(BrokerKind::RabbitMq)
+    })
+    .await;
+    report("batches", &figures);
+    check(&figures);
+    assert!(figures.crashes_mid_batch > 0, "aborts landed mid-batch: {figures:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -753,6 +775,7 @@ async fn soak() {
         connection_kills: (messages / 25_000).max(3),
         database_restarts: (messages / 50_000).max(1),
         deadline: Duration::from_secs(300 + messages as u64 / 20),
+        batch: std::env::var("IDEMPOTENT_SOAK_BATCH").ok().and_then(|n| n.parse().ok()),
     })
     .await;
     report("soak", &figures);

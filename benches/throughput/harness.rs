@@ -31,6 +31,21 @@ pub trait Variant: Send + Sync + 'static {
     fn reset(&self) -> impl Future<Output = ()> + Send {
         async {}
     }
+    /// Deliveries a worker takes at once (batch variants); 1 otherwise.
+    fn batch(&self) -> usize {
+        1
+    }
+    /// Handles `keys` together (only called when `batch() > 1`): one
+    /// outcome per key, every one settled when this returns.
+    fn deliver_batch(&self, keys: Vec<String>) -> impl Future<Output = Result<Vec<Outcome>, BoxError>> + Send {
+        async move {
+            let mut outcomes = Vec::with_capacity(keys.len());
+            for key in keys {
+                outcomes.push(self.deliver(key).await?);
+            }
+            Ok(outcomes)
+        }
+    }
 }
 
 /// Which message each delivery carries: message numbers, with `dup_pct` %
@@ -138,32 +153,42 @@ pub async fn run<V: Variant>(variant: &Arc<V>, plan: &Arc<Plan>, opts: RunOption
                 if now >= deadline || stop.as_ref().is_some_and(|s| s.load(Ordering::Relaxed)) {
                     break;
                 }
-                let i = next.fetch_add(1, Ordering::Relaxed);
-                let Some(&message) = plan.messages.get(i) else {
+                let size = variant.batch().max(1);
+                let i = next.fetch_add(size, Ordering::Relaxed);
+                let Some(messages) = plan.messages.get(i..i + size) else {
                     stats.plan_exhausted = true;
                     break;
                 };
-                let key = format!("{prefix}{message}");
                 let t0 = Instant::now();
-                let outcome = variant.deliver(key).await;
-                let took = t0.elapsed();
-                stats.deliveries += 1;
-                stats
-                    .latencies_us
-                    .push(u32::try_from(took.as_micros()).unwrap_or(u32::MAX));
-                if keep_starts {
-                    stats
-                        .starts_us
-                        .push(u32::try_from((t0 - start).as_micros()).unwrap_or(u32::MAX));
-                }
-                match outcome {
-                    Ok(Outcome::Fresh) => stats.fresh += 1,
-                    Ok(Outcome::Duplicate) => stats.duplicates += 1,
-                    Ok(Outcome::Busy) => stats.busy += 1,
-                    Err(error) => {
-                        stats.errors += 1;
-                        if stats.first_error.is_none() {
-                            stats.first_error = Some(error.to_string());
+                let outcomes = if size == 1 {
+                    variant.deliver(format!("{prefix}{}", messages[0])).await.map(|o| vec![o])
+                } else {
+                    let keys = messages.iter().map(|m| format!("{prefix}{m}")).collect();
+                    variant.deliver_batch(keys).await
+                };
+                // Each message of a batch is settled when the batch is:
+                // its latency is the batch's.
+                let took = u32::try_from(t0.elapsed().as_micros()).unwrap_or(u32::MAX);
+                let started = u32::try_from((t0 - start).as_micros()).unwrap_or(u32::MAX);
+                let outcomes = match outcomes {
+                    Ok(outcomes) => outcomes.into_iter().map(Ok).collect(),
+                    Err(error) => vec![Err(error)],
+                };
+                for outcome in outcomes {
+                    stats.deliveries += 1;
+                    stats.latencies_us.push(took);
+                    if keep_starts {
+                        stats.starts_us.push(started);
+                    }
+                    match outcome {
+                        Ok(Outcome::Fresh) => stats.fresh += 1,
+                        Ok(Outcome::Duplicate) => stats.duplicates += 1,
+                        Ok(Outcome::Busy) => stats.busy += 1,
+                        Err(error) => {
+                            stats.errors += 1;
+                            if stats.first_error.is_none() {
+                                stats.first_error = Some(error.to_string());
+                            }
                         }
                     }
                 }

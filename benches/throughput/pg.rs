@@ -313,6 +313,60 @@ where
     }
 }
 
+// ---- (e) batch transactions ------------------------------------------------------
+
+/// The (d) handler run `size` deliveries per transaction: one
+/// [`Batch`](idempotent_runtime::batch::Batch), each handler inside it,
+/// one commit; a batch that cannot commit runs its deliveries again one by
+/// one, as the consumers' batch mode does.
+pub struct Batched {
+    inner: Macro<PgStore>,
+    size: usize,
+}
+
+impl Batched {
+    pub fn new(t: Tables, size: usize) -> Self {
+        let store = t.store();
+        Batched {
+            inner: Macro::new(t, store),
+            size,
+        }
+    }
+}
+
+impl Variant for Batched {
+    fn batch(&self) -> usize {
+        self.size
+    }
+    async fn deliver(&self, key: String) -> Result<Outcome, BoxError> {
+        self.inner.deliver(key).await
+    }
+    async fn deliver_batch(&self, keys: Vec<String>) -> Result<Vec<Outcome>, BoxError> {
+        use idempotent_runtime::batch::BatchStore;
+        let batch = self.inner.store.begin_batch().await?;
+        let msgs: Vec<Msg> = keys.into_iter().map(Msg::new).collect();
+        let mut failed = false;
+        for msg in &msgs {
+            if batch.run(self.inner.handle(msg)).await.is_err() {
+                failed = true;
+                break;
+            }
+        }
+        if !failed && batch.commit().await.is_ok() {
+            return Ok(msgs.iter().map(Msg::outcome).collect());
+        }
+        // Not committed: each delivery again in its own transaction.
+        let mut outcomes = Vec::with_capacity(msgs.len());
+        for msg in msgs {
+            outcomes.push(self.inner.deliver(msg.key).await?);
+        }
+        Ok(outcomes)
+    }
+    async fn reset(&self) {
+        self.inner.t.truncate().await;
+    }
+}
+
 pub fn cached(t: &Tables, capacity: usize) -> CachedStore<PgStore> {
     CachedStore::new(t.store(), capacity)
 }

@@ -129,6 +129,7 @@ fn error_type(error: &Error) -> &'static str {
         Error::ScopeConflict { .. } => "scope_conflict",
         Error::Codec(_) => "codec",
         Error::Config(_) => "config",
+        Error::BatchAborted => "batch_aborted",
     }
 }
 

@@ -83,6 +83,16 @@ pub enum Error {
     /// table name that is not a plain SQL identifier).
     #[error("invalid idempotency configuration: {0}")]
     Config(String),
+
+    /// A [`Batch`](crate::batch::Batch) could not commit: a statement failed
+    /// in it, or a handler was dropped (panic, cancellation) while its claim
+    /// was open. The batch was rolled back: none of its messages had an
+    /// effect; run them again, each in its own transaction.
+    #[error(
+        "the batch transaction was aborted and rolled back (a statement failed in it, or a handler was dropped \
+         with its claim open): none of its messages took effect; run them again"
+    )]
+    BatchAborted,
 }
 
 impl Error {
@@ -95,7 +105,7 @@ impl Error {
     /// (`InProgress` and store failures); `false` for errors that the same
     /// message will always produce again (missing, invalid or reused keys).
     pub fn is_transient(&self) -> bool {
-        matches!(self, Error::InProgress { .. } | Error::Store(_))
+        matches!(self, Error::InProgress { .. } | Error::Store(_) | Error::BatchAborted)
     }
 
     /// What a broker adapter should do with a message that failed with this

@@ -58,6 +58,8 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 #![warn(missing_docs)]
 
+#[cfg(feature = "sqlx")]
+pub mod batch;
 mod call;
 pub mod error;
 mod fingerprint;

@@ -17,7 +17,11 @@
 //! `log_table` (outside the handler's transaction, best effort) for the
 //! chaos test's figures. The broker and database are
 //! `IDEMPOTENT_BROKER_URL` and `IDEMPOTENT_PG_URL` (the machine's services
-//! by default).
+//! by default). With `IDEMPOTENT_CHAOS_BATCH=<n>` it runs batches of up to
+//! `n` deliveries per transaction (`ConsumerBuilder::batch`): the abort in
+//! the handler then lands mid-batch (before the commit), and a batch aborts
+//! the process right after its commit, before its acks, five times
+//! `crash_percent` of the time.
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -114,6 +118,29 @@ impl ChaosConsumer {
     }
 }
 
+/// The store's batches, some of which abort the process right after their
+/// commit, before the consumer acknowledges their deliveries.
+#[derive(Clone)]
+struct CrashingBatches {
+    store: PgStore,
+    pool: PgPool,
+    log: String,
+    crash_percent: u32,
+}
+
+impl idempotent_runtime::batch::BatchStore for CrashingBatches {
+    async fn begin_batch(&self) -> Result<idempotent_runtime::batch::Batch, idempotent_runtime::Error> {
+        let batch = self.store.begin_batch().await?;
+        if rand::rng().random_ratio(self.crash_percent, 100) {
+            // Logged before the commit (the process is gone after it).
+            let insert = format!("INSERT INTO {} (message_id, event) VALUES ('', 'crash')", self.log);
+            let _ = sqlx::query(AssertSqlSafe(insert)).execute(&self.pool).await;
+            batch.after_commit(|| std::process::abort());
+        }
+        Ok(batch)
+    }
+}
+
 async fn chaos(args: &[&str]) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     let [broker, source, markers, payments, log, fail_percent, crash_percent] = args else {
         return Err(
@@ -129,6 +156,17 @@ async fn chaos(args: &[&str]) -> Result<(), Box<dyn std::error::Error + Send + S
         .acquire_timeout(Duration::from_secs(5))
         .connect_lazy_with(options.application_name("chaos_consumer"));
     let store = PgStore::builder(pool.clone()).table(markers).build()?;
+    let batch: Option<usize> = match std::env::var("IDEMPOTENT_CHAOS_BATCH") {
+        Ok(n) if !n.is_empty() => Some(n.parse()?),
+        _ => None,
+    };
+    let batches = CrashingBatches {
+        store: store.clone(),
+        pool: pool.clone(),
+        log: (*log).to_owned(),
+        // A batch holds several messages: five times the per-message rate.
+        crash_percent: (crash_percent * 5).min(100),
+    };
     let consumer = Arc::new(ChaosConsumer {
         store,
         pool,
@@ -145,8 +183,13 @@ async fn chaos(args: &[&str]) -> Result<(), Box<dyn std::error::Error + Send + S
                 .await;
             consumer.pay(&msg).await?;
             if rand::rng().random_ratio(crash_percent, 100) {
-                // Committed, never acked: the broker must redeliver.
-                consumer.log(&msg.message_id, "crash").await;
+                if batch.is_some() {
+                    // Mid-batch: nothing of the batch is committed.
+                    consumer.log(&msg.message_id, "mid-batch crash").await;
+                } else {
+                    // Committed, never acked: the broker must redeliver.
+                    consumer.log(&msg.message_id, "crash").await;
+                }
                 std::process::abort();
             }
             Ok::<_, AppError>(())
@@ -157,30 +200,39 @@ async fn chaos(args: &[&str]) -> Result<(), Box<dyn std::error::Error + Send + S
     match *broker {
         "rabbitmq" => {
             let url = std::env::var("IDEMPOTENT_BROKER_URL").unwrap_or_else(|_| AMQP_URL.to_owned());
-            RabbitConsumer::builder(url, *source)
-                .prefetch(8)
+            let builder = RabbitConsumer::builder(url, *source)
                 .concurrency(4)
                 .max_attempts(5)
                 .retry_backoff(retry)
-                .reconnect(fast_reconnect)
-                .build()?
-                .run_with_info(handler, shutdown_on_signal())
-                .await?;
+                .reconnect(fast_reconnect);
+            let builder = match batch {
+                Some(n) => builder
+                    .prefetch(u16::try_from(4 * n)?)
+                    .batch(batches, n)
+                    .batch_wait(Duration::from_millis(2)),
+                None => builder.prefetch(8),
+            };
+            builder.build()?.run_with_info(handler, shutdown_on_signal()).await?;
         }
         "nats" => {
             let url = std::env::var("IDEMPOTENT_BROKER_URL").unwrap_or_else(|_| "127.0.0.1:4222".to_owned());
             let js = jetstream::new(async_nats::connect(url).await?);
             let pull = js.get_stream(*source).await?.get_consumer("chaos").await?;
-            JetStreamConsumer::builder(js, pull)
+            let builder = JetStreamConsumer::builder(js, pull)
                 .dead_letter_subject(format!("{source}.dlq"))
                 .concurrency(4)
                 .max_attempts(5)
                 .retry_backoff(retry)
                 .reconnect(fast_reconnect)
-                .fetch_expiry(Duration::from_millis(500))
-                .build()?
-                .run_with_info(handler, shutdown_on_signal())
-                .await?;
+                .fetch_expiry(Duration::from_millis(500));
+            let builder = match batch {
+                Some(n) => builder
+                    .prefetch(4 * n)
+                    .batch(batches, n)
+                    .batch_wait(Duration::from_millis(2)),
+                None => builder,
+            };
+            builder.build()?.run_with_info(handler, shutdown_on_signal()).await?;
         }
         other => return Err(format!("unknown broker `{other}`").into()),
     }

@@ -166,7 +166,8 @@ impl<D, R> ConsumerBuilder<JetStream, D, R> {
     }
 
     /// Largest number of messages one pull request asks for (default: the
-    /// concurrency). The adapter never asks for more messages than it has
+    /// concurrency, times the batch size in [batch](ConsumerBuilder::batch)
+    /// mode). The adapter never asks for more messages than it has
     /// free handler slots, so messages do not wait in the client while
     /// their `ack_wait` runs.
     pub fn prefetch(mut self, prefetch: usize) -> Self {
@@ -246,7 +247,10 @@ impl Broker for JetStream {
         }
         self.ready = Some(Ready {
             dead_letter_subject,
-            prefetch: self.prefetch.unwrap_or(options.concurrency),
+            prefetch: self.prefetch.unwrap_or_else(|| {
+                let per_task = options.batch.as_ref().map_or(1, |batch| batch.max);
+                options.concurrency.saturating_mul(per_task)
+            }),
             max_deliver,
             progress: (!config.ack_wait.is_zero()).then(|| (config.ack_wait / 2).max(Duration::from_millis(1))),
         });

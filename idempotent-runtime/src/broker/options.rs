@@ -38,7 +38,42 @@ pub struct ConsumerOptions {
     pub shutdown_timeout: Duration,
     /// Stop once nothing arrived and nothing ran for this long.
     pub stop_when_idle: Option<Duration>,
+    /// Several deliveries per database transaction
+    /// ([`ConsumerBuilder::batch`]), or one per delivery (`None`).
+    pub batch: Option<BatchMode>,
+    /// `batch_wait` was called without `batch`.
+    batch_wait_alone: bool,
 }
+
+/// Deliveries run in one database transaction: see
+/// [`ConsumerBuilder::batch`].
+#[derive(Clone)]
+#[non_exhaustive]
+pub struct BatchMode {
+    /// At most this many deliveries per transaction.
+    pub max: usize,
+    /// How long a batch may wait for more deliveries after its first.
+    pub max_wait: Duration,
+    #[cfg(feature = "sqlx")]
+    pub(crate) begin: std::sync::Arc<dyn Fn() -> BeginBatch + Send + Sync>,
+}
+
+#[cfg(feature = "sqlx")]
+pub(crate) type BeginBatch =
+    std::pin::Pin<Box<dyn Future<Output = Result<crate::batch::Batch, crate::Error>> + Send>>;
+
+impl fmt::Debug for BatchMode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("BatchMode")
+            .field("max", &self.max)
+            .field("max_wait", &self.max_wait)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The longest [`ConsumerBuilder::batch_wait`]: a batch waits milliseconds
+/// for more deliveries, never seconds.
+pub const MAX_BATCH_WAIT: Duration = Duration::from_millis(100);
 
 impl Default for ConsumerOptions {
     fn default() -> Self {
@@ -50,6 +85,8 @@ impl Default for ConsumerOptions {
             reconnect: Reconnect::default(),
             shutdown_timeout: DEFAULT_SHUTDOWN_TIMEOUT,
             stop_when_idle: None,
+            batch: None,
+            batch_wait_alone: false,
         }
     }
 }
@@ -64,6 +101,21 @@ impl ConsumerOptions {
         }
         if self.stop_when_idle.is_some_and(|idle| idle.is_zero()) {
             return Err(ConsumerError::Config("stop_when_idle must be longer than zero".into()));
+        }
+        if self.batch_wait_alone {
+            return Err(ConsumerError::Config("batch_wait needs batch(store, max) before it".into()));
+        }
+        if let Some(batch) = &self.batch {
+            if batch.max == 0 {
+                return Err(ConsumerError::Config("a batch must hold at least 1 delivery".into()));
+            }
+            if batch.max_wait > MAX_BATCH_WAIT {
+                return Err(ConsumerError::Config(format!(
+                    "batch_wait is {:?}, at most {MAX_BATCH_WAIT:?}: a batch waits milliseconds for more deliveries, \
+                     never longer",
+                    batch.max_wait
+                )));
+            }
         }
         Ok(())
     }
@@ -150,6 +202,56 @@ impl<B, D, R> ConsumerBuilder<B, D, R> {
     /// replays of a dead-letter queue ("consume until drained").
     pub fn stop_when_idle(mut self, idle: Duration) -> Self {
         self.options.stop_when_idle = Some(idle);
+        self
+    }
+
+    /// Runs up to `max` deliveries in one database transaction of `store`
+    /// (a [`Batch`](crate::batch::Batch)): the `#[idempotent]` handlers on
+    /// that store join it, each message's body under its own savepoint, and
+    /// the deliveries are acknowledged after the one commit. The same
+    /// handler works with and without batches.
+    ///
+    /// A batch takes the deliveries that are ready when its first arrives,
+    /// up to `max`, waiting at most [`batch_wait`](Self::batch_wait) for
+    /// more (default: none, so a batch never delays a lone message); the
+    /// [concurrency](Self::concurrency) is then the number of batches at
+    /// once. Give the broker room: a RabbitMQ prefetch (or NATS prefetch)
+    /// of at least `concurrency × max`.
+    ///
+    /// A handler that fails rolls back only its own savepoint and is
+    /// retried or dead-lettered as without batches. When the batch cannot
+    /// commit (a claim failed in it, a deadlock, a handler panicked with its
+    /// claim open, the database went away), nothing of it took effect and
+    /// each of its deliveries is run again in a transaction of its own, so
+    /// no message is lost and none takes effect twice. On PostgreSQL keep
+    /// `max` at most 64: each body's savepoint is a subtransaction, and a
+    /// transaction with more than 64 of them that wrote slows every
+    /// session's snapshots.
+    #[cfg(feature = "sqlx")]
+    pub fn batch<S>(mut self, store: S, max: usize) -> Self
+    where
+        S: crate::batch::BatchStore + Clone + 'static,
+    {
+        let max_wait = self.options.batch.as_ref().map_or(Duration::ZERO, |b| b.max_wait);
+        self.options.batch = Some(BatchMode {
+            max,
+            max_wait,
+            begin: std::sync::Arc::new(move || {
+                let store = store.clone();
+                Box::pin(async move { store.begin_batch().await })
+            }),
+        });
+        self
+    }
+
+    /// How long a batch waits for more deliveries after its first, at most
+    /// [`MAX_BATCH_WAIT`] (default zero: it takes what is ready and
+    /// closes). Only with [`batch`](Self::batch).
+    pub fn batch_wait(mut self, wait: Duration) -> Self {
+        match &mut self.options.batch {
+            Some(batch) => batch.max_wait = wait,
+            None => self.options.batch_wait_alone = true,
+        }
         self
     }
 

@@ -41,7 +41,7 @@ use super::{
     Called, CancellationToken, ConsumerError, ConsumerStats, Decoder, DeliveryInfo, RetryPolicy, RunStats,
     TRACING_TARGET, Verdict, sleep_unless_cancelled, truncate_reason,
 };
-use crate::signal::Outcome as Idempotency;
+use crate::signal::{Noted, Outcome as Idempotency};
 
 /// How long handlers that were asked to let go (after the shutdown timeout)
 /// get to release their deliveries before their tasks are aborted.
@@ -302,6 +302,10 @@ where
         abandon: CancellationToken::new(),
     });
     let concurrency = options.concurrency;
+    #[cfg(feature = "sqlx")]
+    let per_task = options.batch.as_ref().map_or(1, |batch| batch.max);
+    #[cfg(not(feature = "sqlx"))]
+    let per_task = 1;
     let mut tasks: JoinSet<()> = JoinSet::new();
     let mut fatal: Option<ConsumerError> = None;
     // Connection attempts failed in a row, and whether one was ever lost.
@@ -362,59 +366,78 @@ where
                 note_task(done);
                 last_activity = Instant::now();
             }
-            let room = concurrency.saturating_sub(tasks.len());
+            // A task is one delivery, or one batch of up to `per_task`.
+            let room = concurrency.saturating_sub(tasks.len()).saturating_mul(per_task);
             let idle_at = options
                 .stop_when_idle
                 .filter(|_| !stopping && tasks.is_empty())
                 .map(|idle| last_activity + idle);
-            tokio::select! {
+            let next = tokio::select! {
                 biased;
                 _ = shutdown.cancelled(), if !stopping => {
                     session.stop().await;
                     stopping = true;
+                    continue;
                 }
                 _ = sleep_until(idle_at), if idle_at.is_some() => {
                     tracing::info!(target: TRACING_TARGET, source = %source, "idle: stopping");
                     session.stop().await;
                     stopping = true;
+                    continue;
                 }
                 Some(done) = tasks.join_next(), if !tasks.is_empty() => {
                     note_task(done);
                     last_activity = Instant::now();
+                    continue;
                 }
-                next = session.next(room), if room > 0 => match next {
-                    Next::Delivery(delivery) => {
-                        recorder.received();
-                        last_activity = Instant::now();
-                        tasks.spawn(process(Arc::clone(&worker), delivery));
+                next = session.next(room), if room > 0 => next,
+            };
+            #[cfg(feature = "sqlx")]
+            let next = match (next, &options.batch) {
+                (Next::Delivery(first), Some(mode)) => {
+                    recorder.received();
+                    last_activity = Instant::now();
+                    let (deliveries, after) = gather(&mut session, first, mode, &recorder).await;
+                    tasks.spawn(process_batch(Arc::clone(&worker), deliveries));
+                    match after {
+                        Some(next) => next,
+                        None => continue,
                     }
-                    Next::Idle => {}
-                    Next::End if stopping => {
-                        stopped = Some(session);
+                }
+                (next, _) => next,
+            };
+            match next {
+                Next::Delivery(delivery) => {
+                    recorder.received();
+                    last_activity = Instant::now();
+                    tasks.spawn(process(Arc::clone(&worker), delivery));
+                }
+                Next::Idle => {}
+                Next::End if stopping => {
+                    stopped = Some(session);
+                    break 'connect;
+                }
+                Next::End => {
+                    fatal = Some(ConsumerError::Cancelled(source.clone()));
+                    stopped = Some(session);
+                    break 'connect;
+                }
+                Next::Lost(why) => {
+                    recorder.connection(ConnectionEvent::Lost);
+                    lost = true;
+                    tracing::warn!(
+                        target: TRACING_TARGET,
+                        broker = B::NAME,
+                        source = %source,
+                        error = %why,
+                        in_flight = tasks.len(),
+                        "connection lost: reconnecting; what was in flight is redelivered by the broker"
+                    );
+                    if stopping {
                         break 'connect;
                     }
-                    Next::End => {
-                        fatal = Some(ConsumerError::Cancelled(source.clone()));
-                        stopped = Some(session);
-                        break 'connect;
-                    }
-                    Next::Lost(why) => {
-                        recorder.connection(ConnectionEvent::Lost);
-                        lost = true;
-                        tracing::warn!(
-                            target: TRACING_TARGET,
-                            broker = B::NAME,
-                            source = %source,
-                            error = %why,
-                            in_flight = tasks.len(),
-                            "connection lost: reconnecting; what was in flight is redelivered by the broker"
-                        );
-                        if stopping {
-                            break 'connect;
-                        }
-                        continue 'connect;
-                    }
-                },
+                    continue 'connect;
+                }
             }
         }
     }
@@ -502,6 +525,12 @@ where
     Fut: Future<Output = Result<T, E>>,
     E: fmt::Display,
 {
+    let span = delivery_span(&worker, &delivery);
+    worker.handle(&delivery).instrument(span).await;
+}
+
+/// The span of one delivery (see the module's documentation).
+fn delivery_span<Dl: Delivery, D, R, H>(worker: &Worker<D, R, H>, delivery: &Dl) -> Span {
     let meta = delivery.meta();
     let messaging = &worker.messaging;
     let destination = meta.destination.as_deref().unwrap_or(&messaging.destination);
@@ -529,7 +558,147 @@ where
         idempotency.outcome = Empty,
         error.type = Empty,
     );
-    worker.handle(&delivery).instrument(span).await;
+    span
+}
+
+/// Gathers a batch: `first`, then what the session has ready, up to the
+/// batch's size, waiting at most its `max_wait`. Also returns what ended
+/// the gathering when it was not a delivery (end, lost connection), for the
+/// run loop.
+#[cfg(feature = "sqlx")]
+async fn gather<S: Session>(
+    session: &mut S,
+    first: S::Delivery,
+    mode: &super::options::BatchMode,
+    recorder: &Recorder,
+) -> (Vec<S::Delivery>, Option<Next<S::Delivery>>) {
+    let mut deliveries = vec![first];
+    let deadline = Instant::now() + mode.max_wait;
+    while deliveries.len() < mode.max {
+        // `timeout_at` polls `next` before looking at the clock: with no
+        // wait, this takes exactly what is ready.
+        match tokio::time::timeout_at(deadline, session.next(mode.max - deliveries.len())).await {
+            Ok(Next::Delivery(delivery)) => {
+                recorder.received();
+                deliveries.push(delivery);
+            }
+            Ok(Next::Idle) | Err(_) => break,
+            Ok(other) => return (deliveries, Some(other)),
+        }
+    }
+    (deliveries, None)
+}
+
+/// A batch of deliveries in one database transaction (see
+/// [`ConsumerBuilder::batch`](super::ConsumerBuilder::batch)): each handler
+/// runs inside the [`Batch`](crate::batch::Batch), one after the other;
+/// after the commit each delivery is settled on its handler's outcome, as
+/// alone. A batch that cannot begin or commit ran for nothing (its
+/// transaction rolled back): its deliveries then run again, one per
+/// transaction.
+#[cfg(feature = "sqlx")]
+async fn process_batch<Dl, M, D, R, H, Fut, T, E>(worker: Arc<Worker<D, R, H>>, deliveries: Vec<Dl>)
+where
+    Dl: Delivery,
+    D: Decoder<M>,
+    R: RetryPolicy<E>,
+    H: Fn(M, DeliveryInfo) -> Fut,
+    Fut: Future<Output = Result<T, E>>,
+    E: fmt::Display,
+{
+    let Some(mode) = &worker.options.batch else {
+        return;
+    };
+    // The last delivery of a message, and what is poison, are settled
+    // alone, as without batches.
+    let mut ready = Vec::with_capacity(deliveries.len());
+    for delivery in deliveries {
+        let decoded = match (delivery.meta().last, delivery.malformed()) {
+            (false, None) => worker.decoder.decode(delivery.body()).ok(),
+            _ => None,
+        };
+        match decoded {
+            Some(message) => ready.push((delivery, message)),
+            None => process(Arc::clone(&worker), delivery).await,
+        }
+    }
+    if ready.is_empty() {
+        return;
+    }
+    let batch = match (mode.begin)().await {
+        Ok(batch) => batch,
+        Err(error) => {
+            tracing::warn!(
+                target: TRACING_TARGET,
+                %error,
+                deliveries = ready.len(),
+                "cannot begin a batch: running its deliveries one by one"
+            );
+            for (delivery, _) in ready {
+                process(Arc::clone(&worker), delivery).await;
+            }
+            return;
+        }
+    };
+    let mut ran = Vec::with_capacity(ready.len());
+    let mut pending = ready.into_iter();
+    for (delivery, message) in pending.by_ref() {
+        let span = delivery_span(&worker, &delivery);
+        let meta = delivery.meta();
+        let info = DeliveryInfo {
+            message_id: meta.message_id.clone(),
+            attempt: meta.attempt,
+            redelivered: meta.redelivered,
+        };
+        let call = super::call((worker.handler)(message, info), &worker.recorder);
+        let Some(outcome) = worker
+            .watched(&delivery, batch.run(call))
+            .instrument(span.clone())
+            .await
+        else {
+            // Shutdown timeout: nothing of the batch commits.
+            batch.rollback().await;
+            worker.let_go(&delivery).instrument(span).await;
+            for (delivery, span, _) in ran {
+                worker.let_go(&delivery).instrument(span).await;
+            }
+            for (delivery, _) in pending {
+                worker.let_go(&delivery).await;
+            }
+            return;
+        };
+        ran.push((delivery, span, outcome));
+        if batch.is_aborted() {
+            break;
+        }
+    }
+    let rest: Vec<Dl> = pending.map(|(delivery, _)| delivery).collect();
+    let size = ran.len();
+    let fresh = batch.fresh_claims();
+    match batch.commit().await {
+        Ok(()) => {
+            worker.recorder.batch(size);
+            tracing::debug!(target: TRACING_TARGET, deliveries = size, fresh, "batch committed");
+            for (delivery, span, outcome) in ran {
+                worker.handle_from(&delivery, Some(outcome)).instrument(span).await;
+            }
+        }
+        Err(error) => {
+            worker.recorder.batch_aborted();
+            tracing::warn!(
+                target: TRACING_TARGET,
+                %error,
+                deliveries = size + rest.len(),
+                "batch not committed (nothing of it took effect): running its deliveries one by one"
+            );
+            for (delivery, span, _) in ran {
+                worker.handle(&delivery).instrument(span).await;
+            }
+        }
+    }
+    for delivery in rest {
+        process(Arc::clone(&worker), delivery).await;
+    }
 }
 
 /// A count as a signed integer: `tracing-opentelemetry` exports `i64`
@@ -558,9 +727,24 @@ impl<D, R, H> Worker<D, R, H> {
         Fut: Future<Output = Result<T, E>>,
         E: fmt::Display,
     {
+        self.handle_from(delivery, None).await;
+    }
+
+    /// Handles a delivery from its handler's run: `ran` when the handler
+    /// already ran (in a committed batch), otherwise from the checks that
+    /// come before it.
+    async fn handle_from<Dl, M, Fut, T, E>(&self, delivery: &Dl, mut ran: Option<(Called<E>, Noted)>)
+    where
+        Dl: Delivery,
+        D: Decoder<M>,
+        R: RetryPolicy<E>,
+        H: Fn(M, DeliveryInfo) -> Fut,
+        Fut: Future<Output = Result<T, E>>,
+        E: fmt::Display,
+    {
         let meta = delivery.meta();
         let attempt = meta.attempt;
-        if meta.last {
+        if ran.is_none() && meta.last {
             // Its earlier deliveries ended unsettled (crash, shutdown
             // timeout, a dead letter refused): settle it now, on the
             // delivery the broker will not repeat.
@@ -581,7 +765,7 @@ impl<D, R, H> Worker<D, R, H> {
             .await;
             return;
         }
-        if let Some(reason) = delivery.malformed() {
+        if let Some(reason) = delivery.malformed().filter(|_| ran.is_none()) {
             tracing::error!(target: TRACING_TARGET, %reason, "malformed (poison) message: dead-lettering it");
             trace_failure("poison");
             self.dead_letter(delivery, DeadKind::Poison, &reason, 0, Outcome::Poison)
@@ -590,25 +774,31 @@ impl<D, R, H> Worker<D, R, H> {
         }
         let mut outages = 0u32;
         let (reason, verdict, error_type) = loop {
-            let decoded = match self.decoder.decode(delivery.body()) {
-                Ok(decoded) => decoded,
-                Err(reason) => {
-                    tracing::error!(target: TRACING_TARGET, %reason, "undecodable (poison) message: dead-lettering it");
-                    trace_failure("poison");
-                    self.dead_letter(delivery, DeadKind::Poison, &reason, 0, Outcome::Poison)
-                        .await;
-                    return;
+            let (called, noted) = match ran.take() {
+                Some(ran) => ran,
+                None => {
+                    let decoded = match self.decoder.decode(delivery.body()) {
+                        Ok(decoded) => decoded,
+                        Err(reason) => {
+                            tracing::error!(target: TRACING_TARGET, %reason, "undecodable (poison) message: dead-lettering it");
+                            trace_failure("poison");
+                            self.dead_letter(delivery, DeadKind::Poison, &reason, 0, Outcome::Poison)
+                                .await;
+                            return;
+                        }
+                    };
+                    let info = DeliveryInfo {
+                        message_id: meta.message_id.clone(),
+                        attempt,
+                        redelivered: meta.redelivered,
+                    };
+                    let call = super::call((self.handler)(decoded, info), &self.recorder);
+                    let Some(outcome) = self.watched(delivery, call).await else {
+                        self.let_go(delivery).await;
+                        return;
+                    };
+                    outcome
                 }
-            };
-            let info = DeliveryInfo {
-                message_id: meta.message_id.clone(),
-                attempt,
-                redelivered: meta.redelivered,
-            };
-            let call = super::call((self.handler)(decoded, info), &self.recorder);
-            let Some((called, noted)) = self.watched(delivery, call).await else {
-                self.let_go(delivery).await;
-                return;
             };
             if let Some(outcome) = noted.outcome {
                 Span::current().record("idempotency.outcome", outcome.as_str());

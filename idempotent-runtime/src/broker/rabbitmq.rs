@@ -260,6 +260,20 @@ impl Broker for Rabbit {
                 "prefetch below concurrency: at most `prefetch` handlers will run at once"
             );
         }
+        #[cfg(feature = "sqlx")]
+        if let Some(batch) = &options.batch {
+            let wanted = options.concurrency.saturating_mul(batch.max);
+            if self.prefetch != 0 && usize::from(self.prefetch) < wanted {
+                tracing::info!(
+                    target: TRACING_TARGET,
+                    queue = %self.queue,
+                    prefetch = self.prefetch,
+                    concurrency = options.concurrency,
+                    batch = batch.max,
+                    "prefetch below concurrency x batch size: batches will hold fewer deliveries"
+                );
+            }
+        }
         let queue = short("queue", &self.queue)?;
         let consumer_tag = short("consumer tag", &self.consumer_tag)?;
         let dead_letter = match (&self.dead_letter_exchange, &self.dead_letter_queue) {

@@ -45,6 +45,14 @@ pub struct RunStats {
     pub connection_losses: u64,
     /// Times the consumer connected again after a loss.
     pub reconnections: u64,
+    /// Batches committed ([`batch`](crate::broker::ConsumerBuilder::batch)
+    /// mode).
+    pub batches: u64,
+    /// Deliveries whose handler ran in a committed batch.
+    pub batched: u64,
+    /// Batches that could not commit (nothing of them took effect): their
+    /// deliveries ran again one per transaction.
+    pub batches_aborted: u64,
 }
 
 /// A live view of a consumer's counters, cheap to clone; get it with the
@@ -67,6 +75,9 @@ struct Counters {
     outage_retries: AtomicU64,
     connection_losses: AtomicU64,
     reconnections: AtomicU64,
+    batches: AtomicU64,
+    batched: AtomicU64,
+    batches_aborted: AtomicU64,
     /// Deliveries whose handling has not ended.
     in_flight: AtomicU64,
 }
@@ -88,6 +99,9 @@ impl ConsumerStats {
             outage_retries: get(&c.outage_retries),
             connection_losses: get(&c.connection_losses),
             reconnections: get(&c.reconnections),
+            batches: get(&c.batches),
+            batched: get(&c.batched),
+            batches_aborted: get(&c.batches_aborted),
         }
     }
 
@@ -168,6 +182,34 @@ impl Recorder {
     pub(crate) fn received(&self) {
         self.stats.inner.received.fetch_add(1, Ordering::Relaxed);
         self.stats.inner.in_flight.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// A batch of `size` deliveries committed.
+    #[cfg_attr(not(feature = "sqlx"), allow(dead_code))]
+    pub(crate) fn batch(&self, size: usize) {
+        self.stats.inner.batches.fetch_add(1, Ordering::Relaxed);
+        let size = u64::try_from(size).unwrap_or(u64::MAX);
+        self.stats.inner.batched.fetch_add(size, Ordering::Relaxed);
+        #[cfg(feature = "metrics")]
+        metrics::histogram!(
+            "idempotent_batch_size",
+            "broker" => self.broker,
+            "source" => self.source.to_string()
+        )
+        .record(size as f64);
+    }
+
+    /// A batch that could not commit.
+    #[cfg_attr(not(feature = "sqlx"), allow(dead_code))]
+    pub(crate) fn batch_aborted(&self) {
+        self.stats.inner.batches_aborted.fetch_add(1, Ordering::Relaxed);
+        #[cfg(feature = "metrics")]
+        metrics::counter!(
+            "idempotent_batches_aborted_total",
+            "broker" => self.broker,
+            "source" => self.source.to_string()
+        )
+        .increment(1);
     }
 
     pub(crate) fn handler_failed(&self) {

@@ -49,7 +49,9 @@ use sqlx::{AssertSqlSafe, MySql, MySqlPool, Row, Transaction};
 
 use crate::Error;
 use crate::store::mysql_outbox::{MySqlOutboxSql, stage_outbox};
-use crate::store::sql::{DEFAULT_OUTBOX_RETENTION, OutboxParts, SqlGuard, SqlStoreBuilder, ddl, sql_backend};
+use crate::store::sql::{
+    BatchClaim, DEFAULT_OUTBOX_RETENTION, OutboxParts, SqlGuard, SqlStoreBuilder, ddl, sql_backend,
+};
 use crate::store::{Claim, Replay, Request, Store, TransactionalStore};
 
 /// Begins a transaction at READ COMMITTED (for this transaction only; the
@@ -109,6 +111,8 @@ struct MySqlSql {
     claim: Arc<str>,
     read: Arc<str>,
     write_result: Arc<str>,
+    /// Deletes a marker claimed in a batch whose body failed.
+    undo: Arc<str>,
     purge: Arc<str>,
     ddl: Vec<String>,
     purge_batch: u64,
@@ -158,6 +162,7 @@ impl MySqlStore {
             .into(),
             read: format!("SELECT fingerprint, result FROM {t} WHERE scope = ? AND message_id = ?").into(),
             write_result: format!("UPDATE {t} SET result = ? WHERE scope = ? AND message_id = ?").into(),
+            undo: format!("DELETE FROM {t} WHERE scope = ? AND message_id = ?").into(),
             purge: format!("DELETE FROM {t} WHERE {expired} LIMIT ?").into(),
             ddl: ddl(include_str!("../../sql/mysql.sql"), &table, '`'),
             purge_batch: u64::from(purge_batch),
@@ -272,25 +277,8 @@ impl MySqlStore {
     /// (retried by the caller when it is a deadlock or lock wait timeout).
     async fn try_claim(&self, req: &Request<'_>) -> Result<Attempt, sqlx::Error> {
         let mut tx = self.begin().await?;
-        let ttl_micros = req.ttl_millis().saturating_mul(1000).min(MAX_TTL_MICROS);
-        let fingerprint = req.fingerprint().map(|f| f.as_str());
-        let done = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.claim)))
-            .bind(req.scope())
-            .bind(req.key())
-            .bind(ttl_micros)
-            .bind(fingerprint)
-            .bind(fingerprint)
-            .bind(ttl_micros)
-            .execute(&mut *tx)
-            .await?;
-        match (done.last_insert_id(), done.rows_affected()) {
-            (CLAIM_INSERTED, 1) | (CLAIM_TAKEN_OVER, 2) => return Ok(Attempt::Fresh(tx)),
-            (CLAIM_LIVE, _) => {}
-            (id, rows) => {
-                return Err(sqlx::Error::Protocol(format!(
-                    "unexpected outcome of the MySQL claim statement (last_insert_id {id}, {rows} rows affected)"
-                )));
-            }
+        if self.claim_statement(&mut tx, req).await? {
+            return Ok(Attempt::Fresh(tx));
         }
         if !req.needs_read() {
             // A `()` handler without fingerprint replays `()` whatever the
@@ -305,16 +293,83 @@ impl MySqlStore {
         // A live marker: the claim statement holds an exclusive lock on it,
         // so it cannot change or vanish before this read, which at READ
         // COMMITTED sees its committed values.
-        let row = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.read)))
-            .bind(req.scope())
-            .bind(req.key())
-            .fetch_one(&mut *tx)
-            .await?;
+        let row = self.read_marker(&mut tx, req).await?;
         tx.rollback().await?;
         Ok(Attempt::Done {
             fingerprint: row.try_get("fingerprint")?,
             result: row.try_get("result")?,
         })
+    }
+}
+
+impl MySqlStore {
+    /// Inserts the marker, or takes over an expired one: `true` when this
+    /// claim is fresh.
+    async fn claim_statement(&self, conn: &mut sqlx::MySqlConnection, req: &Request<'_>) -> Result<bool, sqlx::Error> {
+        let ttl_micros = req.ttl_millis().saturating_mul(1000).min(MAX_TTL_MICROS);
+        let fingerprint = req.fingerprint().map(|f| f.as_str());
+        let done = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.claim)))
+            .bind(req.scope())
+            .bind(req.key())
+            .bind(ttl_micros)
+            .bind(fingerprint)
+            .bind(fingerprint)
+            .bind(ttl_micros)
+            .execute(conn)
+            .await?;
+        match (done.last_insert_id(), done.rows_affected()) {
+            (CLAIM_INSERTED, 1) | (CLAIM_TAKEN_OVER, 2) => Ok(true),
+            (CLAIM_LIVE, _) => Ok(false),
+            (id, rows) => Err(sqlx::Error::Protocol(format!(
+                "unexpected outcome of the MySQL claim statement (last_insert_id {id}, {rows} rows affected)"
+            ))),
+        }
+    }
+
+    /// The live marker's fingerprint and result.
+    async fn read_marker(
+        &self,
+        conn: &mut sqlx::MySqlConnection,
+        req: &Request<'_>,
+    ) -> Result<sqlx::mysql::MySqlRow, sqlx::Error> {
+        sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.read)))
+            .bind(req.scope())
+            .bind(req.key())
+            .fetch_one(conn)
+            .await
+    }
+
+    /// The claim inside a batch (see [`crate::batch`]): the same statements
+    /// on the batch's transaction; a fresh claim takes a savepoint. A
+    /// deadlock here rolls back InnoDB's whole transaction: it aborts the
+    /// batch instead of being retried.
+    async fn claim_in_batch(
+        &self,
+        mut batch: BatchClaim<MySql>,
+        req: &Request<'_>,
+    ) -> Result<Claim<SqlGuard<MySql>>, Error> {
+        let claimed = self.claim_statement(&mut batch.tx, req).await;
+        if batch.check(claimed)? {
+            let guard = batch
+                .fresh(
+                    Arc::clone(&self.sql.undo),
+                    Arc::clone(&self.sql.write_result),
+                    Arc::clone(&self.outbox.table),
+                    req,
+                )
+                .await?;
+            return Ok(Claim::Fresh(guard));
+        }
+        if !req.needs_read() {
+            batch.done();
+            return Ok(Claim::Done(Replay::default()));
+        }
+        let row = self.read_marker(&mut batch.tx, req).await;
+        let row = batch.check(row)?;
+        batch.done();
+        let fingerprint: Option<String> = row.try_get("fingerprint")?;
+        req.check_fingerprint(fingerprint.as_deref())?;
+        Ok(Claim::Done(Replay::new(row.try_get("result")?)))
     }
 }
 
@@ -381,6 +436,9 @@ impl Store for MySqlStore {
 
     async fn claim(&self, req: &Request<'_>) -> Result<Claim<Self::Guard>, Error> {
         self.checked.get_or_init(|| warn_about_durability(&self.pool)).await;
+        if let Some(batch) = BatchClaim::join(self.sql.namespace) {
+            return self.claim_in_batch(batch, req).await;
+        }
         let mut retry = Retry::default();
         let attempt = loop {
             match self.try_claim(req).await {
@@ -438,6 +496,14 @@ fn namespace(pool: &MySqlPool, table: &crate::table::TableName) -> &'static str 
 
 impl TransactionalStore for MySqlStore {
     type Database = MySql;
+}
+
+impl crate::batch::BatchStore for MySqlStore {
+    /// A transaction begun like a claim's (Read Committed).
+    async fn begin_batch(&self) -> Result<crate::batch::Batch, Error> {
+        let tx = self.begin().await?;
+        Ok(crate::batch::Batch::new(self.sql.namespace, tx, None))
+    }
 }
 
 impl crate::store::StagesOutbox for MySqlStore {}

@@ -8,7 +8,9 @@ use sqlx::{AssertSqlSafe, PgPool, Postgres, Row};
 use crate::Error;
 use crate::store::postgres_outbox::{PgOutboxSql, stage_outbox};
 use crate::store::postgres_partitions::{PartitionSettings, Partitions};
-use crate::store::sql::{DEFAULT_OUTBOX_RETENTION, OutboxParts, SqlGuard, SqlStoreBuilder, ddl, sql_backend};
+use crate::store::sql::{
+    BatchClaim, DEFAULT_OUTBOX_RETENTION, OutboxParts, SqlGuard, SqlStoreBuilder, ddl, sql_backend,
+};
 use crate::store::{Claim, Replay, Request, Store, TransactionalStore};
 
 /// Begins the claim's transaction at Read Committed, whatever
@@ -49,6 +51,8 @@ struct PgSql {
     claim: Arc<str>,
     read: Arc<str>,
     write_result: Arc<str>,
+    /// Deletes a marker claimed in a batch whose body failed.
+    undo: Arc<str>,
     purge: Arc<str>,
     ddl: Vec<String>,
     purge_batch: i64,
@@ -143,6 +147,7 @@ impl PgStore {
             .into(),
             read: format!("SELECT fingerprint, result FROM {t} WHERE scope = $1 AND message_id = $2").into(),
             write_result: format!("UPDATE {t} SET result = $1 WHERE scope = $2 AND message_id = $3").into(),
+            undo: format!("DELETE FROM {t} WHERE scope = $1 AND message_id = $2").into(),
             // By ctid: the planner deletes exactly the locked batch through
             // the expiry index (a `(scope, message_id) IN (..)` form was
             // planned as a hash join over the whole table: 14x slower).
@@ -323,16 +328,12 @@ impl Store for PgStore {
         // Repeatable Read or Serializable a concurrent duplicate fails with
         // a serialization error (40001) instead of waiting for the first
         // claim and then replaying its result.
+        if let Some(batch) = BatchClaim::join(self.sql.namespace) {
+            return self.claim_in_batch(batch, req).await;
+        }
         let begin = self.begin_statement().await?;
         let mut tx = self.pool.begin_with(begin).await?;
-        let claimed = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.claim)))
-            .bind(req.scope())
-            .bind(req.key())
-            .bind(req.ttl_millis())
-            .bind(req.fingerprint().map(|f| f.as_str()))
-            .fetch_optional(&mut *tx)
-            .await?
-            .is_some();
+        let claimed = self.claim_statement(&mut tx, req).await?;
         if claimed {
             return Ok(Claim::Fresh(SqlGuard::new(
                 tx,
@@ -352,17 +353,75 @@ impl Store for PgStore {
         // A live marker exists: ON CONFLICT DO UPDATE locked it, so it cannot
         // vanish before this read (a new snapshot, so it also sees a marker
         // committed by a concurrent claim this one waited for).
-        let row = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.read)))
-            .bind(req.scope())
-            .bind(req.key())
-            .fetch_one(&mut *tx)
-            .await?;
+        let row = self.read_marker(&mut tx, req).await?;
         // Nothing to undo: dropping the transaction queues its ROLLBACK,
         // sent when the connection returns to the pool, saving a round trip.
         drop(tx);
-        let fingerprint: Option<String> = row.try_get("fingerprint")?;
-        req.check_fingerprint(fingerprint.as_deref())?;
-        Ok(Claim::Done(Replay::new(row.try_get("result")?)))
+        replay(req, &row)
+    }
+}
+
+/// The replay of the live marker `row`, after checking its fingerprint.
+fn replay(req: &Request<'_>, row: &sqlx::postgres::PgRow) -> Result<Claim<SqlGuard<Postgres>>, Error> {
+    let fingerprint: Option<String> = row.try_get("fingerprint")?;
+    req.check_fingerprint(fingerprint.as_deref())?;
+    Ok(Claim::Done(Replay::new(row.try_get("result")?)))
+}
+
+impl PgStore {
+    /// Inserts the marker, or takes over an expired one: `true` when this
+    /// claim is fresh.
+    async fn claim_statement(&self, conn: &mut sqlx::PgConnection, req: &Request<'_>) -> Result<bool, sqlx::Error> {
+        Ok(sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.claim)))
+            .bind(req.scope())
+            .bind(req.key())
+            .bind(req.ttl_millis())
+            .bind(req.fingerprint().map(|f| f.as_str()))
+            .fetch_optional(conn)
+            .await?
+            .is_some())
+    }
+
+    /// The live marker's fingerprint and result.
+    async fn read_marker(
+        &self,
+        conn: &mut sqlx::PgConnection,
+        req: &Request<'_>,
+    ) -> Result<sqlx::postgres::PgRow, sqlx::Error> {
+        sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.read)))
+            .bind(req.scope())
+            .bind(req.key())
+            .fetch_one(conn)
+            .await
+    }
+
+    /// The claim inside a batch (see [`crate::batch`]): the same statements
+    /// on the batch's transaction; a fresh claim takes a savepoint.
+    async fn claim_in_batch(
+        &self,
+        mut batch: BatchClaim<Postgres>,
+        req: &Request<'_>,
+    ) -> Result<Claim<SqlGuard<Postgres>>, Error> {
+        let claimed = self.claim_statement(&mut batch.tx, req).await;
+        if batch.check(claimed)? {
+            let guard = batch
+                .fresh(
+                    Arc::clone(&self.sql.undo),
+                    Arc::clone(&self.sql.write_result),
+                    Arc::clone(&self.outbox.table),
+                    req,
+                )
+                .await?;
+            return Ok(Claim::Fresh(guard));
+        }
+        if !req.needs_read() {
+            batch.done();
+            return Ok(Claim::Done(Replay::default()));
+        }
+        let row = self.read_marker(&mut batch.tx, req).await;
+        let row = batch.check(row)?;
+        batch.done();
+        replay(req, &row)
     }
 }
 
@@ -434,6 +493,18 @@ impl PgStore {
 
 impl TransactionalStore for PgStore {
     type Database = Postgres;
+}
+
+impl crate::batch::BatchStore for PgStore {
+    /// A transaction begun like a claim's (Read Committed, durable commit).
+    /// A [`partitioned`](PgStoreBuilder::partitioned) store's claims do not
+    /// join it: each keeps its own transaction (its claim may have to create
+    /// a partition outside any transaction).
+    async fn begin_batch(&self) -> Result<crate::batch::Batch, Error> {
+        let begin = self.begin_statement().await?;
+        let tx = self.pool.begin_with(begin).await?;
+        Ok(crate::batch::Batch::new(self.sql.namespace, tx, None))
+    }
 }
 
 impl crate::store::StagesOutbox for PgStore {}

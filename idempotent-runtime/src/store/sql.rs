@@ -7,6 +7,7 @@ use std::sync::Arc;
 use sqlx::Transaction;
 
 use crate::Error;
+use crate::batch::{Joined, ROLLBACK_TO_SAVEPOINT, SAVEPOINT};
 use crate::outbox::{Outbox, StagedRow};
 use crate::store::{Guard, TransactionGuard};
 use crate::table::TableName;
@@ -31,6 +32,14 @@ pub trait SqlBackend: sqlx::Database {
         result: String,
         scope: &'a str,
         key: &'a str,
+    ) -> impl Future<Output = Result<(), sqlx::Error>> + Send + 'a;
+
+    /// Runs `sql` with `(scope, key)` (a batch claim's marker undo), or
+    /// with no parameter when both are `None` (savepoints).
+    fn execute_keyed<'a>(
+        conn: &'a mut Self::Connection,
+        sql: Arc<str>,
+        keyed: Option<(&'a str, &'a str)>,
     ) -> impl Future<Output = Result<(), sqlx::Error>> + Send + 'a;
 
     /// Writes staged outgoing messages into the outbox table `table`
@@ -63,6 +72,20 @@ macro_rules! sql_backend {
                 Ok(())
             }
 
+            async fn execute_keyed<'a>(
+                conn: &'a mut $conn,
+                sql: ::std::sync::Arc<str>,
+                keyed: Option<(&'a str, &'a str)>,
+            ) -> Result<(), sqlx::Error> {
+                let query = sqlx::query(sqlx::AssertSqlSafe(sql));
+                let query = match keyed {
+                    Some((scope, key)) => query.bind(scope).bind(key),
+                    None => query,
+                };
+                query.execute(conn).await?;
+                Ok(())
+            }
+
             fn stage_outbox<'a>(
                 conn: &'a mut $conn,
                 table: &'a str,
@@ -86,6 +109,9 @@ pub struct SqlGuard<DB: SqlBackend> {
     scope: String,
     key: String,
     _writer: Option<tokio::sync::OwnedSemaphorePermit>,
+    /// The batch this claim joined: completing leaves the transaction open
+    /// for the next message, aborting rolls back to the claim's savepoint.
+    batch: Option<Joined>,
 }
 
 /// A store's outbox table, as its guards write it.
@@ -163,7 +189,69 @@ impl<DB: SqlBackend> SqlGuard<DB> {
             scope: req.scope().to_owned(),
             key: req.key().to_owned(),
             _writer: writer,
+            batch: None,
         }
+    }
+
+    /// A fresh claim in a batch: `tx` is the batch's, after the claim's
+    /// savepoint; `undo` deletes the marker by `(scope, key)`.
+    pub(crate) fn in_batch(
+        tx: Transaction<'static, DB>,
+        batch: Arc<crate::batch::Shared>,
+        undo: Arc<str>,
+        write_result_sql: Arc<str>,
+        outbox: Arc<OutboxTable>,
+        req: &crate::store::Request<'_>,
+    ) -> Self {
+        let mut guard = SqlGuard::new(tx, write_result_sql, outbox, req, None);
+        guard.batch = Some(Joined::new(batch, undo));
+        guard
+    }
+}
+
+/// A claim made inside a batch, for each store's claim code: the batch's
+/// transaction is taken for the claim statement and given back (or kept
+/// by the fresh claim's guard, after its savepoint).
+pub(crate) struct BatchClaim<DB: SqlBackend> {
+    pub(crate) batch: Arc<crate::batch::Shared>,
+    pub(crate) tx: Transaction<'static, DB>,
+}
+
+impl<DB: SqlBackend> BatchClaim<DB> {
+    /// The batch this task runs in, when it was opened on the store of
+    /// `namespace` and its transaction is free.
+    pub(crate) fn join(namespace: &'static str) -> Option<Self> {
+        let batch = crate::batch::current(namespace)?;
+        let tx = batch.take::<DB>()?;
+        Some(BatchClaim { batch, tx })
+    }
+
+    /// The claim statement's outcome: an error leaves the transaction
+    /// unusable, so it aborts the batch.
+    pub(crate) fn check<T>(&mut self, outcome: Result<T, sqlx::Error>) -> Result<T, Error> {
+        outcome.map_err(|error| {
+            self.batch.abort();
+            error.into()
+        })
+    }
+
+    /// A fresh claim: takes the savepoint its body can be undone to.
+    pub(crate) async fn fresh(
+        mut self,
+        undo: Arc<str>,
+        write_result_sql: Arc<str>,
+        outbox: Arc<OutboxTable>,
+        req: &crate::store::Request<'_>,
+    ) -> Result<SqlGuard<DB>, Error> {
+        if let Err(error) = DB::execute_keyed(&mut self.tx, SAVEPOINT.into(), None).await {
+            return Err(self.batch.fail(self.tx, error));
+        }
+        Ok(SqlGuard::in_batch(self.tx, self.batch, undo, write_result_sql, outbox, req))
+    }
+
+    /// Not fresh: the transaction goes back to the batch.
+    pub(crate) fn done(self) {
+        self.batch.give_back(self.tx);
     }
 }
 
@@ -178,6 +266,32 @@ impl<DB: SqlBackend> std::fmt::Debug for SqlGuard<DB> {
 
 impl<DB: SqlBackend> Guard for SqlGuard<DB> {
     async fn complete(mut self, result: Option<String>) -> Result<(), Error> {
+        if let Some(joined) = self.batch.take() {
+            let written = match result {
+                Some(result) => {
+                    DB::write_result(
+                        &mut self.tx,
+                        Arc::clone(&self.write_result_sql),
+                        result,
+                        &self.scope,
+                        &self.key,
+                    )
+                    .await
+                }
+                None => Ok(()),
+            };
+            let batch = joined.disarm();
+            if let Err(error) = written {
+                return Err(batch.fail(self.tx, error));
+            }
+            if self.staged {
+                let waker = Arc::clone(&self.outbox.waker);
+                batch.after_commit(Box::new(move || waker.notify_one()));
+            }
+            // Committed (and the message acknowledged) with the batch.
+            batch.give_back(self.tx);
+            return Ok(());
+        }
         if let Some(result) = result {
             DB::write_result(
                 &mut self.tx,
@@ -195,7 +309,30 @@ impl<DB: SqlBackend> Guard for SqlGuard<DB> {
         Ok(())
     }
 
-    async fn abort(self) {
+    async fn abort(mut self) {
+        if let Some(joined) = self.batch.take() {
+            // Undo the body, then the marker (inserted before the savepoint).
+            let undone = match DB::execute_keyed(&mut self.tx, ROLLBACK_TO_SAVEPOINT.into(), None).await {
+                Ok(()) => {
+                    DB::execute_keyed(
+                        &mut self.tx,
+                        Arc::clone(&joined.undo),
+                        Some((&self.scope, &self.key)),
+                    )
+                    .await
+                }
+                Err(error) => Err(error),
+            };
+            let batch = joined.disarm();
+            match undone {
+                Ok(()) => batch.give_back(self.tx),
+                Err(error) => {
+                    let error = batch.fail(self.tx, error);
+                    tracing::debug!(target: "idempotent", %error, "undoing a claim in a batch failed: batch aborted");
+                }
+            }
+            return;
+        }
         if let Err(error) = self.tx.rollback().await {
             // The connection is gone; the server rolls the transaction back.
             tracing::debug!(target: "idempotent", %error, "rollback failed");

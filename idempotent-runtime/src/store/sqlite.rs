@@ -10,7 +10,9 @@ use sqlx::{AssertSqlSafe, Row, Sqlite, SqlitePool};
 use tokio::sync::Semaphore;
 
 use crate::Error;
-use crate::store::sql::{DEFAULT_OUTBOX_RETENTION, OutboxParts, SqlGuard, SqlStoreBuilder, ddl, sql_backend};
+use crate::store::sql::{
+    BatchClaim, DEFAULT_OUTBOX_RETENTION, OutboxParts, SqlGuard, SqlStoreBuilder, ddl, sql_backend,
+};
 use crate::store::sqlite_outbox::{SqliteOutboxSql, stage_outbox};
 use crate::store::{Claim, Replay, Request, Store, TransactionalStore};
 
@@ -56,6 +58,8 @@ struct SqliteSql {
     claim: Arc<str>,
     read: Arc<str>,
     write_result: Arc<str>,
+    /// Deletes a marker claimed in a batch whose body failed.
+    undo: Arc<str>,
     purge: Arc<str>,
     ddl: Vec<String>,
     purge_batch: i64,
@@ -97,6 +101,7 @@ impl SqliteStore {
             .into(),
             read: format!("SELECT fingerprint, result FROM {t} WHERE scope = ?1 AND message_id = ?2").into(),
             write_result: format!("UPDATE {t} SET result = ?1 WHERE scope = ?2 AND message_id = ?3").into(),
+            undo: format!("DELETE FROM {t} WHERE scope = ?1 AND message_id = ?2").into(),
             purge: format!(
                 "DELETE FROM {t} WHERE (scope, message_id) IN (\
                  SELECT scope, message_id FROM {t} WHERE expires_at <= {NOW_MS} LIMIT ?1)"
@@ -249,15 +254,11 @@ impl Store for SqliteStore {
     }
 
     async fn claim(&self, req: &Request<'_>) -> Result<Claim<Self::Guard>, Error> {
+        if let Some(batch) = BatchClaim::join(self.sql.namespace) {
+            return self.claim_in_batch(batch, req).await;
+        }
         let (mut tx, writer) = self.begin_immediate().await?;
-        let claimed = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.claim)))
-            .bind(req.scope())
-            .bind(req.key())
-            .bind(req.ttl_millis())
-            .bind(req.fingerprint().map(|f| f.as_str()))
-            .fetch_optional(&mut *tx)
-            .await?
-            .is_some();
+        let claimed = self.claim_statement(&mut tx, req).await?;
         if claimed {
             return Ok(Claim::Fresh(SqlGuard::new(
                 tx,
@@ -275,16 +276,75 @@ impl Store for SqliteStore {
             drop(writer);
             return Ok(Claim::Done(Replay::default()));
         }
-        let row = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.read)))
-            .bind(req.scope())
-            .bind(req.key())
-            .fetch_one(&mut *tx)
-            .await?;
+        let row = self.read_marker(&mut tx, req).await?;
         tx.rollback().await?;
         drop(writer);
-        let fingerprint: Option<String> = row.try_get("fingerprint")?;
-        req.check_fingerprint(fingerprint.as_deref())?;
-        Ok(Claim::Done(Replay::new(row.try_get("result")?)))
+        replay(req, &row)
+    }
+}
+
+/// The replay of the live marker `row`, after checking its fingerprint.
+fn replay(req: &Request<'_>, row: &sqlx::sqlite::SqliteRow) -> Result<Claim<SqlGuard<Sqlite>>, Error> {
+    let fingerprint: Option<String> = row.try_get("fingerprint")?;
+    req.check_fingerprint(fingerprint.as_deref())?;
+    Ok(Claim::Done(Replay::new(row.try_get("result")?)))
+}
+
+impl SqliteStore {
+    /// Inserts the marker, or takes over an expired one: `true` when this
+    /// claim is fresh.
+    async fn claim_statement(&self, conn: &mut sqlx::SqliteConnection, req: &Request<'_>) -> Result<bool, sqlx::Error> {
+        Ok(sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.claim)))
+            .bind(req.scope())
+            .bind(req.key())
+            .bind(req.ttl_millis())
+            .bind(req.fingerprint().map(|f| f.as_str()))
+            .fetch_optional(conn)
+            .await?
+            .is_some())
+    }
+
+    /// The live marker's fingerprint and result.
+    async fn read_marker(
+        &self,
+        conn: &mut sqlx::SqliteConnection,
+        req: &Request<'_>,
+    ) -> Result<sqlx::sqlite::SqliteRow, sqlx::Error> {
+        sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.read)))
+            .bind(req.scope())
+            .bind(req.key())
+            .fetch_one(conn)
+            .await
+    }
+
+    /// The claim inside a batch (see [`crate::batch`]): the same statements
+    /// on the batch's transaction, which holds the write lock; a fresh claim
+    /// takes a savepoint.
+    async fn claim_in_batch(
+        &self,
+        mut batch: BatchClaim<Sqlite>,
+        req: &Request<'_>,
+    ) -> Result<Claim<SqlGuard<Sqlite>>, Error> {
+        let claimed = self.claim_statement(&mut batch.tx, req).await;
+        if batch.check(claimed)? {
+            let guard = batch
+                .fresh(
+                    Arc::clone(&self.sql.undo),
+                    Arc::clone(&self.sql.write_result),
+                    Arc::clone(&self.outbox.table),
+                    req,
+                )
+                .await?;
+            return Ok(Claim::Fresh(guard));
+        }
+        if !req.needs_read() {
+            batch.done();
+            return Ok(Claim::Done(Replay::default()));
+        }
+        let row = self.read_marker(&mut batch.tx, req).await;
+        let row = batch.check(row)?;
+        batch.done();
+        replay(req, &row)
     }
 }
 
@@ -302,6 +362,15 @@ fn namespace(pool: &SqlitePool, table: &crate::table::TableName) -> &'static str
 
 impl TransactionalStore for SqliteStore {
     type Database = Sqlite;
+}
+
+impl crate::batch::BatchStore for SqliteStore {
+    /// Takes the write lock (`BEGIN IMMEDIATE`, after this process's writer
+    /// turn) for the whole batch.
+    async fn begin_batch(&self) -> Result<crate::batch::Batch, Error> {
+        let (tx, writer) = self.begin_immediate().await?;
+        Ok(crate::batch::Batch::new(self.sql.namespace, tx, Some(writer)))
+    }
 }
 
 impl crate::store::StagesOutbox for SqliteStore {}

@@ -1,0 +1,432 @@
+//! Batch transactions (`idempotent_runtime::batch`) on the real databases:
+//! PostgreSQL, MariaDB and SQLite.
+//!
+//! The same `#[idempotent]` handler runs inside a `Batch`: its effects and
+//! markers commit together with the batch, a failing body is undone alone
+//! (its savepoint and its marker), a duplicate inside the batch or of a
+//! committed message is answered as usual, nothing is visible before the
+//! commit, and a batch that cannot commit (a panic or a cancellation with a
+//! claim open, a rollback) leaves no effect and no marker, so its messages
+//! can run again. Broker consumers in batch mode are tested in
+//! `broker_conformance.rs` and `chaos.rs`.
+
+mod common;
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use futures_util::FutureExt;
+use idempotent_runtime::batch::BatchStore;
+use idempotent_runtime::{Error, idempotent, sqlx};
+
+#[derive(Debug, thiserror::Error)]
+enum AppError {
+    #[error(transparent)]
+    Idem(#[from] Error),
+    #[error(transparent)]
+    Db(#[from] sqlx::Error),
+    #[error("the body failed on purpose")]
+    Failed,
+}
+
+struct Msg {
+    id: String,
+    amount: i64,
+    fail: bool,
+    panic: bool,
+    /// The body never ends (to be cancelled mid-body).
+    hang: bool,
+}
+
+fn msg(id: &str, amount: i64) -> Msg {
+    Msg {
+        id: id.to_owned(),
+        amount,
+        fail: false,
+        panic: false,
+        hang: false,
+    }
+}
+
+/// Generates the suite for one backend: `$store` with transactions on
+/// `$conn`, an effect `INSERT` written with `$insert` (`{}` for the table).
+macro_rules! suite {
+    ($module:ident, $store:ty, $conn:ty, $insert:literal, $setup:expr, $teardown:expr) => {
+        mod $module {
+            use super::*;
+
+            struct Service {
+                store: $store,
+                other: $store,
+                effects: String,
+                runs: AtomicU64,
+            }
+
+            impl Service {
+                /// Inserts the effect, then fails or panics when the message
+                /// says so (after the insert, so the undo is observable).
+                #[idempotent(key = "msg.id", store = self.store, scope = "batch.pay")]
+                async fn pay(&self, msg: &Msg, tx: &mut $conn) -> Result<i64, AppError> {
+                    self.runs.fetch_add(1, Ordering::SeqCst);
+                    let insert = format!($insert, self.effects);
+                    sqlx::query(sqlx::AssertSqlSafe(insert))
+                        .bind(&msg.id)
+                        .bind(msg.amount)
+                        .execute(&mut *tx)
+                        .await?;
+                    if msg.panic {
+                        panic!("the body panicked on purpose");
+                    }
+                    if msg.hang {
+                        std::future::pending::<()>().await;
+                    }
+                    if msg.fail {
+                        return Err(AppError::Failed);
+                    }
+                    Ok(msg.amount * 2)
+                }
+
+                /// The same on another marker table: not the batch's store.
+                #[idempotent(key = "msg.id", store = self.other, scope = "batch.other")]
+                async fn elsewhere(&self, msg: &Msg, tx: &mut $conn) -> Result<(), AppError> {
+                    let insert = format!($insert, self.effects);
+                    sqlx::query(sqlx::AssertSqlSafe(insert))
+                        .bind(&msg.id)
+                        .bind(msg.amount)
+                        .execute(&mut *tx)
+                        .await?;
+                    Ok(())
+                }
+
+                async fn count(&self, what: &str) -> i64 {
+                    let sql = match what {
+                        "effects" => format!("SELECT COUNT(*) FROM {}", self.effects),
+                        _ => format!("SELECT COUNT(*) FROM {}", self.store.table()),
+                    };
+                    sqlx::query_scalar(sqlx::AssertSqlSafe(sql))
+                        .fetch_one(self.store.pool())
+                        .await
+                        .unwrap()
+                }
+
+                async fn effects_of(&self, id: &str) -> i64 {
+                    let sql = format!("SELECT COUNT(*) FROM {} WHERE message_id = '{id}'", self.effects);
+                    sqlx::query_scalar(sqlx::AssertSqlSafe(sql))
+                        .fetch_one(self.store.pool())
+                        .await
+                        .unwrap()
+                }
+
+                fn runs(&self) -> u64 {
+                    self.runs.load(Ordering::SeqCst)
+                }
+            }
+
+            async fn service() -> (Service, impl std::any::Any) {
+                let (store, other, effects, keep) = $setup.await;
+                (
+                    Service {
+                        store,
+                        other,
+                        effects,
+                        runs: AtomicU64::new(0),
+                    },
+                    keep,
+                )
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_batch_commits_its_messages_together_and_undoes_a_failure_alone() {
+                let (svc, keep) = service().await;
+                let batch = svc.store.begin_batch().await.unwrap();
+                assert_eq!(batch.run(svc.pay(&msg("k1", 1))).await.unwrap(), 2);
+                assert_eq!(batch.run(svc.pay(&msg("k2", 2))).await.unwrap(), 4);
+                // A duplicate inside the batch replays the first run's result.
+                assert_eq!(batch.run(svc.pay(&msg("k1", 1))).await.unwrap(), 2);
+                // A failing body: its effect and its marker are undone.
+                let failing = Msg { fail: true, ..msg("k3", 3) };
+                assert!(matches!(batch.run(svc.pay(&failing)).await, Err(AppError::Failed)));
+                assert_eq!(batch.run(svc.pay(&msg("k4", 4))).await.unwrap(), 8);
+                assert_eq!(svc.runs(), 4, "the in-batch duplicate did not run");
+                assert!(!batch.is_aborted());
+                assert_eq!(batch.fresh_claims(), 4);
+                // Nothing is visible before the commit.
+                assert_eq!((svc.count("effects").await, svc.count("markers").await), (0, 0));
+                batch.commit().await.unwrap();
+
+                assert_eq!(svc.count("effects").await, 3, "k1, k2, k4");
+                assert_eq!(svc.count("markers").await, 3, "no marker for the failed k3");
+                for id in ["k1", "k2", "k4"] {
+                    assert_eq!(svc.effects_of(id).await, 1, "{id} once");
+                }
+                assert_eq!(svc.effects_of("k3").await, 0);
+                // The failed message runs again and is processed; the others
+                // are duplicates of the batch's commit.
+                assert_eq!(svc.pay(&msg("k3", 3)).await.unwrap(), 6);
+                assert_eq!(svc.pay(&msg("k2", 2)).await.unwrap(), 4);
+                assert_eq!(svc.effects_of("k3").await, 1);
+                assert_eq!(svc.count("effects").await, 4);
+                assert_eq!(svc.runs(), 5);
+                $teardown(&svc.store, &svc.other, &svc.effects, keep).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_panic_with_a_claim_open_aborts_the_batch_and_nothing_takes_effect() {
+                let (svc, keep) = service().await;
+                let batch = svc.store.begin_batch().await.unwrap();
+                batch.run(svc.pay(&msg("p1", 1))).await.unwrap();
+                let panicking = Msg { panic: true, ..msg("p2", 2) };
+                let caught = std::panic::AssertUnwindSafe(batch.run(svc.pay(&panicking)))
+                    .catch_unwind()
+                    .await;
+                assert!(caught.is_err(), "the body panicked");
+                assert!(batch.is_aborted());
+                // A call after the abort keeps its own transaction.
+                batch.run(svc.pay(&msg("p3", 3))).await.unwrap();
+                assert!(matches!(batch.commit().await, Err(Error::BatchAborted)));
+                assert_eq!(svc.effects_of("p1").await, 0, "the batch's p1 rolled back");
+                assert_eq!(svc.effects_of("p2").await, 0);
+                assert_eq!(svc.effects_of("p3").await, 1, "p3 ran alone, committed");
+                // Both can run again.
+                svc.pay(&msg("p1", 1)).await.unwrap();
+                svc.pay(&msg("p2", 2)).await.unwrap();
+                assert_eq!(svc.count("effects").await, 3);
+                assert_eq!(svc.count("markers").await, 3);
+                $teardown(&svc.store, &svc.other, &svc.effects, keep).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_handler_cancelled_with_its_claim_open_aborts_the_batch() {
+                let (svc, keep) = service().await;
+                let batch = svc.store.begin_batch().await.unwrap();
+                batch.run(svc.pay(&msg("c1", 1))).await.unwrap();
+                // Cancelled mid-body: the claim's savepoint cannot be undone.
+                let hanging = Msg { hang: true, ..msg("c2", 2) };
+                let cancelled = tokio::time::timeout(Duration::from_millis(200), batch.run(svc.pay(&hanging))).await;
+                assert!(cancelled.is_err(), "the call was cancelled");
+                assert!(batch.is_aborted());
+                assert!(matches!(batch.commit().await, Err(Error::BatchAborted)));
+                assert_eq!((svc.count("effects").await, svc.count("markers").await), (0, 0));
+                svc.pay(&msg("c1", 1)).await.unwrap();
+                svc.pay(&msg("c2", 2)).await.unwrap();
+                assert_eq!(svc.count("effects").await, 2);
+                $teardown(&svc.store, &svc.other, &svc.effects, keep).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_rolled_back_batch_leaves_nothing_and_its_messages_run_again() {
+                let (svc, keep) = service().await;
+                let batch = svc.store.begin_batch().await.unwrap();
+                batch.run(svc.pay(&msg("r1", 1))).await.unwrap();
+                batch.run(svc.pay(&msg("r2", 2))).await.unwrap();
+                batch.rollback().await;
+                assert_eq!((svc.count("effects").await, svc.count("markers").await), (0, 0));
+                assert_eq!(svc.pay(&msg("r1", 1)).await.unwrap(), 2);
+                assert_eq!(svc.runs(), 3, "r1 ran again");
+                assert_eq!(svc.count("effects").await, 1);
+                $teardown(&svc.store, &svc.other, &svc.effects, keep).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_duplicate_of_a_committed_message_is_answered_inside_a_batch() {
+                let (svc, keep) = service().await;
+                assert_eq!(svc.pay(&msg("d1", 5)).await.unwrap(), 10);
+                let batch = svc.store.begin_batch().await.unwrap();
+                assert_eq!(batch.run(svc.pay(&msg("d1", 5))).await.unwrap(), 10);
+                assert_eq!(batch.fresh_claims(), 0);
+                batch.commit().await.unwrap();
+                assert_eq!(svc.runs(), 1);
+                assert_eq!(svc.effects_of("d1").await, 1);
+                $teardown(&svc.store, &svc.other, &svc.effects, keep).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn calls_on_another_store_keep_their_own_transaction() {
+                let (svc, keep) = service().await;
+                let batch = svc.store.begin_batch().await.unwrap();
+                batch.run(svc.pay(&msg("o1", 1))).await.unwrap();
+                batch.run(svc.elsewhere(&msg("o2", 2))).await.unwrap();
+                // Committed on its own, before the batch.
+                assert_eq!(svc.effects_of("o2").await, 1);
+                assert_eq!(svc.effects_of("o1").await, 0);
+                batch.commit().await.unwrap();
+                assert_eq!(svc.effects_of("o1").await, 1);
+                $teardown(&svc.store, &svc.other, &svc.effects, keep).await;
+            }
+        }
+    };
+}
+
+// ---- PostgreSQL ---------------------------------------------------------
+
+async fn pg_setup() -> (idempotent_runtime::PgStore, idempotent_runtime::PgStore, String, ()) {
+    let pool = common::pg_pool(8).await;
+    let (markers, other, effects) = (
+        common::unique("batch_m"),
+        common::unique("batch_o"),
+        common::unique("batch_e"),
+    );
+    let store = idempotent_runtime::PgStore::builder(pool.clone())
+        .table(&markers)
+        .build()
+        .unwrap();
+    let other = idempotent_runtime::PgStore::builder(pool.clone())
+        .table(&other)
+        .build()
+        .unwrap();
+    store.migrate().await.unwrap();
+    other.migrate().await.unwrap();
+    let ddl = format!("CREATE TABLE {effects} (message_id TEXT NOT NULL, amount BIGINT NOT NULL)");
+    sqlx::query(sqlx::AssertSqlSafe(ddl)).execute(&pool).await.unwrap();
+    (store, other, effects, ())
+}
+
+async fn pg_teardown(
+    store: &idempotent_runtime::PgStore,
+    other: &idempotent_runtime::PgStore,
+    effects: &str,
+    _keep: impl std::any::Any,
+) {
+    for table in [store.table().to_string(), other.table().to_string(), effects.to_owned()] {
+        common::drop_pg_table(store.pool(), &table).await;
+    }
+}
+
+suite!(
+    postgres,
+    idempotent_runtime::PgStore,
+    sqlx::PgConnection,
+    "INSERT INTO {} (message_id, amount) VALUES ($1, $2)",
+    pg_setup(),
+    pg_teardown
+);
+
+// ---- MariaDB ------------------------------------------------------------
+
+async fn mysql_setup() -> (idempotent_runtime::MySqlStore, idempotent_runtime::MySqlStore, String, ()) {
+    let pool = common::mysql_pool(8).await;
+    let (markers, other, effects) = (
+        common::unique("batch_m"),
+        common::unique("batch_o"),
+        common::unique("batch_e"),
+    );
+    let store = idempotent_runtime::MySqlStore::builder(pool.clone())
+        .table(&markers)
+        .build()
+        .unwrap();
+    let other = idempotent_runtime::MySqlStore::builder(pool.clone())
+        .table(&other)
+        .build()
+        .unwrap();
+    store.migrate().await.unwrap();
+    other.migrate().await.unwrap();
+    let ddl = format!("CREATE TABLE {effects} (message_id VARCHAR(64) NOT NULL, amount BIGINT NOT NULL)");
+    sqlx::query(sqlx::AssertSqlSafe(ddl)).execute(&pool).await.unwrap();
+    (store, other, effects, ())
+}
+
+async fn mysql_teardown(
+    store: &idempotent_runtime::MySqlStore,
+    other: &idempotent_runtime::MySqlStore,
+    effects: &str,
+    _keep: impl std::any::Any,
+) {
+    for table in [store.table().to_string(), other.table().to_string(), effects.to_owned()] {
+        common::drop_mysql_table(store.pool(), &table).await;
+    }
+}
+
+suite!(
+    mysql,
+    idempotent_runtime::MySqlStore,
+    sqlx::MySqlConnection,
+    "INSERT INTO {} (message_id, amount) VALUES (?, ?)",
+    mysql_setup(),
+    mysql_teardown
+);
+
+// ---- SQLite -------------------------------------------------------------
+
+async fn sqlite_setup() -> (
+    idempotent_runtime::SqliteStore,
+    idempotent_runtime::SqliteStore,
+    String,
+    tempfile::TempDir,
+) {
+    let dir = tempfile::tempdir().unwrap();
+    let store = idempotent_runtime::SqliteStore::open(dir.path().join("markers.db"))
+        .await
+        .unwrap();
+    let other = idempotent_runtime::SqliteStore::builder(store.pool().clone())
+        .table("other_markers")
+        .build()
+        .unwrap();
+    store.migrate().await.unwrap();
+    other.migrate().await.unwrap();
+    let effects = "effects".to_owned();
+    let ddl = format!("CREATE TABLE {effects} (message_id TEXT NOT NULL, amount INTEGER NOT NULL)");
+    sqlx::query(sqlx::AssertSqlSafe(ddl)).execute(store.pool()).await.unwrap();
+    (store, other, effects, dir)
+}
+
+async fn sqlite_teardown(
+    _store: &idempotent_runtime::SqliteStore,
+    _other: &idempotent_runtime::SqliteStore,
+    _effects: &str,
+    keep: impl std::any::Any,
+) {
+    drop(keep); // the temporary directory
+}
+
+suite!(
+    sqlite,
+    idempotent_runtime::SqliteStore,
+    sqlx::SqliteConnection,
+    "INSERT INTO {} (message_id, amount) VALUES (?1, ?2)",
+    sqlite_setup(),
+    sqlite_teardown
+);
+
+// ---- across batches ----------------------------------------------------------------
+
+/// Two batches claiming one key: the second waits for the first's commit,
+/// then answers a duplicate (PostgreSQL; MariaDB behaves alike, SQLite runs
+/// one write transaction at a time).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_claimed_in_an_open_batch_waits_for_its_commit_in_another() {
+    let (store, other, effects, ()) = pg_setup().await;
+    let svc = std::sync::Arc::new((store.clone(), effects.clone(), AtomicU64::new(0)));
+
+    #[idempotent(key = "msg.id", store = &svc.0, scope = "batch.across")]
+    async fn pay(
+        svc: &std::sync::Arc<(idempotent_runtime::PgStore, String, AtomicU64)>,
+        msg: &Msg,
+        tx: &mut sqlx::PgConnection,
+    ) -> Result<i64, AppError> {
+        svc.2.fetch_add(1, Ordering::SeqCst);
+        let insert = format!("INSERT INTO {} (message_id, amount) VALUES ($1, $2)", svc.1);
+        sqlx::query(sqlx::AssertSqlSafe(insert))
+            .bind(&msg.id)
+            .bind(msg.amount)
+            .execute(&mut *tx)
+            .await?;
+        Ok(msg.amount)
+    }
+
+    let first = store.begin_batch().await.unwrap();
+    assert_eq!(first.run(pay(&svc, &msg("x1", 7))).await.unwrap(), 7);
+    let second_svc = std::sync::Arc::clone(&svc);
+    let second_store = store.clone();
+    let second = tokio::spawn(async move {
+        let batch = second_store.begin_batch().await.unwrap();
+        let replayed = batch.run(pay(&second_svc, &msg("x1", 7))).await.unwrap();
+        batch.commit().await.unwrap();
+        replayed
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!second.is_finished(), "the second batch waits on the first's marker");
+    first.commit().await.unwrap();
+    assert_eq!(second.await.unwrap(), 7, "then replays its result");
+    assert_eq!(svc.2.load(Ordering::SeqCst), 1, "the body ran once");
+    pg_teardown(&store, &other, &effects, ()).await;
+}
