@@ -427,15 +427,22 @@ async fn run(cfg: Config) {
             (32, "(e32) batch of 32"),
             (128, "(e128) batch of 128"),
         ] {
-            rows.push(row(name, pg::Batched::new(env.tables(&format!("be{size}")).await, size), t, &warm));
+            rows.push(row(
+                name,
+                pg::Batched::new(env.tables(&format!("be{size}")).await, size),
+                t,
+                &warm,
+            ));
         }
         let names: Vec<&'static str> = rows.iter().map(|r| r.name).collect();
         let groups = grid("batch", &rows, &cells(&cfg.dups, &[8]), &plans, cfg.reps).await;
         let mut text = String::from(
             "## PostgreSQL: batch transactions\n\nThe (d) handler, unchanged, run N deliveries per transaction \
-             (`PgStore::begin_batch`, each call inside `Batch::run`, one `Batch::commit`): each claim joins the \
-             batch's transaction, a fresh message's body runs under a savepoint, duplicates are answered as usual, \
-             one commit for the batch (what `ConsumerBuilder::batch` does between the broker and the handler). A \
+             (`PgStore::begin_batch`, the N calls in `Batch::run_all`, one `Batch::commit`): the calls' claims are \
+             gathered into one `INSERT .. SELECT FROM unnest(..) ORDER BY key ON CONFLICT .. RETURNING`, each fresh \
+             message's body runs under a savepoint, duplicates are answered as usual (one more statement reads the \
+             markers of those that need a result), one commit for the batch (what `ConsumerBuilder::batch` does \
+             between the broker and the handler). A \
              worker takes N deliveries at once; every message of a batch counts the batch's latency (it is \
              acknowledged after the commit). Concurrency 8 (8 batches at once).\n\n",
         );

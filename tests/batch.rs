@@ -65,7 +65,7 @@ macro_rules! suite {
             impl Service {
                 /// Inserts the effect, then fails or panics when the message
                 /// says so (after the insert, so the undo is observable).
-                #[idempotent(key = "msg.id", store = self.store, scope = "batch.pay")]
+                #[idempotent(key = "msg.id", store = self.store, scope = "batch.pay", tx = tx)]
                 async fn pay(&self, msg: &Msg, tx: &mut $conn) -> Result<i64, AppError> {
                     self.runs.fetch_add(1, Ordering::SeqCst);
                     let insert = format!($insert, self.effects);
@@ -87,7 +87,7 @@ macro_rules! suite {
                 }
 
                 /// The same on another marker table: not the batch's store.
-                #[idempotent(key = "msg.id", store = self.other, scope = "batch.other")]
+                #[idempotent(key = "msg.id", store = self.other, scope = "batch.other", tx = tx)]
                 async fn elsewhere(&self, msg: &Msg, tx: &mut $conn) -> Result<(), AppError> {
                     let insert = format!($insert, self.effects);
                     sqlx::query(sqlx::AssertSqlSafe(insert))
@@ -113,6 +113,15 @@ macro_rules! suite {
                     let sql = format!("SELECT COUNT(*) FROM {} WHERE message_id = '{id}'", self.effects);
                     sqlx::query_scalar(sqlx::AssertSqlSafe(sql))
                         .fetch_one(self.store.pool())
+                        .await
+                        .unwrap()
+                }
+
+                /// Effects written through the other store (its database).
+                async fn effects_elsewhere(&self, id: &str) -> i64 {
+                    let sql = format!("SELECT COUNT(*) FROM {} WHERE message_id = '{id}'", self.effects);
+                    sqlx::query_scalar(sqlx::AssertSqlSafe(sql))
+                        .fetch_one(self.other.pool())
                         .await
                         .unwrap()
                 }
@@ -144,8 +153,14 @@ macro_rules! suite {
                 // A duplicate inside the batch replays the first run's result.
                 assert_eq!(batch.run(svc.pay(&msg("k1", 1))).await.unwrap(), 2);
                 // A failing body: its effect and its marker are undone.
-                let failing = Msg { fail: true, ..msg("k3", 3) };
-                assert!(matches!(batch.run(svc.pay(&failing)).await, Err(AppError::Failed)));
+                let failing = Msg {
+                    fail: true,
+                    ..msg("k3", 3)
+                };
+                assert!(matches!(
+                    batch.run(svc.pay(&failing)).await,
+                    Err(AppError::Failed)
+                ));
                 assert_eq!(batch.run(svc.pay(&msg("k4", 4))).await.unwrap(), 8);
                 assert_eq!(svc.runs(), 4, "the in-batch duplicate did not run");
                 assert!(!batch.is_aborted());
@@ -171,22 +186,63 @@ macro_rules! suite {
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn calls_run_together_and_a_repeated_key_replays_its_first_run() {
+                let (svc, keep) = service().await;
+                // A key already committed: a duplicate inside the batch.
+                assert_eq!(svc.pay(&msg("t0", 5)).await.unwrap(), 10);
+                let batch = svc.store.begin_batch().await.unwrap();
+                let failing = Msg {
+                    fail: true,
+                    ..msg("t3", 3)
+                };
+                let msgs = [
+                    msg("t1", 1),
+                    msg("t2", 2),
+                    msg("t1", 1),
+                    failing,
+                    msg("t0", 5),
+                    msg("t4", 4),
+                ];
+                let outcomes = batch.run_all(msgs.iter().map(|m| svc.pay(m)).collect()).await;
+                let values: Vec<Option<i64>> = outcomes.iter().map(|o| o.as_ref().ok().copied()).collect();
+                assert_eq!(values, [Some(2), Some(4), Some(2), None, Some(10), Some(8)]);
+                assert!(matches!(outcomes[3], Err(AppError::Failed)));
+                assert_eq!(svc.runs(), 5, "t0 earlier, then t1, t2, t3, t4 once each");
+                assert_eq!(batch.fresh_claims(), 4);
+                assert_eq!(svc.count("effects").await, 1, "only t0 before the commit");
+                batch.commit().await.unwrap();
+                for (id, n) in [("t0", 1), ("t1", 1), ("t2", 1), ("t3", 0), ("t4", 1)] {
+                    assert_eq!(svc.effects_of(id).await, n, "{id}");
+                }
+                assert_eq!(svc.count("markers").await, 4, "no marker for the failed t3");
+                $teardown(&svc.store, &svc.other, &svc.effects, keep).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn a_panic_with_a_claim_open_aborts_the_batch_and_nothing_takes_effect() {
                 let (svc, keep) = service().await;
                 let batch = svc.store.begin_batch().await.unwrap();
                 batch.run(svc.pay(&msg("p1", 1))).await.unwrap();
-                let panicking = Msg { panic: true, ..msg("p2", 2) };
+                let panicking = Msg {
+                    panic: true,
+                    ..msg("p2", 2)
+                };
                 let caught = std::panic::AssertUnwindSafe(batch.run(svc.pay(&panicking)))
                     .catch_unwind()
                     .await;
                 assert!(caught.is_err(), "the body panicked");
                 assert!(batch.is_aborted());
-                // A call after the abort keeps its own transaction.
-                batch.run(svc.pay(&msg("p3", 3))).await.unwrap();
+                // Nothing more joins an aborted batch.
+                let refused = batch.run(svc.pay(&msg("p3", 3))).await;
+                assert!(
+                    matches!(refused, Err(AppError::Idem(Error::BatchAborted))),
+                    "{refused:?}"
+                );
                 assert!(matches!(batch.commit().await, Err(Error::BatchAborted)));
                 assert_eq!(svc.effects_of("p1").await, 0, "the batch's p1 rolled back");
                 assert_eq!(svc.effects_of("p2").await, 0);
-                assert_eq!(svc.effects_of("p3").await, 1, "p3 ran alone, committed");
+                assert_eq!(svc.effects_of("p3").await, 0);
+                svc.pay(&msg("p3", 3)).await.unwrap();
                 // Both can run again.
                 svc.pay(&msg("p1", 1)).await.unwrap();
                 svc.pay(&msg("p2", 2)).await.unwrap();
@@ -201,7 +257,10 @@ macro_rules! suite {
                 let batch = svc.store.begin_batch().await.unwrap();
                 batch.run(svc.pay(&msg("c1", 1))).await.unwrap();
                 // Cancelled mid-body: the claim's savepoint cannot be undone.
-                let hanging = Msg { hang: true, ..msg("c2", 2) };
+                let hanging = Msg {
+                    hang: true,
+                    ..msg("c2", 2)
+                };
                 let cancelled = tokio::time::timeout(Duration::from_millis(200), batch.run(svc.pay(&hanging))).await;
                 assert!(cancelled.is_err(), "the call was cancelled");
                 assert!(batch.is_aborted());
@@ -247,7 +306,7 @@ macro_rules! suite {
                 batch.run(svc.pay(&msg("o1", 1))).await.unwrap();
                 batch.run(svc.elsewhere(&msg("o2", 2))).await.unwrap();
                 // Committed on its own, before the batch.
-                assert_eq!(svc.effects_of("o2").await, 1);
+                assert_eq!(svc.effects_elsewhere("o2").await, 1);
                 assert_eq!(svc.effects_of("o1").await, 0);
                 batch.commit().await.unwrap();
                 assert_eq!(svc.effects_of("o1").await, 1);
@@ -303,7 +362,12 @@ suite!(
 
 // ---- MariaDB ------------------------------------------------------------
 
-async fn mysql_setup() -> (idempotent_runtime::MySqlStore, idempotent_runtime::MySqlStore, String, ()) {
+async fn mysql_setup() -> (
+    idempotent_runtime::MySqlStore,
+    idempotent_runtime::MySqlStore,
+    String,
+    (),
+) {
     let pool = common::mysql_pool(8).await;
     let (markers, other, effects) = (
         common::unique("batch_m"),
@@ -357,15 +421,23 @@ async fn sqlite_setup() -> (
     let store = idempotent_runtime::SqliteStore::open(dir.path().join("markers.db"))
         .await
         .unwrap();
-    let other = idempotent_runtime::SqliteStore::builder(store.pool().clone())
-        .table("other_markers")
-        .build()
+    // Another store is another database file: the batch holds its file's
+    // write lock until it ends.
+    let other = idempotent_runtime::SqliteStore::open(dir.path().join("other.db"))
+        .await
         .unwrap();
     store.migrate().await.unwrap();
     other.migrate().await.unwrap();
     let effects = "effects".to_owned();
     let ddl = format!("CREATE TABLE {effects} (message_id TEXT NOT NULL, amount INTEGER NOT NULL)");
-    sqlx::query(sqlx::AssertSqlSafe(ddl)).execute(store.pool()).await.unwrap();
+    sqlx::query(sqlx::AssertSqlSafe(ddl.clone()))
+        .execute(store.pool())
+        .await
+        .unwrap();
+    sqlx::query(sqlx::AssertSqlSafe(ddl))
+        .execute(other.pool())
+        .await
+        .unwrap();
     (store, other, effects, dir)
 }
 
@@ -428,5 +500,62 @@ async fn a_key_claimed_in_an_open_batch_waits_for_its_commit_in_another() {
     first.commit().await.unwrap();
     assert_eq!(second.await.unwrap(), 7, "then replays its result");
     assert_eq!(svc.2.load(Ordering::SeqCst), 1, "the body ran once");
+    pg_teardown(&store, &other, &effects, ()).await;
+}
+
+/// Two batches claiming the same keys in opposite orders: the batch's one
+/// claim statement takes its markers in key order, so neither deadlocks;
+/// the second waits for the first's commit and answers duplicates.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_batches_claiming_the_same_keys_do_not_deadlock() {
+    let (store, other, effects, ()) = pg_setup().await;
+    let svc = std::sync::Arc::new((store.clone(), effects.clone(), AtomicU64::new(0)));
+
+    #[idempotent(key = "msg.id", store = &svc.0, scope = "batch.order")]
+    async fn pay(
+        svc: &std::sync::Arc<(idempotent_runtime::PgStore, String, AtomicU64)>,
+        msg: &Msg,
+        tx: &mut sqlx::PgConnection,
+    ) -> Result<(), AppError> {
+        svc.2.fetch_add(1, Ordering::SeqCst);
+        let insert = format!("INSERT INTO {} (message_id, amount) VALUES ($1, $2)", svc.1);
+        sqlx::query(sqlx::AssertSqlSafe(insert))
+            .bind(&msg.id)
+            .bind(msg.amount)
+            .execute(&mut *tx)
+            .await?;
+        // Keep the batch open a while, so the other one meets its markers.
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        Ok(())
+    }
+
+    let run = |reverse: bool| {
+        let (svc, store) = (std::sync::Arc::clone(&svc), store.clone());
+        tokio::spawn(async move {
+            let mut ids: Vec<String> = (0..20).map(|i| format!("o{i:02}")).collect();
+            if reverse {
+                ids.reverse();
+            }
+            let msgs: Vec<Msg> = ids.iter().map(|id| msg(id, 1)).collect();
+            let batch = store.begin_batch().await.unwrap();
+            let outcomes = batch.run_all(msgs.iter().map(|m| pay(&svc, m)).collect()).await;
+            assert!(outcomes.iter().all(Result::is_ok), "no claim failed");
+            batch.commit().await
+        })
+    };
+    let (first, second) = (run(false), run(true));
+    let both = tokio::time::timeout(Duration::from_secs(20), async { (first.await, second.await) })
+        .await
+        .expect("no deadlock");
+    both.0.unwrap().unwrap();
+    both.1.unwrap().unwrap();
+    assert_eq!(svc.2.load(Ordering::SeqCst), 20, "each body once");
+    let count: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "SELECT COUNT(DISTINCT message_id) FROM {effects}"
+    )))
+    .fetch_one(store.pool())
+    .await
+    .unwrap();
+    assert_eq!(count, 20);
     pg_teardown(&store, &other, &effects, ()).await;
 }

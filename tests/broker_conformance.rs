@@ -585,7 +585,10 @@ pub async fn batches_apply_each_message_once_and_settle_after_the_commit<F: Fixt
         "{stats:?}"
     );
     assert!(stats.batches >= 1, "{stats:?}");
-    assert_eq!(stats.batched, 51, "every decoded delivery ran in a committed batch: {stats:?}");
+    assert_eq!(
+        stats.batched, 51,
+        "every decoded delivery ran in a committed batch: {stats:?}"
+    );
     assert_eq!(stats.batches_aborted, 0);
     assert_eq!(fx.backlog().await, 0);
     ledger.teardown().await;
@@ -623,12 +626,17 @@ pub async fn a_batch_that_cannot_commit_runs_its_deliveries_alone<F: Fixture>() 
 fn batch_settings_are_checked_at_build() {
     use idempotent_runtime::rabbitmq::RabbitConsumer;
     let store = || PgStore::new(idempotent_runtime::sqlx::PgPool::connect_lazy(common::PG_URL).unwrap());
-    let build = |b: ConsumerBuilder<idempotent_runtime::rabbitmq::Rabbit>| b.build().map(|_| ()).unwrap_err().to_string();
+    let build =
+        |b: ConsumerBuilder<idempotent_runtime::rabbitmq::Rabbit>| b.build().map(|_| ()).unwrap_err().to_string();
     let rt = tokio::runtime::Runtime::new().unwrap();
     let _guard = rt.enter();
     let zero = build(RabbitConsumer::builder("amqp://x", "q").batch(store(), 0));
     assert!(zero.contains("at least 1"), "{zero}");
-    let long = build(RabbitConsumer::builder("amqp://x", "q").batch(store(), 8).batch_wait(Duration::from_secs(1)));
+    let long = build(
+        RabbitConsumer::builder("amqp://x", "q")
+            .batch(store(), 8)
+            .batch_wait(Duration::from_secs(1)),
+    );
     assert!(long.contains("never longer"), "{long}");
     let alone = build(RabbitConsumer::builder("amqp://x", "q").batch_wait(Duration::from_millis(1)));
     assert!(alone.contains("needs batch"), "{alone}");

@@ -504,7 +504,10 @@ async fn run(plan: Plan) -> Figures {
         .to_vec(),
         env: vec![
             ("IDEMPOTENT_BROKER_URL".into(), broker_url),
-            ("IDEMPOTENT_CHAOS_BATCH".into(), plan.batch.map_or_else(String::new, |n| n.to_string())),
+            (
+                "IDEMPOTENT_CHAOS_BATCH".into(),
+                plan.batch.map_or_else(String::new, |n| n.to_string()),
+            ),
             ("IDEMPOTENT_PG_URL".into(), database.url()),
         ],
         children: Vec::new(),

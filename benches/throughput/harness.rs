@@ -161,7 +161,10 @@ pub async fn run<V: Variant>(variant: &Arc<V>, plan: &Arc<Plan>, opts: RunOption
                 };
                 let t0 = Instant::now();
                 let outcomes = if size == 1 {
-                    variant.deliver(format!("{prefix}{}", messages[0])).await.map(|o| vec![o])
+                    variant
+                        .deliver(format!("{prefix}{}", messages[0]))
+                        .await
+                        .map(|o| vec![o])
                 } else {
                     let keys = messages.iter().map(|m| format!("{prefix}{m}")).collect();
                     variant.deliver_batch(keys).await

@@ -316,8 +316,8 @@ where
 // ---- (e) batch transactions ------------------------------------------------------
 
 /// The (d) handler run `size` deliveries per transaction: one
-/// [`Batch`](idempotent_runtime::batch::Batch), each handler inside it,
-/// one commit; a batch that cannot commit runs its deliveries again one by
+/// [`Batch`](idempotent_runtime::batch::Batch), the handlers together in
+/// `Batch::run_all` (one claim statement), one commit; a batch that cannot commit runs its deliveries again one by
 /// one, as the consumers' batch mode does.
 pub struct Batched {
     inner: Macro<PgStore>,
@@ -345,13 +345,10 @@ impl Variant for Batched {
         use idempotent_runtime::batch::BatchStore;
         let batch = self.inner.store.begin_batch().await?;
         let msgs: Vec<Msg> = keys.into_iter().map(Msg::new).collect();
-        let mut failed = false;
-        for msg in &msgs {
-            if batch.run(self.inner.handle(msg)).await.is_err() {
-                failed = true;
-                break;
-            }
-        }
+        let outcomes = batch
+            .run_all(msgs.iter().map(|msg| self.inner.handle(msg)).collect())
+            .await;
+        let failed = outcomes.iter().any(Result::is_err);
         if !failed && batch.commit().await.is_ok() {
             return Ok(msgs.iter().map(Msg::outcome).collect());
         }

@@ -49,14 +49,19 @@
 use std::any::Any;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
+
+use futures_util::StreamExt;
+use futures_util::stream::FuturesUnordered;
+use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore, oneshot};
 
 use crate::Error;
 
 tokio::task_local! {
-    /// The batch whose [`Batch::run`] is polling the current task.
-    static CURRENT: Arc<Shared>;
+    /// The batch member (one handler call of [`Batch::run_all`]) this task
+    /// is polling.
+    static MEMBER: Member;
 }
 
 /// The savepoint a fresh claim takes inside a batch (the same statements on
@@ -67,8 +72,64 @@ pub(crate) const ROLLBACK_TO_SAVEPOINT: &str = "ROLLBACK TO SAVEPOINT idempotent
 
 type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
 
-/// What the claims of a batch share: its transaction, lent to one claim at
-/// a time.
+/// A claim waiting in a batch for the one statement that claims them all.
+#[derive(Debug, Clone)]
+pub(crate) struct BulkRequest {
+    pub(crate) scope: String,
+    pub(crate) key: String,
+    pub(crate) ttl_millis: i64,
+    pub(crate) fingerprint: Option<String>,
+    pub(crate) needs_read: bool,
+}
+
+/// What the batch's one claim statement found for a request.
+#[derive(Debug)]
+pub(crate) enum BulkOutcome {
+    /// Claimed: the body runs in the batch once it has the transaction.
+    Fresh,
+    /// A live marker (its fingerprint and result, when read).
+    Done {
+        fingerprint: Option<String>,
+        result: Option<String>,
+    },
+}
+
+/// A store's statement claiming several keys in the batch's transaction:
+/// takes the boxed transaction and gives it back with one outcome per
+/// request, in order.
+pub(crate) type BulkClaim = Arc<
+    dyn Fn(
+            Box<dyn Any + Send>,
+            Vec<BulkRequest>,
+        ) -> BoxFuture<(Box<dyn Any + Send>, Result<Vec<BulkOutcome>, sqlx::Error>)>
+        + Send
+        + Sync,
+>;
+
+/// The answer a gathered claim gets.
+pub(crate) enum Gathered {
+    Fresh(FreshTicket),
+    Done {
+        fingerprint: Option<String>,
+        result: Option<String>,
+    },
+    /// Claim alone, once the fresh claims of the statement have ended (the
+    /// same key appeared twice in it).
+    Alone,
+    Failed(Error),
+}
+
+#[derive(Default)]
+struct Gather {
+    /// Claims are gathered (until every running member waits in one).
+    open: bool,
+    /// Members still running.
+    live: usize,
+    waiting: Vec<(BulkRequest, oneshot::Sender<Gathered>)>,
+}
+
+/// What the claims of a batch share: its transaction, lent to one member
+/// at a time (the turn).
 pub(crate) struct Shared {
     namespace: &'static str,
     tx: Mutex<Option<Box<dyn Any + Send>>>,
@@ -76,6 +137,16 @@ pub(crate) struct Shared {
     fresh: AtomicUsize,
     /// Run after a successful commit (outbox wakers, user callbacks).
     after_commit: Mutex<Vec<Box<dyn FnOnce() + Send>>>,
+    /// Who may use the transaction: one permit.
+    turn: Arc<Semaphore>,
+    /// The member holding the turn (0: none).
+    holder: AtomicU64,
+    gather: Mutex<Gather>,
+    /// A member registered a claim or ended.
+    changed: Notify,
+    /// Fresh claims of the statement whose body has not ended.
+    outstanding: AtomicUsize,
+    settled: Notify,
 }
 
 impl std::fmt::Debug for Shared {
@@ -89,15 +160,22 @@ impl std::fmt::Debug for Shared {
 }
 
 impl Shared {
-    /// Borrows the batch's transaction, if it is one of `DB` and no other
-    /// claim holds it.
+    fn take_any(&self) -> Option<Box<dyn Any + Send>> {
+        self.tx.lock().unwrap_or_else(PoisonError::into_inner).take()
+    }
+
+    fn put_any(&self, tx: Box<dyn Any + Send>) {
+        *self.tx.lock().unwrap_or_else(PoisonError::into_inner) = Some(tx);
+    }
+
+    /// Borrows the batch's transaction, if it is one of `DB` and nobody
+    /// holds it.
     pub(crate) fn take<DB: sqlx::Database>(&self) -> Option<sqlx::Transaction<'static, DB>> {
-        let mut slot = self.tx.lock().unwrap_or_else(PoisonError::into_inner);
-        let boxed = slot.take()?;
+        let boxed = self.take_any()?;
         match boxed.downcast::<sqlx::Transaction<'static, DB>>() {
             Ok(tx) => Some(*tx),
             Err(other) => {
-                *slot = Some(other);
+                self.put_any(other);
                 None
             }
         }
@@ -105,7 +183,7 @@ impl Shared {
 
     /// Gives the transaction back after a claim, its body or its undo.
     pub(crate) fn give_back<DB: sqlx::Database>(&self, tx: sqlx::Transaction<'static, DB>) {
-        *self.tx.lock().unwrap_or_else(PoisonError::into_inner) = Some(Box::new(tx));
+        self.put_any(Box::new(tx));
     }
 
     /// Gives the transaction back after `error`, which left it unusable:
@@ -118,34 +196,193 @@ impl Shared {
 
     pub(crate) fn abort(&self) {
         self.aborted.store(true, Ordering::Release);
+        // Wake whoever waits on the others.
+        self.settled.notify_waiters();
+        self.changed.notify_one();
     }
 
     pub(crate) fn is_aborted(&self) -> bool {
         self.aborted.load(Ordering::Acquire)
     }
 
-    /// Counts a fresh claim joined to the batch.
-    pub(crate) fn joined(&self) {
-        self.fresh.fetch_add(1, Ordering::Relaxed);
-    }
-
     /// Runs `f` once the batch has committed.
     pub(crate) fn after_commit(&self, f: Box<dyn FnOnce() + Send>) {
         self.after_commit.lock().unwrap_or_else(PoisonError::into_inner).push(f);
     }
+
+    /// Every running member waits in a claim: the gathered claims, for the
+    /// one statement (gathering ends).
+    fn take_gathered(&self) -> Option<Vec<(BulkRequest, oneshot::Sender<Gathered>)>> {
+        let mut gather = self.gather.lock().unwrap_or_else(PoisonError::into_inner);
+        if !gather.open || gather.waiting.len() < gather.live || gather.waiting.is_empty() {
+            return None;
+        }
+        gather.open = false;
+        Some(std::mem::take(&mut gather.waiting))
+    }
+
+    fn member_ended(&self) {
+        let mut gather = self.gather.lock().unwrap_or_else(PoisonError::into_inner);
+        gather.live = gather.live.saturating_sub(1);
+    }
+
+    /// Waits until the fresh claims of the statement have ended (or the
+    /// batch is aborted).
+    async fn settle(&self) {
+        loop {
+            let settled = self.settled.notified();
+            if self.outstanding.load(Ordering::Acquire) == 0 || self.is_aborted() {
+                return;
+            }
+            settled.await;
+        }
+    }
 }
 
-/// The batch a claim on the store of `namespace` joins: the one whose
-/// [`Batch::run`] is polling this task, if it was opened on that store and
-/// is still usable.
-pub(crate) fn current(namespace: &'static str) -> Option<Arc<Shared>> {
-    CURRENT
-        .try_with(|shared| (shared.namespace == namespace && !shared.is_aborted()).then(|| Arc::clone(shared)))
+/// One handler call of a batch: its batch and its id (ids start at 1).
+#[derive(Clone)]
+struct Member {
+    shared: Arc<Shared>,
+    id: u64,
+}
+
+fn next_member_id() -> u64 {
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    NEXT.fetch_add(1, Ordering::Relaxed)
+}
+
+/// This task's batch, when it was opened on the store of `namespace`.
+fn member(namespace: &'static str) -> Option<Member> {
+    MEMBER
+        .try_with(|m| (m.shared.namespace == namespace).then(|| m.clone()))
         .ok()
         .flatten()
 }
 
-/// A fresh claim's hold on the batch: dropped while armed (a panic, a
+/// The turn: the batch's transaction, held by one member.
+pub(crate) struct Turn {
+    shared: Arc<Shared>,
+    _permit: OwnedSemaphorePermit,
+}
+
+impl Drop for Turn {
+    fn drop(&mut self) {
+        self.shared.holder.store(0, Ordering::Release);
+    }
+}
+
+/// Takes the turn for this task's member: `Ok(None)` outside a batch of
+/// that store, or when this member already holds it (a call nested in a
+/// body): the claim then keeps a transaction of its own.
+/// [`Error::BatchAborted`] once the batch is aborted: nothing more joins
+/// it, and a claim of its store fails (its messages run again alone).
+pub(crate) async fn turn(namespace: &'static str) -> Result<Option<(Arc<Shared>, Turn)>, Error> {
+    let Some(member) = member(namespace) else {
+        return Ok(None);
+    };
+    let shared = member.shared;
+    if shared.holder.load(Ordering::Acquire) == member.id {
+        return Ok(None);
+    }
+    if shared.is_aborted() {
+        return Err(Error::BatchAborted);
+    }
+    let Ok(permit) = Arc::clone(&shared.turn).acquire_owned().await else {
+        return Err(Error::BatchAborted);
+    };
+    if shared.is_aborted() {
+        return Err(Error::BatchAborted);
+    }
+    shared.holder.store(member.id, Ordering::Release);
+    let turn = Turn {
+        shared: Arc::clone(&shared),
+        _permit: permit,
+    };
+    Ok(Some((shared, turn)))
+}
+
+/// Gathers this claim for the batch's one claim statement, when the batch
+/// (of this store) is gathering; `None` otherwise.
+pub(crate) async fn gather(namespace: &'static str, req: &crate::store::Request<'_>) -> Option<Gathered> {
+    let member = member(namespace)?;
+    let shared = member.shared;
+    if shared.is_aborted() {
+        return Some(Gathered::Failed(Error::BatchAborted));
+    }
+    let (reply, answer) = oneshot::channel();
+    {
+        let mut gather = shared.gather.lock().unwrap_or_else(PoisonError::into_inner);
+        if !gather.open {
+            return None;
+        }
+        gather.waiting.push((
+            BulkRequest {
+                scope: req.scope().to_owned(),
+                key: req.key().to_owned(),
+                ttl_millis: req.ttl_millis(),
+                fingerprint: req.fingerprint().map(|f| f.as_str().to_owned()),
+                needs_read: req.needs_read(),
+            },
+            reply,
+        ));
+    }
+    shared.changed.notify_one();
+    match answer.await {
+        Ok(Gathered::Alone) => {
+            shared.settle().await;
+            Some(Gathered::Alone)
+        }
+        Ok(gathered) => Some(gathered),
+        Err(_) => Some(Gathered::Failed(Error::BatchAborted)),
+    }
+}
+
+/// Claims told to claim alone, answered when dropped (after the others).
+struct Defer(Vec<(BulkRequest, oneshot::Sender<Gathered>)>);
+
+impl Drop for Defer {
+    fn drop(&mut self) {
+        for (_, reply) in self.0.drain(..) {
+            let _ = reply.send(Gathered::Alone);
+        }
+    }
+}
+
+/// A fresh claim of the batch's statement: its marker is in the batch, so
+/// its body must run there. Dropped before the body ended (the handler
+/// panicked or was cancelled), it aborts the batch.
+pub(crate) struct FreshTicket {
+    shared: Arc<Shared>,
+    armed: bool,
+}
+
+impl FreshTicket {
+    fn new(shared: &Arc<Shared>) -> Self {
+        shared.outstanding.fetch_add(1, Ordering::AcqRel);
+        FreshTicket {
+            shared: Arc::clone(shared),
+            armed: true,
+        }
+    }
+
+    /// The body ended (completed or undone).
+    pub(crate) fn disarm(mut self) {
+        self.armed = false;
+    }
+}
+
+impl Drop for FreshTicket {
+    fn drop(&mut self) {
+        if self.armed {
+            self.shared.abort();
+        }
+        self.shared.outstanding.fetch_sub(1, Ordering::AcqRel);
+        self.shared.settled.notify_waiters();
+    }
+}
+
+/// A fresh claim's hold on the batch: the turn, and (for a claim of the
+/// batch's statement) its ticket. Dropped while armed (a panic, a
 /// cancelled handler), it aborts the batch, since the claim's savepoint
 /// could not be undone.
 pub(crate) struct Joined {
@@ -154,22 +391,30 @@ pub(crate) struct Joined {
     /// was inserted before the savepoint).
     pub(crate) undo: Arc<str>,
     armed: bool,
+    turn: Option<Turn>,
+    ticket: Option<FreshTicket>,
 }
 
 impl Joined {
-    pub(crate) fn new(shared: Arc<Shared>, undo: Arc<str>) -> Self {
-        shared.joined();
+    pub(crate) fn new(shared: Arc<Shared>, undo: Arc<str>, turn: Turn, ticket: Option<FreshTicket>) -> Self {
+        shared.fresh.fetch_add(1, Ordering::Relaxed);
         Joined {
             shared,
             undo,
             armed: true,
+            turn: Some(turn),
+            ticket,
         }
     }
 
     /// The claim ended (completed or undone): dropping no longer aborts.
-    pub(crate) fn disarm(mut self) -> Arc<Shared> {
+    /// Call after giving the transaction back: the turn passes on.
+    pub(crate) fn disarm(mut self) {
         self.armed = false;
-        Arc::clone(&self.shared)
+        if let Some(ticket) = self.ticket.take() {
+            ticket.disarm();
+        }
+        self.turn = None;
     }
 }
 
@@ -187,7 +432,8 @@ impl Drop for Joined {
 pub struct Batch {
     shared: Arc<Shared>,
     finish: fn(Box<dyn Any + Send>, bool) -> BoxFuture<Result<(), sqlx::Error>>,
-    _writer: Option<tokio::sync::OwnedSemaphorePermit>,
+    bulk: Option<BulkClaim>,
+    _writer: Option<OwnedSemaphorePermit>,
 }
 
 impl std::fmt::Debug for Batch {
@@ -209,11 +455,14 @@ fn finish<DB: sqlx::Database>(tx: Box<dyn Any + Send>, commit: bool) -> BoxFutur
 
 impl Batch {
     /// A batch on `tx`, joined by the claims of stores of `namespace`
-    /// (a store's [`Store::namespace`](crate::store::Store::namespace)).
+    /// (a store's [`Store::namespace`](crate::store::Store::namespace));
+    /// `bulk` claims the gathered keys in one statement (claims are made
+    /// one by one without it).
     pub(crate) fn new<DB: sqlx::Database>(
         namespace: &'static str,
         tx: sqlx::Transaction<'static, DB>,
-        writer: Option<tokio::sync::OwnedSemaphorePermit>,
+        writer: Option<OwnedSemaphorePermit>,
+        bulk: Option<BulkClaim>,
     ) -> Batch {
         Batch {
             shared: Arc::new(Shared {
@@ -222,17 +471,161 @@ impl Batch {
                 aborted: AtomicBool::new(false),
                 fresh: AtomicUsize::new(0),
                 after_commit: Mutex::new(Vec::new()),
+                turn: Arc::new(Semaphore::new(1)),
+                holder: AtomicU64::new(0),
+                gather: Mutex::new(Gather::default()),
+                changed: Notify::new(),
+                outstanding: AtomicUsize::new(0),
+                settled: Notify::new(),
             }),
             finish: finish::<DB>,
+            bulk,
             _writer: writer,
         }
     }
 
     /// Runs `fut` (a handler call) with its claims on this batch's store
-    /// joining the batch. Run one call at a time: a second call running
-    /// while the first holds the transaction gets a transaction of its own.
+    /// joining the batch: [`run_all`](Self::run_all) of one call.
     pub async fn run<F: Future>(&self, fut: F) -> F::Output {
-        CURRENT.scope(Arc::clone(&self.shared), fut).await
+        let shared = &self.shared;
+        self.open(1);
+        let member = Member {
+            shared: Arc::clone(shared),
+            id: next_member_id(),
+        };
+        let call = MEMBER.scope(member, fut);
+        tokio::pin!(call);
+        loop {
+            if let Some(gathered) = shared.take_gathered() {
+                self.claim_gathered(gathered).await;
+                continue;
+            }
+            let changed = shared.changed.notified();
+            tokio::select! {
+                output = &mut call => {
+                    self.close();
+                    return output;
+                }
+                _ = changed => {}
+            }
+        }
+    }
+
+    /// Starts gathering the claims of `calls` calls.
+    fn open(&self, calls: usize) {
+        let mut gather = self.shared.gather.lock().unwrap_or_else(PoisonError::into_inner);
+        gather.open = self.bulk.is_some() && !self.shared.is_aborted();
+        gather.live = calls;
+        gather.waiting.clear();
+    }
+
+    fn close(&self) {
+        let mut gather = self.shared.gather.lock().unwrap_or_else(PoisonError::into_inner);
+        gather.open = false;
+        gather.live = 0;
+    }
+
+    /// Runs the handler calls `calls` together in this batch and returns
+    /// their outputs, in order. Their claims on the batch's store are
+    /// gathered while they start, then made in one statement (on
+    /// PostgreSQL; one by one on MySQL and SQLite), keys in sorted order so
+    /// that concurrent batches cannot deadlock on each other's markers; the
+    /// bodies then run one at a time on the transaction, each under its
+    /// savepoint; what a call awaits outside the database overlaps with the
+    /// others. A key that appears twice is answered, after its first run, as
+    /// a duplicate.
+    pub async fn run_all<F: Future>(&self, calls: Vec<F>) -> Vec<F::Output> {
+        let shared = &self.shared;
+        self.open(calls.len());
+        let mut running: FuturesUnordered<_> = calls
+            .into_iter()
+            .enumerate()
+            .map(|(index, call)| {
+                let member = Member {
+                    shared: Arc::clone(shared),
+                    id: next_member_id(),
+                };
+                async move { (index, MEMBER.scope(member, call).await) }
+            })
+            .collect();
+        let mut outputs = Vec::with_capacity(running.len());
+        loop {
+            if let Some(gathered) = shared.take_gathered() {
+                self.claim_gathered(gathered).await;
+                continue;
+            }
+            let changed = shared.changed.notified();
+            tokio::select! {
+                next = running.next() => match next {
+                    Some(output) => {
+                        outputs.push(output);
+                        shared.member_ended();
+                    }
+                    None => break,
+                },
+                _ = changed => {}
+            }
+        }
+        self.close();
+        outputs.sort_by_key(|(index, _)| *index);
+        outputs.into_iter().map(|(_, output)| output).collect()
+    }
+
+    /// The one statement for the gathered claims; answers each.
+    async fn claim_gathered(&self, gathered: Vec<(BulkRequest, oneshot::Sender<Gathered>)>) {
+        let shared = &self.shared;
+        // A key twice: the later ones claim alone, after the first's body.
+        let mut seen = std::collections::HashSet::new();
+        let (bulk, alone): (Vec<_>, Vec<_>) = gathered
+            .into_iter()
+            .partition(|(req, _)| seen.insert((req.scope.clone(), req.key.clone())));
+        // Answered last: they wait for the fresh claims' tickets, which the
+        // statement's answers create.
+        let _alone = Defer(alone);
+        let Some(claim) = self.bulk.as_ref() else {
+            for (_, reply) in bulk {
+                let _ = reply.send(Gathered::Alone);
+            }
+            return;
+        };
+        let tx = match shared.take_any() {
+            Some(tx) if !shared.is_aborted() => tx,
+            taken => {
+                if let Some(tx) = taken {
+                    shared.put_any(tx);
+                }
+                for (_, reply) in bulk {
+                    let _ = reply.send(Gathered::Failed(Error::BatchAborted));
+                }
+                return;
+            }
+        };
+        let requests: Vec<BulkRequest> = bulk.iter().map(|(req, _)| req.clone()).collect();
+        let (tx, outcomes) = claim(tx, requests).await;
+        shared.put_any(tx);
+        match outcomes {
+            Ok(outcomes) if outcomes.len() == bulk.len() => {
+                for ((_, reply), outcome) in bulk.into_iter().zip(outcomes) {
+                    let answer = match outcome {
+                        BulkOutcome::Fresh => Gathered::Fresh(FreshTicket::new(shared)),
+                        BulkOutcome::Done { fingerprint, result } => Gathered::Done { fingerprint, result },
+                    };
+                    // A member gone meanwhile drops its ticket: abort.
+                    let _ = reply.send(answer);
+                }
+            }
+            outcome => {
+                shared.abort();
+                let error = match outcome {
+                    Err(error) => error.to_string(),
+                    Ok(_) => "the batch claim statement answered the wrong number of claims".to_owned(),
+                };
+                tracing::debug!(target: "idempotent", %error, "the batch's claim statement failed: batch aborted");
+                for (_, reply) in bulk {
+                    let _ = reply.send(Gathered::Failed(Error::BatchAborted));
+                }
+            }
+        }
     }
 
     /// Whether the batch can no longer commit (a statement failed in it, or
@@ -259,8 +652,7 @@ impl Batch {
     /// aborted, or with the commit's error: then nothing of the batch
     /// happened.
     pub async fn commit(self) -> Result<(), Error> {
-        let tx = self.shared.tx.lock().unwrap_or_else(PoisonError::into_inner).take();
-        let Some(tx) = tx else {
+        let Some(tx) = self.shared.take_any() else {
             // A claim still holds it (its guard outlived the handler call)
             // or it was dropped with a guard: the transaction is gone.
             return Err(Error::BatchAborted);
@@ -281,8 +673,7 @@ impl Batch {
 
     /// Rolls the whole batch back.
     pub async fn rollback(self) {
-        let tx = self.shared.tx.lock().unwrap_or_else(PoisonError::into_inner).take();
-        if let Some(tx) = tx
+        if let Some(tx) = self.shared.take_any()
             && let Err(error) = (self.finish)(tx, false).await
         {
             tracing::debug!(target: "idempotent", %error, "rollback of a batch failed");

@@ -59,8 +59,7 @@ pub struct BatchMode {
 }
 
 #[cfg(feature = "sqlx")]
-pub(crate) type BeginBatch =
-    std::pin::Pin<Box<dyn Future<Output = Result<crate::batch::Batch, crate::Error>> + Send>>;
+pub(crate) type BeginBatch = std::pin::Pin<Box<dyn Future<Output = Result<crate::batch::Batch, crate::Error>> + Send>>;
 
 impl fmt::Debug for BatchMode {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -103,7 +102,9 @@ impl ConsumerOptions {
             return Err(ConsumerError::Config("stop_when_idle must be longer than zero".into()));
         }
         if self.batch_wait_alone {
-            return Err(ConsumerError::Config("batch_wait needs batch(store, max) before it".into()));
+            return Err(ConsumerError::Config(
+                "batch_wait needs batch(store, max) before it".into(),
+            ));
         }
         if let Some(batch) = &self.batch {
             if batch.max == 0 {

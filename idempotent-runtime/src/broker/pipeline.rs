@@ -640,10 +640,15 @@ where
             return;
         }
     };
-    let mut ran = Vec::with_capacity(ready.len());
-    let mut pending = ready.into_iter();
-    for (delivery, message) in pending.by_ref() {
-        let span = delivery_span(&worker, &delivery);
+    // The handlers run together in the batch: their claims gathered into
+    // one statement, their bodies one at a time on its transaction.
+    let spans: Vec<Span> = ready
+        .iter()
+        .map(|(delivery, _)| delivery_span(&worker, delivery))
+        .collect();
+    let mut deliveries = Vec::with_capacity(ready.len());
+    let mut calls = Vec::with_capacity(ready.len());
+    for ((delivery, message), span) in ready.into_iter().zip(spans) {
         let meta = delivery.meta();
         let info = DeliveryInfo {
             message_id: meta.message_id.clone(),
@@ -651,28 +656,31 @@ where
             redelivered: meta.redelivered,
         };
         let call = super::call((worker.handler)(message, info), &worker.recorder);
-        let Some(outcome) = worker
-            .watched(&delivery, batch.run(call))
-            .instrument(span.clone())
-            .await
-        else {
-            // Shutdown timeout: nothing of the batch commits.
-            batch.rollback().await;
-            worker.let_go(&delivery).instrument(span).await;
-            for (delivery, span, _) in ran {
-                worker.let_go(&delivery).instrument(span).await;
-            }
-            for (delivery, _) in pending {
-                worker.let_go(&delivery).await;
-            }
-            return;
-        };
-        ran.push((delivery, span, outcome));
-        if batch.is_aborted() {
-            break;
-        }
+        deliveries.push((delivery, span.clone()));
+        calls.push((call, span));
     }
-    let rest: Vec<Dl> = pending.map(|(delivery, _)| delivery).collect();
+    let outcomes = batch
+        .run_all(
+            calls
+                .into_iter()
+                .zip(&deliveries)
+                .map(|((call, span), (delivery, _))| worker.watched(delivery, call).instrument(span))
+                .collect(),
+        )
+        .await;
+    if outcomes.iter().any(Option::is_none) {
+        // Shutdown timeout: nothing of the batch commits.
+        batch.rollback().await;
+        for (delivery, span) in deliveries {
+            worker.let_go(&delivery).instrument(span).await;
+        }
+        return;
+    }
+    let ran: Vec<_> = deliveries
+        .into_iter()
+        .zip(outcomes)
+        .filter_map(|((delivery, span), outcome)| outcome.map(|outcome| (delivery, span, outcome)))
+        .collect();
     let size = ran.len();
     let fresh = batch.fresh_claims();
     match batch.commit().await {
@@ -688,16 +696,13 @@ where
             tracing::warn!(
                 target: TRACING_TARGET,
                 %error,
-                deliveries = size + rest.len(),
+                deliveries = size,
                 "batch not committed (nothing of it took effect): running its deliveries one by one"
             );
             for (delivery, span, _) in ran {
                 worker.handle(&delivery).instrument(span).await;
             }
         }
-    }
-    for delivery in rest {
-        process(Arc::clone(&worker), delivery).await;
     }
 }
 

@@ -436,7 +436,7 @@ impl Store for MySqlStore {
 
     async fn claim(&self, req: &Request<'_>) -> Result<Claim<Self::Guard>, Error> {
         self.checked.get_or_init(|| warn_about_durability(&self.pool)).await;
-        if let Some(batch) = BatchClaim::join(self.sql.namespace) {
+        if let Some(batch) = BatchClaim::join(self.sql.namespace).await? {
             return self.claim_in_batch(batch, req).await;
         }
         let mut retry = Retry::default();
@@ -502,7 +502,7 @@ impl crate::batch::BatchStore for MySqlStore {
     /// A transaction begun like a claim's (Read Committed).
     async fn begin_batch(&self) -> Result<crate::batch::Batch, Error> {
         let tx = self.begin().await?;
-        Ok(crate::batch::Batch::new(self.sql.namespace, tx, None))
+        Ok(crate::batch::Batch::new(self.sql.namespace, tx, None, None))
     }
 }
 

@@ -6,6 +6,7 @@ use std::sync::Arc;
 use sqlx::{AssertSqlSafe, PgPool, Postgres, Row};
 
 use crate::Error;
+use crate::batch::{BulkOutcome, BulkRequest, Gathered};
 use crate::store::postgres_outbox::{PgOutboxSql, stage_outbox};
 use crate::store::postgres_partitions::{PartitionSettings, Partitions};
 use crate::store::sql::{
@@ -53,6 +54,10 @@ struct PgSql {
     write_result: Arc<str>,
     /// Deletes a marker claimed in a batch whose body failed.
     undo: Arc<str>,
+    /// Claims a batch's keys in one statement.
+    bulk_claim: Arc<str>,
+    /// Reads the live markers a batch's duplicates need.
+    bulk_read: Arc<str>,
     purge: Arc<str>,
     ddl: Vec<String>,
     purge_batch: i64,
@@ -148,6 +153,26 @@ impl PgStore {
             read: format!("SELECT fingerprint, result FROM {t} WHERE scope = $1 AND message_id = $2").into(),
             write_result: format!("UPDATE {t} SET result = $1 WHERE scope = $2 AND message_id = $3").into(),
             undo: format!("DELETE FROM {t} WHERE scope = $1 AND message_id = $2").into(),
+            // A batch's claims in one statement, in key order (concurrent
+            // batches lock their markers in one order: no deadlock).
+            bulk_claim: format!(
+                "INSERT INTO {t} AS m (scope, message_id, processed_at, expires_at, fingerprint) \
+                 SELECT u.scope, u.message_id, now(), now() + u.ttl * interval '1 millisecond', u.fingerprint \
+                 FROM unnest($1::text[], $2::text[], $3::bigint[], $4::text[]) AS u(scope, message_id, ttl, fingerprint) \
+                 ORDER BY u.scope, u.message_id \
+                 ON CONFLICT (scope, message_id) DO UPDATE \
+                 SET processed_at = EXCLUDED.processed_at, expires_at = EXCLUDED.expires_at, \
+                     fingerprint = EXCLUDED.fingerprint, result = NULL \
+                 WHERE m.expires_at <= now() \
+                 RETURNING m.scope, m.message_id"
+            )
+            .into(),
+            bulk_read: format!(
+                "SELECT m.scope, m.message_id, m.fingerprint, m.result FROM {t} m \
+                 JOIN unnest($1::text[], $2::text[]) AS u(scope, message_id) \
+                 ON m.scope = u.scope AND m.message_id = u.message_id"
+            )
+            .into(),
             // By ctid: the planner deletes exactly the locked batch through
             // the expiry index (a `(scope, message_id) IN (..)` form was
             // planned as a hash join over the whole table: 14x slower).
@@ -328,7 +353,30 @@ impl Store for PgStore {
         // Repeatable Read or Serializable a concurrent duplicate fails with
         // a serialization error (40001) instead of waiting for the first
         // claim and then replaying its result.
-        if let Some(batch) = BatchClaim::join(self.sql.namespace) {
+        match crate::batch::gather(self.sql.namespace, req).await {
+            Some(Gathered::Fresh(ticket)) => {
+                let batch = BatchClaim::claimed(self.sql.namespace, ticket).await?;
+                let guard = batch
+                    .fresh(
+                        Arc::clone(&self.sql.undo),
+                        Arc::clone(&self.sql.write_result),
+                        Arc::clone(&self.outbox.table),
+                        req,
+                    )
+                    .await?;
+                return Ok(Claim::Fresh(guard));
+            }
+            Some(Gathered::Done { fingerprint, result }) => {
+                if !req.needs_read() {
+                    return Ok(Claim::Done(Replay::default()));
+                }
+                req.check_fingerprint(fingerprint.as_deref())?;
+                return Ok(Claim::Done(Replay::new(result)));
+            }
+            Some(Gathered::Failed(error)) => return Err(error),
+            Some(Gathered::Alone) | None => {}
+        }
+        if let Some(batch) = BatchClaim::join(self.sql.namespace).await? {
             return self.claim_in_batch(batch, req).await;
         }
         let begin = self.begin_statement().await?;
@@ -425,6 +473,86 @@ impl PgStore {
     }
 }
 
+/// The batch's one claim statement on the store's table (see
+/// [`crate::batch`]).
+fn bulk_claim(sql: Arc<PgSql>) -> crate::batch::BulkClaim {
+    Arc::new(move |tx, requests| {
+        let sql = Arc::clone(&sql);
+        Box::pin(async move {
+            let mut tx = match tx.downcast::<sqlx::Transaction<'static, Postgres>>() {
+                Ok(tx) => tx,
+                Err(other) => {
+                    let error = sqlx::Error::Protocol("the batch's transaction is not PostgreSQL's".into());
+                    return (other, Err(error));
+                }
+            };
+            let outcomes = claim_all(&mut tx, &sql, &requests).await;
+            let tx: Box<dyn std::any::Any + Send> = tx;
+            (tx, outcomes)
+        })
+    })
+}
+
+/// Claims `requests` in one statement; reads the live markers of those
+/// that are not fresh and need their fingerprint or result, in one more.
+async fn claim_all(
+    conn: &mut sqlx::PgConnection,
+    sql: &PgSql,
+    requests: &[BulkRequest],
+) -> Result<Vec<BulkOutcome>, sqlx::Error> {
+    let scopes: Vec<String> = requests.iter().map(|r| r.scope.clone()).collect();
+    let keys: Vec<String> = requests.iter().map(|r| r.key.clone()).collect();
+    let ttls: Vec<i64> = requests.iter().map(|r| r.ttl_millis).collect();
+    let fingerprints: Vec<Option<String>> = requests.iter().map(|r| r.fingerprint.clone()).collect();
+    let rows = sqlx::query(AssertSqlSafe(Arc::clone(&sql.bulk_claim)))
+        .bind(scopes)
+        .bind(keys)
+        .bind(ttls)
+        .bind(fingerprints)
+        .fetch_all(&mut *conn)
+        .await?;
+    let mut fresh = std::collections::HashSet::with_capacity(rows.len());
+    for row in &rows {
+        fresh.insert((row.try_get::<String, _>(0)?, row.try_get::<String, _>(1)?));
+    }
+    let is_fresh = |r: &BulkRequest| fresh.contains(&(r.scope.clone(), r.key.clone()));
+    let unread: Vec<&BulkRequest> = requests.iter().filter(|r| r.needs_read && !is_fresh(r)).collect();
+    let mut live = std::collections::HashMap::new();
+    if !unread.is_empty() {
+        let scopes: Vec<String> = unread.iter().map(|r| r.scope.clone()).collect();
+        let keys: Vec<String> = unread.iter().map(|r| r.key.clone()).collect();
+        let rows = sqlx::query(AssertSqlSafe(Arc::clone(&sql.bulk_read)))
+            .bind(scopes)
+            .bind(keys)
+            .fetch_all(&mut *conn)
+            .await?;
+        for row in rows {
+            let id: (String, String) = (row.try_get(0)?, row.try_get(1)?);
+            let marker: (Option<String>, Option<String>) = (row.try_get(2)?, row.try_get(3)?);
+            live.insert(id, marker);
+        }
+    }
+    requests
+        .iter()
+        .map(|r| {
+            if is_fresh(r) {
+                return Ok(BulkOutcome::Fresh);
+            }
+            if !r.needs_read {
+                return Ok(BulkOutcome::Done {
+                    fingerprint: None,
+                    result: None,
+                });
+            }
+            // The claim statement locked the live marker: it is there.
+            match live.remove(&(r.scope.clone(), r.key.clone())) {
+                Some((fingerprint, result)) => Ok(BulkOutcome::Done { fingerprint, result }),
+                None => Err(sqlx::Error::RowNotFound),
+            }
+        })
+        .collect()
+}
+
 /// `postgres://host:port/database/table` (the socket path for a socket).
 fn namespace(pool: &PgPool, table: &crate::table::TableName) -> &'static str {
     let options = pool.connect_options();
@@ -503,7 +631,11 @@ impl crate::batch::BatchStore for PgStore {
     async fn begin_batch(&self) -> Result<crate::batch::Batch, Error> {
         let begin = self.begin_statement().await?;
         let tx = self.pool.begin_with(begin).await?;
-        Ok(crate::batch::Batch::new(self.sql.namespace, tx, None))
+        let bulk = match self.sql.partitions {
+            Some(_) => None,
+            None => Some(bulk_claim(Arc::clone(&self.sql))),
+        };
+        Ok(crate::batch::Batch::new(self.sql.namespace, tx, None, bulk))
     }
 }
 

@@ -192,21 +192,6 @@ impl<DB: SqlBackend> SqlGuard<DB> {
             batch: None,
         }
     }
-
-    /// A fresh claim in a batch: `tx` is the batch's, after the claim's
-    /// savepoint; `undo` deletes the marker by `(scope, key)`.
-    pub(crate) fn in_batch(
-        tx: Transaction<'static, DB>,
-        batch: Arc<crate::batch::Shared>,
-        undo: Arc<str>,
-        write_result_sql: Arc<str>,
-        outbox: Arc<OutboxTable>,
-        req: &crate::store::Request<'_>,
-    ) -> Self {
-        let mut guard = SqlGuard::new(tx, write_result_sql, outbox, req, None);
-        guard.batch = Some(Joined::new(batch, undo));
-        guard
-    }
 }
 
 /// A claim made inside a batch, for each store's claim code: the batch's
@@ -215,15 +200,43 @@ impl<DB: SqlBackend> SqlGuard<DB> {
 pub(crate) struct BatchClaim<DB: SqlBackend> {
     pub(crate) batch: Arc<crate::batch::Shared>,
     pub(crate) tx: Transaction<'static, DB>,
+    turn: crate::batch::Turn,
+    ticket: Option<crate::batch::FreshTicket>,
 }
 
 impl<DB: SqlBackend> BatchClaim<DB> {
     /// The batch this task runs in, when it was opened on the store of
-    /// `namespace` and its transaction is free.
-    pub(crate) fn join(namespace: &'static str) -> Option<Self> {
-        let batch = crate::batch::current(namespace)?;
-        let tx = batch.take::<DB>()?;
-        Some(BatchClaim { batch, tx })
+    /// `namespace`: waits for its turn on the batch's transaction. `None`
+    /// outside a batch, or for a call nested in a body holding the turn: the
+    /// claim then keeps its own transaction. [`Error::BatchAborted`] once
+    /// the batch is aborted.
+    pub(crate) async fn join(namespace: &'static str) -> Result<Option<Self>, Error> {
+        let Some((batch, turn)) = crate::batch::turn(namespace).await? else {
+            return Ok(None);
+        };
+        let Some(tx) = batch.take::<DB>() else {
+            // Taken by a guard that was dropped: the transaction is gone.
+            batch.abort();
+            return Err(Error::BatchAborted);
+        };
+        Ok(Some(BatchClaim {
+            batch,
+            tx,
+            turn,
+            ticket: None,
+        }))
+    }
+
+    /// A claim the batch's statement made fresh: its body's turn.
+    pub(crate) async fn claimed(namespace: &'static str, ticket: crate::batch::FreshTicket) -> Result<Self, Error> {
+        match Self::join(namespace).await {
+            Ok(Some(mut claim)) => {
+                claim.ticket = Some(ticket);
+                Ok(claim)
+            }
+            // Dropping the ticket aborts the batch: its marker has no body.
+            Ok(None) | Err(_) => Err(Error::BatchAborted),
+        }
     }
 
     /// The claim statement's outcome: an error leaves the transaction
@@ -246,7 +259,10 @@ impl<DB: SqlBackend> BatchClaim<DB> {
         if let Err(error) = DB::execute_keyed(&mut self.tx, SAVEPOINT.into(), None).await {
             return Err(self.batch.fail(self.tx, error));
         }
-        Ok(SqlGuard::in_batch(self.tx, self.batch, undo, write_result_sql, outbox, req))
+        let joined = Joined::new(Arc::clone(&self.batch), undo, self.turn, self.ticket);
+        let mut guard = SqlGuard::new(self.tx, write_result_sql, outbox, req, None);
+        guard.batch = Some(joined);
+        Ok(guard)
     }
 
     /// Not fresh: the transaction goes back to the batch.
@@ -280,9 +296,11 @@ impl<DB: SqlBackend> Guard for SqlGuard<DB> {
                 }
                 None => Ok(()),
             };
-            let batch = joined.disarm();
+            let batch = Arc::clone(&joined.shared);
             if let Err(error) = written {
-                return Err(batch.fail(self.tx, error));
+                let error = batch.fail(self.tx, error);
+                joined.disarm();
+                return Err(error);
             }
             if self.staged {
                 let waker = Arc::clone(&self.outbox.waker);
@@ -290,6 +308,7 @@ impl<DB: SqlBackend> Guard for SqlGuard<DB> {
             }
             // Committed (and the message acknowledged) with the batch.
             batch.give_back(self.tx);
+            joined.disarm();
             return Ok(());
         }
         if let Some(result) = result {
@@ -314,16 +333,11 @@ impl<DB: SqlBackend> Guard for SqlGuard<DB> {
             // Undo the body, then the marker (inserted before the savepoint).
             let undone = match DB::execute_keyed(&mut self.tx, ROLLBACK_TO_SAVEPOINT.into(), None).await {
                 Ok(()) => {
-                    DB::execute_keyed(
-                        &mut self.tx,
-                        Arc::clone(&joined.undo),
-                        Some((&self.scope, &self.key)),
-                    )
-                    .await
+                    DB::execute_keyed(&mut self.tx, Arc::clone(&joined.undo), Some((&self.scope, &self.key))).await
                 }
                 Err(error) => Err(error),
             };
-            let batch = joined.disarm();
+            let batch = Arc::clone(&joined.shared);
             match undone {
                 Ok(()) => batch.give_back(self.tx),
                 Err(error) => {
@@ -331,6 +345,7 @@ impl<DB: SqlBackend> Guard for SqlGuard<DB> {
                     tracing::debug!(target: "idempotent", %error, "undoing a claim in a batch failed: batch aborted");
                 }
             }
+            joined.disarm();
             return;
         }
         if let Err(error) = self.tx.rollback().await {

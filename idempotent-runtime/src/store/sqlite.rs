@@ -254,7 +254,7 @@ impl Store for SqliteStore {
     }
 
     async fn claim(&self, req: &Request<'_>) -> Result<Claim<Self::Guard>, Error> {
-        if let Some(batch) = BatchClaim::join(self.sql.namespace) {
+        if let Some(batch) = BatchClaim::join(self.sql.namespace).await? {
             return self.claim_in_batch(batch, req).await;
         }
         let (mut tx, writer) = self.begin_immediate().await?;
@@ -369,7 +369,7 @@ impl crate::batch::BatchStore for SqliteStore {
     /// turn) for the whole batch.
     async fn begin_batch(&self) -> Result<crate::batch::Batch, Error> {
         let (tx, writer) = self.begin_immediate().await?;
-        Ok(crate::batch::Batch::new(self.sql.namespace, tx, Some(writer)))
+        Ok(crate::batch::Batch::new(self.sql.namespace, tx, Some(writer), None))
     }
 }
 
