@@ -29,6 +29,8 @@ mod mem;
 mod pg;
 #[path = "throughput/report.rs"]
 mod report;
+#[path = "throughput/scale.rs"]
+mod scale;
 
 use std::collections::HashMap;
 use std::fmt::Write as _;
@@ -668,7 +670,7 @@ async fn run(cfg: Config) {
 
     // -- the marker table as it grows ------------------------------------------------------------
     if let (Some(env), true) = (&env, cfg.wants("size")) {
-        table_size_section(&cfg, &mut doc, env, &plans, &warm).await;
+        scale::table_size_section(&cfg, &mut doc, env, &plans, &warm).await;
         env.cleanup().await;
     }
     if let (Some(env), true) = (&env, cfg.wants("purge")) {
@@ -895,81 +897,6 @@ async fn redis_round_trips() -> String {
     );
     drop(server);
     text
-}
-
-async fn table_size_section(cfg: &Config, doc: &mut Doc, env: &pg::PgEnv, plans: &Plans, warm: &Arc<Plan>) {
-    let sizes: Vec<u64> = if cfg.quick {
-        vec![0, 100_000]
-    } else {
-        vec![0, 1_000_000, 10_000_000]
-    };
-    let conc = 8;
-    let mut text = format!(
-        "## The marker table as it grows\n\nClaim throughput at concurrency {conc}, 20 % duplicates, with the \
-         marker table already holding N live markers of another scope (filled with one `INSERT .. SELECT \
-         generate_series`, then the primary key and the expiry index built, then `VACUUM ANALYZE`). The table is \
-         not emptied between runs.\n\n\
-         | markers in the table | fill + index time | table + indexes | (c) claim-first /s | (d) #[idempotent] /s | d/c | (d) p50 / p99 ms |\n\
-         | --- | --- | --- | --- | --- | --- | --- |\n"
-    );
-    let plan = plans.get(20);
-    for &n in &sizes {
-        eprintln!("  size: filling {n} markers…");
-        let (t, fill) = pg::prefilled(env, &format!("size{n}"), n, false).await;
-        let c = Arc::new(pg::ClaimFirst::new(t.clone(), false));
-        let d = Arc::new(pg::Macro::new(t.clone(), t.store()));
-        let (mut cc, mut dc) = (Cell::new(), Cell::new());
-        for rep in 0..cfg.reps_small {
-            for (k, which) in [0, 1].iter().enumerate() {
-                let which = (which + rep) % 2;
-                let prefix = format!("n{n}r{rep}k{k}-");
-                let warm_prefix = format!("w{prefix}");
-                let warm_opts = RunOptions {
-                    concurrency: conc,
-                    duration: cfg.timing.warmup,
-                    prefix: &warm_prefix,
-                    keep_starts: false,
-                    stop: None,
-                };
-                let opts = RunOptions {
-                    concurrency: conc,
-                    duration: cfg.timing.duration,
-                    prefix: &prefix,
-                    keep_starts: false,
-                    stop: None,
-                };
-                let stats = if which == 0 {
-                    harness::run(&c, warm, warm_opts).await;
-                    harness::run(&c, &plan, opts).await
-                } else {
-                    harness::run(&d, warm, warm_opts).await;
-                    harness::run(&d, &plan, opts).await
-                };
-                eprintln!(
-                    "  size {n:>9} {}: {}/s p99 {} ms",
-                    if which == 0 { "(c)" } else { "(d)" },
-                    report::fmt_rate(stats.rate()),
-                    report::fmt_ms(stats.percentile(99.0))
-                );
-                if which == 0 { &mut cc } else { &mut dc }.add(&stats);
-            }
-        }
-        let size = pg::relation_size(&env.pool, &t.markers).await;
-        let _ = writeln!(
-            text,
-            "| {} | {:.1} s | {:.0} MB | {} | {} | {} | {} / {} |",
-            fmt_count(n),
-            fill.as_secs_f64(),
-            size as f64 / 1e6,
-            report::fmt_rate(cc.rate()),
-            report::fmt_rate(dc.rate()),
-            report::fmt_ratio(dc.rate(), cc.rate()),
-            report::fmt_ms(dc.p(50.0)),
-            report::fmt_ms(dc.p(99.0)),
-        );
-        env.cleanup().await; // free the disk before the next size
-    }
-    doc.section(&text);
 }
 
 async fn purge_section(cfg: &Config, doc: &mut Doc, env: &pg::PgEnv, plans: &Plans, warm: &Arc<Plan>) {
