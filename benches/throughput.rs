@@ -5,12 +5,13 @@
 //! cargo bench --bench throughput                    # full run (~10-15 min), writes docs/
 //! cargo bench --bench throughput -- --quick         # ~1 min (or IDEMPOTENT_BENCH_QUICK=1)
 //! cargo bench --bench throughput -- --compile-cost  # build time of 100 handlers, with/without the attribute
-//! cargo bench --bench throughput -- --only=pg,redis # sections: pg, batch, cache, rtt, sqlite, redis, memory, size, purge
+//! cargo bench --bench throughput -- --only=pg,redis # sections: pg, batch, cache, rtt, sqlite, mysql, redis, memory, size, purge
 //! cargo bench --bench throughput -- --out=DIR       # where the markdown and SVG files go
 //! ```
 //!
-//! Needs the services of `.ci/run`: PostgreSQL (postgres://postgres@127.0.0.1:5432/test)
-//! and Redis (redis://127.0.0.1:6379); SQLite runs on a temporary file and
+//! Needs the services of `.ci/run`: PostgreSQL (postgres://postgres@127.0.0.1:5432/test),
+//! MariaDB or MySQL (mysql://root@127.0.0.1:3306/test) and Redis
+//! (redis://127.0.0.1:6379); SQLite runs on a temporary file and
 //! Redis round trips are counted on a private `redis-server` when one is on
 //! the PATH. Every variant gets its own tables (unique names), dropped at
 //! the end.
@@ -25,6 +26,8 @@ mod kv;
 mod lite;
 #[path = "throughput/mem.rs"]
 mod mem;
+#[path = "throughput/my.rs"]
+mod my;
 #[path = "throughput/pg.rs"]
 mod pg;
 #[path = "throughput/report.rs"]
@@ -625,6 +628,11 @@ async fn run(cfg: Config) {
             names,
             groups,
         ));
+    }
+
+    // -- MariaDB / MySQL ---------------------------------------------------------------------
+    if cfg.wants("mysql") {
+        my::section(&cfg, &mut doc, &mut charts, &plans, &warm).await;
     }
 
     // -- Redis -----------------------------------------------------------------------------

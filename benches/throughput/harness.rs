@@ -305,7 +305,8 @@ impl Cell {
 }
 
 /// CPU time consumed so far (ns, from `/proc/*/schedstat`) by this process
-/// and by the database servers (`postgres` and `redis-server` processes).
+/// and by the database servers (`postgres` and `redis-server` processes, and
+/// every thread of `mariadbd`/`mysqld`).
 #[derive(Debug, Clone, Copy, Default)]
 pub struct CpuSnapshot {
     pub client_ns: u64,
@@ -317,6 +318,13 @@ fn schedstat_ns(path: &std::path::Path) -> u64 {
         .ok()
         .and_then(|s| s.split_whitespace().next().and_then(|v| v.parse().ok()))
         .unwrap_or(0)
+}
+
+/// CPU time of every live thread of the process at `proc` (`/proc/<pid>`).
+fn threads_ns(proc: &std::path::Path) -> u64 {
+    std::fs::read_dir(proc.join("task")).map_or(0, |tasks| {
+        tasks.flatten().map(|t| schedstat_ns(&t.path().join("schedstat"))).sum()
+    })
 }
 
 pub fn cpu_snapshot() -> CpuSnapshot {
@@ -333,6 +341,10 @@ pub fn cpu_snapshot() -> CpuSnapshot {
             let comm = std::fs::read_to_string(path.join("comm")).unwrap_or_default();
             if comm.starts_with("postgres") || comm.starts_with("redis-server") {
                 snap.server_ns += schedstat_ns(&path.join("schedstat"));
+            } else if comm.starts_with("mariadbd") || comm.starts_with("mysqld") {
+                // One process, a thread per connection: a process's own
+                // schedstat counts its main thread only.
+                snap.server_ns += threads_ns(&path);
             }
         }
     }
