@@ -65,7 +65,7 @@ macro_rules! suite {
             impl Service {
                 /// Inserts the effect, then fails or panics when the message
                 /// says so (after the insert, so the undo is observable).
-                #[idempotent(key = "msg.id", store = self.store, scope = "batch.pay", tx = tx)]
+                #[idempotent(key = "msg.id", store = self.store, scope = "batch.pay")]
                 async fn pay(&self, msg: &Msg, tx: &mut $conn) -> Result<i64, AppError> {
                     self.runs.fetch_add(1, Ordering::SeqCst);
                     let insert = format!($insert, self.effects);
@@ -87,7 +87,7 @@ macro_rules! suite {
                 }
 
                 /// The same on another marker table: not the batch's store.
-                #[idempotent(key = "msg.id", store = self.other, scope = "batch.other", tx = tx)]
+                #[idempotent(key = "msg.id", store = self.other, scope = "batch.other")]
                 async fn elsewhere(&self, msg: &Msg, tx: &mut $conn) -> Result<(), AppError> {
                     let insert = format!($insert, self.effects);
                     sqlx::query(sqlx::AssertSqlSafe(insert))

@@ -16,6 +16,9 @@ mod lite;
 #[path = "../benches/throughput/mem.rs"]
 mod mem;
 #[allow(dead_code)]
+#[path = "../benches/throughput/my.rs"]
+mod my;
+#[allow(dead_code)]
 #[path = "../benches/throughput/pg.rs"]
 mod pg;
 
@@ -70,6 +73,48 @@ async fn postgres_variants_run_once() {
     let cached = pg::cached(&tk, 100);
     once("pg (d+cache)", &pg::Macro::new(tk, cached), false).await;
     env.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_batches_run_once() {
+    let env = pg::PgEnv::connect(2).await.expect("PostgreSQL at 127.0.0.1:5432");
+    let batched = pg::Batched::new(env.tables("e").await, 4);
+    batched.reset().await;
+    assert_eq!(batched.batch(), 4);
+    let (k1, k2) = (unique("smoke"), unique("smoke"));
+    let keys = vec![k1.clone(), k2.clone(), k1.clone(), unique("smoke")];
+    let outcomes = batched.deliver_batch(keys).await.unwrap();
+    assert!(
+        matches!(
+            outcomes[..],
+            [Outcome::Fresh, Outcome::Fresh, Outcome::Duplicate, Outcome::Fresh]
+        ),
+        "a repeated key inside the batch is a duplicate"
+    );
+    let again = batched
+        .deliver_batch(vec![k2, k1, unique("smoke"), unique("smoke")])
+        .await
+        .unwrap();
+    assert!(matches!(
+        again[..],
+        [Outcome::Duplicate, Outcome::Duplicate, Outcome::Fresh, Outcome::Fresh]
+    ));
+    env.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mysql_variants_run_once() {
+    let env = my::MyEnv::connect(2).await.expect("MariaDB at 127.0.0.1:3306");
+    let (version, _, _) = env.server().await;
+    assert!(!version.is_empty());
+    once("mysql (a)", &my::Bare::new(env.tables("a").await), true).await;
+    once("mysql (b)", &my::Article::new(env.tables("b").await), false).await;
+    once("mysql (c)", &my::ClaimFirst::new(env.tables("c").await), false).await;
+    let td = env.tables("d").await;
+    let store = td.store.clone();
+    once("mysql (d)", &my::Macro::new(td, store), false).await;
+    env.cleanup().await;
+    env.pool.close().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

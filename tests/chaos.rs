@@ -659,7 +659,7 @@ fn report(name: &str, f: &Figures) {
     use std::io::Write;
     let text = format!(
         "chaos {name} ({}): {:.1?}\n  messages {} (published {} with duplicates)\n  deliveries to handlers {} \
-         (logged best effort)\n  SIGKILLs {}, aborts after commit before ack {}\n  broker restarts {}, \
+         (logged best effort)\n  SIGKILLs {}, aborts after commit before ack {}, mid-batch aborts {}\n  broker restarts {}, \
          database connection kills {} ({} connections), database restarts {}\n  injected handler failures {}\n  \
          effects {} (= messages {} - dead-lettered only {}); dead-lettered {}\n  lost {}, applied twice {}\n",
         f.broker,
@@ -669,6 +669,7 @@ fn report(name: &str, f: &Figures) {
         f.deliveries,
         f.kills,
         f.crashes_after_commit,
+        f.crashes_mid_batch,
         f.broker_restarts,
         f.connection_kills,
         f.connections_killed,

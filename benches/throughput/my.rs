@@ -15,10 +15,8 @@ use idempotent_runtime::sqlx::{self, AssertSqlSafe, MySql, MySqlConnection, MySq
 use idempotent_runtime::store::TransactionalStore;
 use idempotent_runtime::{MySqlStore, idempotent};
 
-use crate::harness::{BoxError, Outcome, Plan, Variant};
+use crate::harness::{BoxError, Outcome, Variant};
 use crate::pg::{BenchError, Msg};
-use crate::report::{self, Group};
-use crate::{Config, Doc, Plans, cells, grid, row};
 
 pub const MYSQL_URL: &str = "mysql://root@127.0.0.1:3306/test";
 /// The scope every variant writes (the macro's handler names it too).
@@ -90,7 +88,7 @@ impl MyEnv {
 
     /// `VERSION()`, `innodb_flush_log_at_trx_commit` and the default
     /// isolation level.
-    async fn server(&self) -> (String, String, String) {
+    pub async fn server(&self) -> (String, String, String) {
         let version = sqlx::query_scalar::<_, String>("SELECT VERSION()")
             .fetch_one(&self.pool)
             .await
@@ -322,87 +320,4 @@ where
     async fn reset(&self) {
         self.t.truncate().await;
     }
-}
-
-// ---- the section ---------------------------------------------------------------
-
-/// The MariaDB / MySQL table: (a), (b), (c), (d) at every (duplicates,
-/// concurrency) of the main grid, `cfg.reps` times. Skipped, with a line on
-/// stderr, when the server cannot be reached.
-pub async fn section(
-    cfg: &Config,
-    doc: &mut Doc,
-    charts: &mut Vec<(String, String, Vec<&'static str>, Vec<Group>)>,
-    plans: &Plans,
-    warm: &Arc<Plan>,
-) {
-    let env = match MyEnv::connect(40).await {
-        Ok(env) => env,
-        Err(e) => {
-            eprintln!("MariaDB/MySQL unavailable ({e}): skipping its section");
-            return;
-        }
-    };
-    let (version, flush, isolation) = env.server().await;
-    let t = cfg.timing;
-    let rows = vec![
-        row("(a) bare tx, no idempotency", Bare::new(env.tables("a").await), t, warm),
-        row(
-            "(b) article: check, then tx",
-            Article::new(env.tables("b").await),
-            t,
-            warm,
-        ),
-        row(
-            "(c) hand-written claim-first",
-            ClaimFirst::new(env.tables("c").await),
-            t,
-            warm,
-        ),
-        {
-            let td = env.tables("d").await;
-            let store = td.store.clone();
-            row("(d) #[idempotent] + MySqlStore", Macro::new(td, store), t, warm)
-        },
-    ];
-    let names: Vec<&'static str> = rows.iter().map(|r| r.name).collect();
-    let groups = grid("mysql", &rows, &cells(&cfg.dups, &cfg.concurrencies), plans, cfg.reps).await;
-    let mut text = format!(
-        "## MariaDB / MySQL: deliveries per second\n\nServer `{version}` at 127.0.0.1:3306 \
-         (`innodb_flush_log_at_trx_commit = {flush}`), a pool of 40 connections; median of {reps} interleaved \
-         runs{minmax}. (a) `BEGIN; INSERT effect; \
-         COMMIT`. (b) the article: `SELECT` on the marker table, then `BEGIN; INSERT effect; INSERT marker; COMMIT` \
-         (a concurrent duplicate fails on the primary key, `ER_DUP_ENTRY`). (c) by hand with sqlx, at READ \
-         COMMITTED like the store: `SET TRANSACTION ISOLATION LEVEL READ COMMITTED; START TRANSACTION`, \
-         `INSERT IGNORE` of the marker (1 row affected: claimed; 0: a duplicate, whose transaction is dropped), \
-         then the effect and `COMMIT`. (d) the same handler with `#[idempotent]` and `MySqlStore` (the same \
-         `BEGIN`, then `INSERT .. ON DUPLICATE KEY UPDATE` that also takes over an expired marker, its outcome \
-         read from `last_insert_id`; a duplicate's transaction is dropped, no read since the handler returns \
-         `()`). (a) and (b) use the server's default isolation ({isolation}). A dropped transaction's \
-         `ROLLBACK` is sent with the pool's release ping. All marker tables have `MySqlStore`'s layout; the \
-         effect is one `INSERT` into a table of its own.\n\n",
-        reps = cfg.reps,
-        minmax = if cfg.reps > 1 { ", min–max in small type" } else { "" },
-    );
-    text.push_str(&report::rate_table(
-        &names,
-        &groups,
-        &[(3, 2), (3, 1), (3, 0)],
-        cfg.reps,
-    ));
-    text.push_str("\nLatency per delivery, p50 / p99 (ms):\n\n");
-    text.push_str(&report::latency_table(&names, &groups));
-    text.push_str(
-        "\nCPU per delivery, µs: this process (client) + every thread of the server (`mariadbd`/`mysqld`):\n\n",
-    );
-    text.push_str(&report::cpu_table(&names, &groups));
-    doc.section(&text);
-    charts.push((
-        "throughput-mysql.svg".into(),
-        "MariaDB / MySQL: deliveries/s (median, min–max)".into(),
-        names,
-        groups,
-    ));
-    env.cleanup().await;
-    env.pool.close().await;
 }

@@ -81,7 +81,7 @@ pub fn analyze(cx: &Ctxt, func: ItemFn, args: &Args) -> Handler {
             .is_some_and(|name| matches!(&*typed.pat, Pat::Ident(p) if p.ident == *name));
         let looks_outbox = args.outbox.is_none() && is_outbox_type(&typed.ty);
         if named_outbox || looks_outbox {
-            if let Type::Reference(reference) = &*typed.ty
+            if let Type::Reference(reference) = plain(&typed.ty)
                 && reference.mutability.is_none()
             {
                 cx.error_spanned_by(
@@ -115,7 +115,7 @@ pub fn analyze(cx: &Ctxt, func: ItemFn, args: &Args) -> Handler {
         if named_tx || looks_tx {
             // An alias (`type Db<'a> = &'a mut PgConnection`) is checked by
             // the type system; a shared reference cannot be right.
-            if let Type::Reference(reference) = &*typed.ty
+            if let Type::Reference(reference) = plain(&typed.ty)
                 && reference.mutability.is_none()
             {
                 cx.error_spanned_by(
@@ -194,17 +194,27 @@ pub fn analyze(cx: &Ctxt, func: ItemFn, args: &Args) -> Handler {
     }
 }
 
+/// `ty` without the invisible groups a `macro_rules!` fragment (`$t:ty`)
+/// wraps it in, nor parentheses: what the type says, however it was
+/// written.
+fn plain(mut ty: &Type) -> &Type {
+    loop {
+        match ty {
+            Type::Group(group) => ty = &group.elem,
+            Type::Paren(paren) => ty = &paren.elem,
+            _ => return ty,
+        }
+    }
+}
+
 /// The type to probe for a parameter of type `ty`: `ty` without its
 /// references, or `None` when it cannot be named in an expression
 /// (`impl Trait`, `_`) or plainly is not a transaction (a primitive, a
 /// slice, a tuple...).
 fn probed_type(ty: &Type) -> Option<Type> {
-    let mut ty = ty;
+    let mut ty = plain(ty);
     while let Type::Reference(reference) = ty {
-        ty = &reference.elem;
-    }
-    while let Type::Paren(paren) = ty {
-        ty = &paren.elem;
+        ty = plain(&reference.elem);
     }
     if !matches!(ty, Type::Path(_)) {
         return None;
@@ -228,13 +238,13 @@ fn probed_type(ty: &Type) -> Option<Type> {
 
 /// `&mut X` where `X` is `Transaction<..>` or a known sqlx connection type.
 fn is_transaction_type(ty: &Type) -> bool {
-    let Type::Reference(reference) = ty else {
+    let Type::Reference(reference) = plain(ty) else {
         return false;
     };
     if reference.mutability.is_none() {
         return false;
     }
-    let Type::Path(path) = &*reference.elem else {
+    let Type::Path(path) = plain(&reference.elem) else {
         return false;
     };
     path.path.segments.last().is_some_and(|last| {
@@ -247,10 +257,10 @@ fn is_transaction_type(ty: &Type) -> bool {
 
 /// `&mut Outbox` (any path ending in `Outbox`).
 fn is_outbox_type(ty: &Type) -> bool {
-    let Type::Reference(reference) = ty else {
+    let Type::Reference(reference) = plain(ty) else {
         return false;
     };
-    let Type::Path(path) = &*reference.elem else {
+    let Type::Path(path) = plain(&reference.elem) else {
         return false;
     };
     reference.mutability.is_some() && path.path.segments.last().is_some_and(|last| last.ident == "Outbox")

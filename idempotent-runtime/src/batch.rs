@@ -72,6 +72,9 @@ pub(crate) const ROLLBACK_TO_SAVEPOINT: &str = "ROLLBACK TO SAVEPOINT idempotent
 
 type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
 
+/// Commits (`true`) or rolls back the boxed transaction of a batch.
+type Finish = fn(Box<dyn Any + Send>, bool) -> BoxFuture<Result<(), sqlx::Error>>;
+
 /// A claim waiting in a batch for the one statement that claims them all.
 #[derive(Debug, Clone)]
 pub(crate) struct BulkRequest {
@@ -431,7 +434,7 @@ impl Drop for Joined {
 #[must_use = "a batch does nothing until `commit`; dropping it rolls back"]
 pub struct Batch {
     shared: Arc<Shared>,
-    finish: fn(Box<dyn Any + Send>, bool) -> BoxFuture<Result<(), sqlx::Error>>,
+    finish: Finish,
     bulk: Option<BulkClaim>,
     _writer: Option<OwnedSemaphorePermit>,
 }

@@ -155,6 +155,15 @@ async fn chaos(args: &[&str]) -> Result<(), Box<dyn std::error::Error + Send + S
         .max_connections(8)
         .acquire_timeout(Duration::from_secs(5))
         .connect_lazy_with(options.application_name("chaos_consumer"));
+    // Keep a connection open (made again after a database restart), so the
+    // driver's connection kills find one even once every message is settled.
+    let keepalive = pool.clone();
+    tokio::spawn(async move {
+        loop {
+            let _ = sqlx::query("SELECT 1").execute(&keepalive).await;
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    });
     let store = PgStore::builder(pool.clone()).table(markers).build()?;
     let batch: Option<usize> = match std::env::var("IDEMPOTENT_CHAOS_BATCH") {
         Ok(n) if !n.is_empty() => Some(n.parse()?),

@@ -50,7 +50,8 @@ use sqlx::{AssertSqlSafe, MySql, MySqlPool, Row, Transaction};
 use crate::Error;
 use crate::store::mysql_outbox::{MySqlOutboxSql, stage_outbox};
 use crate::store::sql::{
-    BatchClaim, DEFAULT_OUTBOX_RETENTION, OutboxParts, SqlGuard, SqlStoreBuilder, ddl, sql_backend,
+    BatchClaim, ClaimSql, DEFAULT_OUTBOX_RETENTION, OutboxParts, SqlGuard, SqlStoreBuilder, claim_in_batch, ddl,
+    sql_backend,
 };
 use crate::store::{Claim, Replay, Request, Store, TransactionalStore};
 
@@ -293,18 +294,15 @@ impl MySqlStore {
         // A live marker: the claim statement holds an exclusive lock on it,
         // so it cannot change or vanish before this read, which at READ
         // COMMITTED sees its committed values.
-        let row = self.read_marker(&mut tx, req).await?;
+        let (fingerprint, result) = self.read_marker(&mut tx, req).await?;
         tx.rollback().await?;
-        Ok(Attempt::Done {
-            fingerprint: row.try_get("fingerprint")?,
-            result: row.try_get("result")?,
-        })
+        Ok(Attempt::Done { fingerprint, result })
     }
 }
 
-impl MySqlStore {
-    /// Inserts the marker, or takes over an expired one: `true` when this
-    /// claim is fresh.
+impl ClaimSql for MySqlStore {
+    type Db = MySql;
+
     async fn claim_statement(&self, conn: &mut sqlx::MySqlConnection, req: &Request<'_>) -> Result<bool, sqlx::Error> {
         let ttl_micros = req.ttl_millis().saturating_mul(1000).min(MAX_TTL_MICROS);
         let fingerprint = req.fingerprint().map(|f| f.as_str());
@@ -326,50 +324,25 @@ impl MySqlStore {
         }
     }
 
-    /// The live marker's fingerprint and result.
     async fn read_marker(
         &self,
         conn: &mut sqlx::MySqlConnection,
         req: &Request<'_>,
-    ) -> Result<sqlx::mysql::MySqlRow, sqlx::Error> {
-        sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.read)))
+    ) -> Result<(Option<String>, Option<String>), sqlx::Error> {
+        let row = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.read)))
             .bind(req.scope())
             .bind(req.key())
             .fetch_one(conn)
-            .await
+            .await?;
+        Ok((row.try_get("fingerprint")?, row.try_get("result")?))
     }
 
-    /// The claim inside a batch (see [`crate::batch`]): the same statements
-    /// on the batch's transaction; a fresh claim takes a savepoint. A
-    /// deadlock here rolls back InnoDB's whole transaction: it aborts the
-    /// batch instead of being retried.
-    async fn claim_in_batch(
-        &self,
-        mut batch: BatchClaim<MySql>,
-        req: &Request<'_>,
-    ) -> Result<Claim<SqlGuard<MySql>>, Error> {
-        let claimed = self.claim_statement(&mut batch.tx, req).await;
-        if batch.check(claimed)? {
-            let guard = batch
-                .fresh(
-                    Arc::clone(&self.sql.undo),
-                    Arc::clone(&self.sql.write_result),
-                    Arc::clone(&self.outbox.table),
-                    req,
-                )
-                .await?;
-            return Ok(Claim::Fresh(guard));
-        }
-        if !req.needs_read() {
-            batch.done();
-            return Ok(Claim::Done(Replay::default()));
-        }
-        let row = self.read_marker(&mut batch.tx, req).await;
-        let row = batch.check(row)?;
-        batch.done();
-        let fingerprint: Option<String> = row.try_get("fingerprint")?;
-        req.check_fingerprint(fingerprint.as_deref())?;
-        Ok(Claim::Done(Replay::new(row.try_get("result")?)))
+    fn guard_parts(&self) -> (Arc<str>, Arc<str>, Arc<crate::store::sql::OutboxTable>) {
+        (
+            Arc::clone(&self.sql.undo),
+            Arc::clone(&self.sql.write_result),
+            Arc::clone(&self.outbox.table),
+        )
     }
 }
 
@@ -437,7 +410,7 @@ impl Store for MySqlStore {
     async fn claim(&self, req: &Request<'_>) -> Result<Claim<Self::Guard>, Error> {
         self.checked.get_or_init(|| warn_about_durability(&self.pool)).await;
         if let Some(batch) = BatchClaim::join(self.sql.namespace).await? {
-            return self.claim_in_batch(batch, req).await;
+            return claim_in_batch(self, batch, req).await;
         }
         let mut retry = Retry::default();
         let attempt = loop {

@@ -10,7 +10,8 @@ use crate::batch::{BulkOutcome, BulkRequest, Gathered};
 use crate::store::postgres_outbox::{PgOutboxSql, stage_outbox};
 use crate::store::postgres_partitions::{PartitionSettings, Partitions};
 use crate::store::sql::{
-    BatchClaim, DEFAULT_OUTBOX_RETENTION, OutboxParts, SqlGuard, SqlStoreBuilder, ddl, sql_backend,
+    BatchClaim, ClaimSql, DEFAULT_OUTBOX_RETENTION, OutboxParts, SqlGuard, SqlStoreBuilder, claim_in_batch, ddl,
+    replay, sql_backend,
 };
 use crate::store::{Claim, Replay, Request, Store, TransactionalStore};
 
@@ -377,7 +378,7 @@ impl Store for PgStore {
             Some(Gathered::Alone) | None => {}
         }
         if let Some(batch) = BatchClaim::join(self.sql.namespace).await? {
-            return self.claim_in_batch(batch, req).await;
+            return claim_in_batch(self, batch, req).await;
         }
         let begin = self.begin_statement().await?;
         let mut tx = self.pool.begin_with(begin).await?;
@@ -401,24 +402,17 @@ impl Store for PgStore {
         // A live marker exists: ON CONFLICT DO UPDATE locked it, so it cannot
         // vanish before this read (a new snapshot, so it also sees a marker
         // committed by a concurrent claim this one waited for).
-        let row = self.read_marker(&mut tx, req).await?;
+        let marker = self.read_marker(&mut tx, req).await?;
         // Nothing to undo: dropping the transaction queues its ROLLBACK,
         // sent when the connection returns to the pool, saving a round trip.
         drop(tx);
-        replay(req, &row)
+        replay(req, marker)
     }
 }
 
-/// The replay of the live marker `row`, after checking its fingerprint.
-fn replay(req: &Request<'_>, row: &sqlx::postgres::PgRow) -> Result<Claim<SqlGuard<Postgres>>, Error> {
-    let fingerprint: Option<String> = row.try_get("fingerprint")?;
-    req.check_fingerprint(fingerprint.as_deref())?;
-    Ok(Claim::Done(Replay::new(row.try_get("result")?)))
-}
+impl ClaimSql for PgStore {
+    type Db = Postgres;
 
-impl PgStore {
-    /// Inserts the marker, or takes over an expired one: `true` when this
-    /// claim is fresh.
     async fn claim_statement(&self, conn: &mut sqlx::PgConnection, req: &Request<'_>) -> Result<bool, sqlx::Error> {
         Ok(sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.claim)))
             .bind(req.scope())
@@ -430,46 +424,25 @@ impl PgStore {
             .is_some())
     }
 
-    /// The live marker's fingerprint and result.
     async fn read_marker(
         &self,
         conn: &mut sqlx::PgConnection,
         req: &Request<'_>,
-    ) -> Result<sqlx::postgres::PgRow, sqlx::Error> {
-        sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.read)))
+    ) -> Result<(Option<String>, Option<String>), sqlx::Error> {
+        let row = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.read)))
             .bind(req.scope())
             .bind(req.key())
             .fetch_one(conn)
-            .await
+            .await?;
+        Ok((row.try_get("fingerprint")?, row.try_get("result")?))
     }
 
-    /// The claim inside a batch (see [`crate::batch`]): the same statements
-    /// on the batch's transaction; a fresh claim takes a savepoint.
-    async fn claim_in_batch(
-        &self,
-        mut batch: BatchClaim<Postgres>,
-        req: &Request<'_>,
-    ) -> Result<Claim<SqlGuard<Postgres>>, Error> {
-        let claimed = self.claim_statement(&mut batch.tx, req).await;
-        if batch.check(claimed)? {
-            let guard = batch
-                .fresh(
-                    Arc::clone(&self.sql.undo),
-                    Arc::clone(&self.sql.write_result),
-                    Arc::clone(&self.outbox.table),
-                    req,
-                )
-                .await?;
-            return Ok(Claim::Fresh(guard));
-        }
-        if !req.needs_read() {
-            batch.done();
-            return Ok(Claim::Done(Replay::default()));
-        }
-        let row = self.read_marker(&mut batch.tx, req).await;
-        let row = batch.check(row)?;
-        batch.done();
-        replay(req, &row)
+    fn guard_parts(&self) -> (Arc<str>, Arc<str>, Arc<crate::store::sql::OutboxTable>) {
+        (
+            Arc::clone(&self.sql.undo),
+            Arc::clone(&self.sql.write_result),
+            Arc::clone(&self.outbox.table),
+        )
     }
 }
 

@@ -194,6 +194,66 @@ impl<DB: SqlBackend> SqlGuard<DB> {
     }
 }
 
+/// The statements of a SQL store's claim, for the claim code its backends
+/// share (the batch path).
+pub(crate) trait ClaimSql: Sync {
+    /// The store's database.
+    type Db: SqlBackend;
+
+    /// Inserts the marker, or takes over an expired one: `true` when the
+    /// claim is fresh.
+    fn claim_statement<'a>(
+        &'a self,
+        conn: &'a mut <Self::Db as sqlx::Database>::Connection,
+        req: &'a crate::store::Request<'a>,
+    ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send + 'a;
+
+    /// The live marker's fingerprint and result.
+    fn read_marker<'a>(
+        &'a self,
+        conn: &'a mut <Self::Db as sqlx::Database>::Connection,
+        req: &'a crate::store::Request<'a>,
+    ) -> impl Future<Output = Result<(Option<String>, Option<String>), sqlx::Error>> + Send + 'a;
+
+    /// A fresh claim's statements: the marker's undo (by scope and key),
+    /// the result's write, and the outbox table.
+    fn guard_parts(&self) -> (Arc<str>, Arc<str>, Arc<OutboxTable>);
+}
+
+/// The replay of a live marker `(fingerprint, result)`, after checking its
+/// fingerprint.
+pub(crate) fn replay<G>(
+    req: &crate::store::Request<'_>,
+    (fingerprint, result): (Option<String>, Option<String>),
+) -> Result<crate::store::Claim<G>, Error> {
+    req.check_fingerprint(fingerprint.as_deref())?;
+    Ok(crate::store::Claim::Done(crate::store::Replay::new(result)))
+}
+
+/// The claim inside a batch (see [`crate::batch`]), made one by one: the
+/// store's statements on the batch's transaction; a fresh claim takes a
+/// savepoint.
+pub(crate) async fn claim_in_batch<S: ClaimSql>(
+    store: &S,
+    mut batch: BatchClaim<S::Db>,
+    req: &crate::store::Request<'_>,
+) -> Result<crate::store::Claim<SqlGuard<S::Db>>, Error> {
+    let claimed = store.claim_statement(&mut batch.tx, req).await;
+    if batch.check(claimed)? {
+        let (undo, write_result, outbox) = store.guard_parts();
+        let guard = batch.fresh(undo, write_result, outbox, req).await?;
+        return Ok(crate::store::Claim::Fresh(guard));
+    }
+    if !req.needs_read() {
+        batch.done();
+        return Ok(crate::store::Claim::Done(crate::store::Replay::default()));
+    }
+    let marker = store.read_marker(&mut batch.tx, req).await;
+    let marker = batch.check(marker)?;
+    batch.done();
+    replay(req, marker)
+}
+
 /// A claim made inside a batch, for each store's claim code: the batch's
 /// transaction is taken for the claim statement and given back (or kept
 /// by the fresh claim's guard, after its savepoint).

@@ -11,7 +11,8 @@ use tokio::sync::Semaphore;
 
 use crate::Error;
 use crate::store::sql::{
-    BatchClaim, DEFAULT_OUTBOX_RETENTION, OutboxParts, SqlGuard, SqlStoreBuilder, ddl, sql_backend,
+    BatchClaim, ClaimSql, DEFAULT_OUTBOX_RETENTION, OutboxParts, SqlGuard, SqlStoreBuilder, claim_in_batch, ddl,
+    replay, sql_backend,
 };
 use crate::store::sqlite_outbox::{SqliteOutboxSql, stage_outbox};
 use crate::store::{Claim, Replay, Request, Store, TransactionalStore};
@@ -255,7 +256,7 @@ impl Store for SqliteStore {
 
     async fn claim(&self, req: &Request<'_>) -> Result<Claim<Self::Guard>, Error> {
         if let Some(batch) = BatchClaim::join(self.sql.namespace).await? {
-            return self.claim_in_batch(batch, req).await;
+            return claim_in_batch(self, batch, req).await;
         }
         let (mut tx, writer) = self.begin_immediate().await?;
         let claimed = self.claim_statement(&mut tx, req).await?;
@@ -276,23 +277,16 @@ impl Store for SqliteStore {
             drop(writer);
             return Ok(Claim::Done(Replay::default()));
         }
-        let row = self.read_marker(&mut tx, req).await?;
+        let marker = self.read_marker(&mut tx, req).await?;
         tx.rollback().await?;
         drop(writer);
-        replay(req, &row)
+        replay(req, marker)
     }
 }
 
-/// The replay of the live marker `row`, after checking its fingerprint.
-fn replay(req: &Request<'_>, row: &sqlx::sqlite::SqliteRow) -> Result<Claim<SqlGuard<Sqlite>>, Error> {
-    let fingerprint: Option<String> = row.try_get("fingerprint")?;
-    req.check_fingerprint(fingerprint.as_deref())?;
-    Ok(Claim::Done(Replay::new(row.try_get("result")?)))
-}
+impl ClaimSql for SqliteStore {
+    type Db = Sqlite;
 
-impl SqliteStore {
-    /// Inserts the marker, or takes over an expired one: `true` when this
-    /// claim is fresh.
     async fn claim_statement(&self, conn: &mut sqlx::SqliteConnection, req: &Request<'_>) -> Result<bool, sqlx::Error> {
         Ok(sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.claim)))
             .bind(req.scope())
@@ -304,47 +298,25 @@ impl SqliteStore {
             .is_some())
     }
 
-    /// The live marker's fingerprint and result.
     async fn read_marker(
         &self,
         conn: &mut sqlx::SqliteConnection,
         req: &Request<'_>,
-    ) -> Result<sqlx::sqlite::SqliteRow, sqlx::Error> {
-        sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.read)))
+    ) -> Result<(Option<String>, Option<String>), sqlx::Error> {
+        let row = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.read)))
             .bind(req.scope())
             .bind(req.key())
             .fetch_one(conn)
-            .await
+            .await?;
+        Ok((row.try_get("fingerprint")?, row.try_get("result")?))
     }
 
-    /// The claim inside a batch (see [`crate::batch`]): the same statements
-    /// on the batch's transaction, which holds the write lock; a fresh claim
-    /// takes a savepoint.
-    async fn claim_in_batch(
-        &self,
-        mut batch: BatchClaim<Sqlite>,
-        req: &Request<'_>,
-    ) -> Result<Claim<SqlGuard<Sqlite>>, Error> {
-        let claimed = self.claim_statement(&mut batch.tx, req).await;
-        if batch.check(claimed)? {
-            let guard = batch
-                .fresh(
-                    Arc::clone(&self.sql.undo),
-                    Arc::clone(&self.sql.write_result),
-                    Arc::clone(&self.outbox.table),
-                    req,
-                )
-                .await?;
-            return Ok(Claim::Fresh(guard));
-        }
-        if !req.needs_read() {
-            batch.done();
-            return Ok(Claim::Done(Replay::default()));
-        }
-        let row = self.read_marker(&mut batch.tx, req).await;
-        let row = batch.check(row)?;
-        batch.done();
-        replay(req, &row)
+    fn guard_parts(&self) -> (Arc<str>, Arc<str>, Arc<crate::store::sql::OutboxTable>) {
+        (
+            Arc::clone(&self.sql.undo),
+            Arc::clone(&self.sql.write_result),
+            Arc::clone(&self.outbox.table),
+        )
     }
 }
 
