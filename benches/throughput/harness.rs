@@ -104,6 +104,28 @@ pub struct RunStats {
 }
 
 impl RunStats {
+    /// One delivery that started at `t0` (the run at `start`) and ended now.
+    fn record(&mut self, t0: Instant, start: Instant, keep_starts: bool, outcome: Result<Outcome, BoxError>) {
+        self.deliveries += 1;
+        self.latencies_us
+            .push(u32::try_from(t0.elapsed().as_micros()).unwrap_or(u32::MAX));
+        if keep_starts {
+            self.starts_us
+                .push(u32::try_from((t0 - start).as_micros()).unwrap_or(u32::MAX));
+        }
+        match outcome {
+            Ok(Outcome::Fresh) => self.fresh += 1,
+            Ok(Outcome::Duplicate) => self.duplicates += 1,
+            Ok(Outcome::Busy) => self.busy += 1,
+            Err(error) => {
+                self.errors += 1;
+                if self.first_error.is_none() {
+                    self.first_error = Some(error.to_string());
+                }
+            }
+        }
+    }
+
     pub fn rate(&self) -> f64 {
         self.deliveries as f64 / self.elapsed.as_secs_f64().max(1e-9)
     }
@@ -160,39 +182,20 @@ pub async fn run<V: Variant>(variant: &Arc<V>, plan: &Arc<Plan>, opts: RunOption
                     break;
                 };
                 let t0 = Instant::now();
-                let outcomes = if size == 1 {
-                    variant
-                        .deliver(format!("{prefix}{}", messages[0]))
-                        .await
-                        .map(|o| vec![o])
+                // Each message of a batch is settled when the batch is: its
+                // latency is the batch's.
+                if size == 1 {
+                    let outcome = variant.deliver(format!("{prefix}{}", messages[0])).await;
+                    stats.record(t0, start, keep_starts, outcome);
                 } else {
                     let keys = messages.iter().map(|m| format!("{prefix}{m}")).collect();
-                    variant.deliver_batch(keys).await
-                };
-                // Each message of a batch is settled when the batch is:
-                // its latency is the batch's.
-                let took = u32::try_from(t0.elapsed().as_micros()).unwrap_or(u32::MAX);
-                let started = u32::try_from((t0 - start).as_micros()).unwrap_or(u32::MAX);
-                let outcomes = match outcomes {
-                    Ok(outcomes) => outcomes.into_iter().map(Ok).collect(),
-                    Err(error) => vec![Err(error)],
-                };
-                for outcome in outcomes {
-                    stats.deliveries += 1;
-                    stats.latencies_us.push(took);
-                    if keep_starts {
-                        stats.starts_us.push(started);
-                    }
-                    match outcome {
-                        Ok(Outcome::Fresh) => stats.fresh += 1,
-                        Ok(Outcome::Duplicate) => stats.duplicates += 1,
-                        Ok(Outcome::Busy) => stats.busy += 1,
-                        Err(error) => {
-                            stats.errors += 1;
-                            if stats.first_error.is_none() {
-                                stats.first_error = Some(error.to_string());
+                    match variant.deliver_batch(keys).await {
+                        Ok(outcomes) => {
+                            for outcome in outcomes {
+                                stats.record(t0, start, keep_starts, Ok(outcome));
                             }
                         }
+                        Err(error) => stats.record(t0, start, keep_starts, Err(error)),
                     }
                 }
             }

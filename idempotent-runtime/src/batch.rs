@@ -52,8 +52,6 @@ use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
-use futures_util::StreamExt;
-use futures_util::stream::FuturesUnordered;
 use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore, oneshot};
 
 use crate::Error;
@@ -490,42 +488,7 @@ impl Batch {
     /// Runs `fut` (a handler call) with its claims on this batch's store
     /// joining the batch: [`run_all`](Self::run_all) of one call.
     pub async fn run<F: Future>(&self, fut: F) -> F::Output {
-        let shared = &self.shared;
-        self.open(1);
-        let member = Member {
-            shared: Arc::clone(shared),
-            id: next_member_id(),
-        };
-        let call = MEMBER.scope(member, fut);
-        tokio::pin!(call);
-        loop {
-            if let Some(gathered) = shared.take_gathered() {
-                self.claim_gathered(gathered).await;
-                continue;
-            }
-            let changed = shared.changed.notified();
-            tokio::select! {
-                output = &mut call => {
-                    self.close();
-                    return output;
-                }
-                _ = changed => {}
-            }
-        }
-    }
-
-    /// Starts gathering the claims of `calls` calls.
-    fn open(&self, calls: usize) {
-        let mut gather = self.shared.gather.lock().unwrap_or_else(PoisonError::into_inner);
-        gather.open = self.bulk.is_some() && !self.shared.is_aborted();
-        gather.live = calls;
-        gather.waiting.clear();
-    }
-
-    fn close(&self) {
-        let mut gather = self.shared.gather.lock().unwrap_or_else(PoisonError::into_inner);
-        gather.open = false;
-        gather.live = 0;
+        self.drive(1, self.member(fut)).await
     }
 
     /// Runs the handler calls `calls` together in this batch and returns
@@ -538,40 +501,50 @@ impl Batch {
     /// others. A key that appears twice is answered, after its first run, as
     /// a duplicate.
     pub async fn run_all<F: Future>(&self, calls: Vec<F>) -> Vec<F::Output> {
+        let live = calls.len();
+        let members = futures_util::future::join_all(calls.into_iter().map(|call| self.member(call)));
+        self.drive(live, members).await
+    }
+
+    /// `call` as a member of the batch: its claims find the batch, and its
+    /// end is counted (the others may then all be waiting in a claim).
+    async fn member<F: Future>(&self, call: F) -> F::Output {
+        let member = Member {
+            shared: Arc::clone(&self.shared),
+            id: next_member_id(),
+        };
+        let output = MEMBER.scope(member, call).await;
+        self.shared.member_ended();
+        self.shared.changed.notify_one();
+        output
+    }
+
+    /// Polls `calls` (`live` members) to their end, making the gathered
+    /// claims' statement whenever every running member waits in a claim.
+    async fn drive<F: Future>(&self, live: usize, calls: F) -> F::Output {
         let shared = &self.shared;
-        self.open(calls.len());
-        let mut running: FuturesUnordered<_> = calls
-            .into_iter()
-            .enumerate()
-            .map(|(index, call)| {
-                let member = Member {
-                    shared: Arc::clone(shared),
-                    id: next_member_id(),
-                };
-                async move { (index, MEMBER.scope(member, call).await) }
-            })
-            .collect();
-        let mut outputs = Vec::with_capacity(running.len());
-        loop {
+        {
+            let mut gather = shared.gather.lock().unwrap_or_else(PoisonError::into_inner);
+            gather.open = self.bulk.is_some() && !shared.is_aborted();
+            gather.live = live;
+            gather.waiting.clear();
+        }
+        tokio::pin!(calls);
+        let output = loop {
             if let Some(gathered) = shared.take_gathered() {
                 self.claim_gathered(gathered).await;
                 continue;
             }
             let changed = shared.changed.notified();
             tokio::select! {
-                next = running.next() => match next {
-                    Some(output) => {
-                        outputs.push(output);
-                        shared.member_ended();
-                    }
-                    None => break,
-                },
+                output = &mut calls => break output,
                 _ = changed => {}
             }
-        }
-        self.close();
-        outputs.sort_by_key(|(index, _)| *index);
-        outputs.into_iter().map(|(_, output)| output).collect()
+        };
+        let mut gather = shared.gather.lock().unwrap_or_else(PoisonError::into_inner);
+        gather.open = false;
+        gather.live = 0;
+        output
     }
 
     /// The one statement for the gathered claims; answers each.

@@ -590,10 +590,10 @@ async fn gather<S: Session>(
 }
 
 /// A batch of deliveries in one database transaction (see
-/// [`ConsumerBuilder::batch`](super::ConsumerBuilder::batch)): each handler
-/// runs inside the [`Batch`](crate::batch::Batch), one after the other;
-/// after the commit each delivery is settled on its handler's outcome, as
-/// alone. A batch that cannot begin or commit ran for nothing (its
+/// [`ConsumerBuilder::batch`](super::ConsumerBuilder::batch)): the handlers
+/// run together in the [`Batch`](crate::batch::Batch)
+/// ([`run_all`](crate::batch::Batch::run_all)); after the commit each
+/// delivery is settled on its handler's outcome, as alone. A batch that cannot begin or commit ran for nothing (its
 /// transaction rolled back): its deliveries then run again, one per
 /// transaction.
 #[cfg(feature = "sqlx")]
@@ -607,6 +607,9 @@ where
     E: fmt::Display,
 {
     let Some(mode) = &worker.options.batch else {
+        for delivery in deliveries {
+            process(Arc::clone(&worker), delivery).await;
+        }
         return;
     };
     // The last delivery of a message, and what is poison, are settled
@@ -640,34 +643,23 @@ where
             return;
         }
     };
-    // The handlers run together in the batch: their claims gathered into
-    // one statement, their bodies one at a time on its transaction.
-    let spans: Vec<Span> = ready
+    let (deliveries, messages): (Vec<Dl>, Vec<M>) = ready.into_iter().unzip();
+    let spans: Vec<Span> = deliveries
         .iter()
-        .map(|(delivery, _)| delivery_span(&worker, delivery))
+        .map(|delivery| delivery_span(&worker, delivery))
         .collect();
-    let mut deliveries = Vec::with_capacity(ready.len());
-    let mut calls = Vec::with_capacity(ready.len());
-    for ((delivery, message), span) in ready.into_iter().zip(spans) {
-        let meta = delivery.meta();
-        let info = DeliveryInfo {
-            message_id: meta.message_id.clone(),
-            attempt: meta.attempt,
-            redelivered: meta.redelivered,
-        };
-        let call = super::call((worker.handler)(message, info), &worker.recorder);
-        deliveries.push((delivery, span.clone()));
-        calls.push((call, span));
-    }
-    let outcomes = batch
-        .run_all(
-            calls
-                .into_iter()
-                .zip(&deliveries)
-                .map(|((call, span), (delivery, _))| worker.watched(delivery, call).instrument(span))
-                .collect(),
-        )
-        .await;
+    let calls = deliveries
+        .iter()
+        .zip(messages)
+        .zip(&spans)
+        .map(|((delivery, message), span)| {
+            worker
+                .watched(delivery, worker.call(delivery.meta(), message))
+                .instrument(span.clone())
+        })
+        .collect();
+    let outcomes = batch.run_all(calls).await;
+    let deliveries = deliveries.into_iter().zip(spans);
     if outcomes.iter().any(Option::is_none) {
         // Shutdown timeout: nothing of the batch commits.
         batch.rollback().await;
@@ -677,7 +669,6 @@ where
         return;
     }
     let ran: Vec<_> = deliveries
-        .into_iter()
         .zip(outcomes)
         .filter_map(|((delivery, span), outcome)| outcome.map(|outcome| (delivery, span, outcome)))
         .collect();
@@ -792,13 +783,7 @@ impl<D, R, H> Worker<D, R, H> {
                             return;
                         }
                     };
-                    let info = DeliveryInfo {
-                        message_id: meta.message_id.clone(),
-                        attempt,
-                        redelivered: meta.redelivered,
-                    };
-                    let call = super::call((self.handler)(decoded, info), &self.recorder);
-                    let Some(outcome) = self.watched(delivery, call).await else {
+                    let Some(outcome) = self.watched(delivery, self.call(meta, decoded)).await else {
                         self.let_go(delivery).await;
                         return;
                     };
@@ -899,6 +884,21 @@ impl<D, R, H> Worker<D, R, H> {
         );
         self.dead_letter(delivery, kind, &reason, attempt, Outcome::DeadLettered)
             .await;
+    }
+
+    /// The handler's call on the decoded `message` of the delivery `meta`
+    /// describes: its outcome and what its `#[idempotent]` calls noted.
+    fn call<M, Fut, T, E>(&self, meta: &Meta, message: M) -> impl Future<Output = (Called<E>, Noted)>
+    where
+        H: Fn(M, DeliveryInfo) -> Fut,
+        Fut: Future<Output = Result<T, E>>,
+    {
+        let info = DeliveryInfo {
+            message_id: meta.message_id.clone(),
+            attempt: meta.attempt,
+            redelivered: meta.redelivered,
+        };
+        super::call((self.handler)(message, info), &self.recorder)
     }
 
     /// Runs `fut` while sending the delivery's progress; `None` when the

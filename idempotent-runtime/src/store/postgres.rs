@@ -367,13 +367,8 @@ impl Store for PgStore {
                     .await?;
                 return Ok(Claim::Fresh(guard));
             }
-            Some(Gathered::Done { fingerprint, result }) => {
-                if !req.needs_read() {
-                    return Ok(Claim::Done(Replay::default()));
-                }
-                req.check_fingerprint(fingerprint.as_deref())?;
-                return Ok(Claim::Done(Replay::new(result)));
-            }
+            // Not read when the request needs nothing back (both `None`).
+            Some(Gathered::Done { fingerprint, result }) => return replay(req, (fingerprint, result)),
             Some(Gathered::Failed(error)) => return Err(error),
             Some(Gathered::Alone) | None => {}
         }
