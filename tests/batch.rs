@@ -319,7 +319,13 @@ macro_rules! suite {
 // ---- PostgreSQL ---------------------------------------------------------
 
 async fn pg_setup() -> (idempotent_runtime::PgStore, idempotent_runtime::PgStore, String, ()) {
-    let pool = common::pg_pool(8).await;
+    pg_setup_with(common::settings::PG_SERVER_DEFAULT).await
+}
+
+/// The stores on a pool whose sessions default to the isolation `setting`
+/// (`common::settings::PG_*`).
+async fn pg_setup_with(setting: u8) -> (idempotent_runtime::PgStore, idempotent_runtime::PgStore, String, ()) {
+    let pool = common::pg_pool_with(8, setting).await;
     let (markers, other, effects) = (
         common::unique("batch_m"),
         common::unique("batch_o"),
@@ -508,7 +514,20 @@ async fn a_key_claimed_in_an_open_batch_waits_for_its_commit_in_another() {
 /// the second waits for the first's commit and answers duplicates.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_batches_claiming_the_same_keys_do_not_deadlock() {
-    let (store, other, effects, ()) = pg_setup().await;
+    concurrent_batches_on_the_same_keys(common::settings::PG_SERVER_DEFAULT).await;
+}
+
+/// The same where the sessions default to Repeatable Read or Serializable:
+/// a batch begins at Read Committed like a claim, so the second batch waits
+/// for the first and replays instead of failing with 40001.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_batches_on_the_same_keys_under_stricter_session_isolation() {
+    concurrent_batches_on_the_same_keys(common::settings::PG_REPEATABLE_READ).await;
+    concurrent_batches_on_the_same_keys(common::settings::PG_SERIALIZABLE).await;
+}
+
+async fn concurrent_batches_on_the_same_keys(setting: u8) {
+    let (store, other, effects, ()) = pg_setup_with(setting).await;
     let svc = std::sync::Arc::new((store.clone(), effects.clone(), AtomicU64::new(0)));
 
     #[idempotent(key = "msg.id", store = &svc.0, scope = "batch.order")]
