@@ -7,6 +7,7 @@
 //! cargo bench --bench throughput -- --compile-cost  # build time of 100 handlers, with/without the attribute
 //! cargo bench --bench throughput -- --only=pg,redis # sections: pg, batch, cache, rtt, sqlite, mysql, redis, memory, size, purge
 //! cargo bench --bench throughput -- --out=DIR       # where the markdown and SVG files go
+//! IDEMPOTENT_BENCH_ROWS=d cargo bench --bench throughput -- --only=pg   # one variant alone (to profile it)
 //! ```
 //!
 //! Needs the services of `.ci/run`: PostgreSQL (postgres://postgres@127.0.0.1:5432/test),
@@ -264,11 +265,22 @@ async fn grid(section: &str, rows: &[Row], cells: &[(u32, usize)], plans: &Plans
             cells: vec![None; rows.len()],
         })
         .collect();
+    // `IDEMPOTENT_BENCH_ROWS=d,s`: only these rows (by their letter), to
+    // profile one variant alone (`perf record -p ..`).
+    let only: Option<Vec<String>> = std::env::var("IDEMPOTENT_BENCH_ROWS")
+        .ok()
+        .map(|v| v.split(',').map(|r| format!("({})", r.trim())).collect());
     for rep in 0..reps {
         for (gi, &(dup, conc)) in cells.iter().enumerate() {
             for k in 0..rows.len() {
                 let ri = (k + rep) % rows.len();
                 let row = &rows[ri];
+                if only
+                    .as_ref()
+                    .is_some_and(|only| !only.iter().any(|o| row.name.starts_with(o.as_str())))
+                {
+                    continue;
+                }
                 let prefix = format!("r{rep}c{conc}d{dup}v{ri}-");
                 let stats = (row.measure)(plans.get(dup), conc, prefix).await;
                 eprintln!(
@@ -374,6 +386,12 @@ async fn run(cfg: Config) {
                     &warm,
                 )
             },
+            row(
+                "(s) by hand, PgStore's statements",
+                pg::ClaimFirst::store_statements(env.tables("s").await),
+                t,
+                &warm,
+            ),
         ];
         let names: Vec<&'static str> = rows.iter().map(|r| r.name).collect();
         let groups = grid("pg", &rows, &cells(&cfg.dups, &cfg.concurrencies), &plans, cfg.reps).await;
@@ -384,13 +402,15 @@ async fn run(cfg: Config) {
              effect and `COMMIT`, or on a duplicate return (the dropped transaction rolls back). (d) the same handler \
              with `#[idempotent]` and `PgStore` (`INSERT .. ON CONFLICT DO UPDATE .. WHERE expired RETURNING`, then a \
              `SELECT` of the live marker for a duplicate, whose transaction is dropped, its `ROLLBACK` sent with \
-             the pool's release ping). All marker \
+             the pool's release ping). (s) by hand, exactly the statements `PgStore` sends for this handler \
+             (`BEGIN ISOLATION LEVEL READ COMMITTED`, its claim statement with four parameters): d/s is the cost of \
+             the macro and the runtime, s/c the cost of the statement. All marker \
              tables have `PgStore`'s layout; the effect is one `INSERT` into a table of its own.\n\n",
         );
         text.push_str(&report::rate_table(
             &names,
             &groups,
-            &[(3, 2), (3, 1), (3, 0)],
+            &[(3, 2), (3, 1), (3, 0), (3, 4), (4, 2)],
             cfg.reps,
         ));
         text.push_str("\nLatency per delivery, p50 / p99 (ms):\n\n");
@@ -604,6 +624,12 @@ async fn run(cfg: Config) {
                 t,
                 &warm,
             ),
+            row(
+                "(s) by hand, SqliteStore's statement",
+                lite::ClaimFirst::store_statements(env.tables("s").await),
+                t,
+                &warm,
+            ),
         ];
         let names: Vec<&'static str> = rows.iter().map(|r| r.name).collect();
         let concs = [1, 8];
@@ -611,12 +637,14 @@ async fn run(cfg: Config) {
         let mut text = String::from(
             "## SQLite: deliveries per second\n\nA temporary database file, WAL, `synchronous = NORMAL` \
              (`SqliteStore::open`). Writers are serialised in-process (one permit, then `BEGIN IMMEDIATE`) for \
-             every variant, as `SqliteStore` does; the article's check runs outside the write lock.\n\n",
+             every variant, as `SqliteStore` does; the article's check runs outside the write lock. (s) by hand, \
+             exactly the claim statement `SqliteStore` sends (`ON CONFLICT DO UPDATE .. WHERE expired`, the clock \
+             read in SQL): d/s is the cost of the macro and the runtime, s/c the cost of the statement.\n\n",
         );
         text.push_str(&report::rate_table(
             &names,
             &groups,
-            &[(3, 2), (3, 1), (3, 0)],
+            &[(3, 2), (3, 1), (3, 0), (3, 4), (4, 2)],
             cfg.reps_small,
         ));
         text.push_str("\nLatency p50 / p99 (ms):\n\n");
@@ -757,6 +785,17 @@ async fn redis_section(
             warm,
         ),
         row(
+            "(s) by hand, RedisStore's commands, no renewal",
+            kv::StoreCommands {
+                conn: conn.clone(),
+                prefix: format!("{base}storecmds:"),
+                effects: AtomicU64::new(0),
+                tokens: AtomicU64::new(0),
+            },
+            t,
+            warm,
+        ),
+        row(
             "(d+cache) CachedStore<RedisStore>",
             Hooked {
                 inner: kv::Macro {
@@ -779,13 +818,15 @@ async fn redis_section(
          (`ConnectionManager`) shared by the workers. (b) the article: `EXISTS`, the effect, `SETEX` (not atomic: two \
          concurrent deliveries can both pass `EXISTS`). (c) claim-first by hand: `SET key lease NX PX`, the effect, `SET key done PX ttl` (no token check). \
          (d) `RedisStore`: `SET key lease NX PX ms GET` claims a lease or returns the completed marker (a script on \
-         Redis < 7.0); completion is a script (token check + `SET PX`). The effect is an \
-         in-process counter.\n\n"
+         Redis < 7.0); completion is a script (token check + `SET PX`); the leases of running bodies are \
+         extended by one task per store. (d') the same without renewal. (s) by hand, the commands (d) sends, \
+         without renewal: d'/s is the cost of the macro and the runtime, s/c the cost of the token check. The \
+         effect is an in-process counter.\n\n"
     );
     text.push_str(&report::rate_table(
         &names,
         &groups,
-        &[(2, 1), (2, 0), (3, 2), (4, 2)],
+        &[(2, 1), (2, 0), (3, 2), (5, 2), (3, 4), (4, 1)],
         cfg.reps_small,
     ));
     text.push_str("\nLatency p50 / p99 (ms):\n\n");
@@ -1144,6 +1185,12 @@ async fn mysql_section(
             let store = td.store.clone();
             row("(d) #[idempotent] + MySqlStore", my::Macro::new(td, store), t, warm)
         },
+        row(
+            "(s) by hand, MySqlStore's statement",
+            my::StoreStatements::new(env.tables("s").await),
+            t,
+            warm,
+        ),
     ];
     let names: Vec<&'static str> = rows.iter().map(|r| r.name).collect();
     let groups = grid("mysql", &rows, &cells(&cfg.dups, &cfg.concurrencies), plans, cfg.reps).await;
@@ -1158,7 +1205,8 @@ async fn mysql_section(
          then the effect and `COMMIT`. (d) the same handler with `#[idempotent]` and `MySqlStore` (the same \
          `BEGIN`, then `INSERT .. ON DUPLICATE KEY UPDATE` that also takes over an expired marker, its outcome \
          read from `last_insert_id`; a duplicate's transaction is dropped, no read since the handler returns \
-         `()`). (a) and (b) use the server's default isolation ({isolation}). A dropped transaction's \
+         `()`). (s) by hand, exactly the statements `MySqlStore` sends for this handler: d/s is the cost of the \
+         macro and the runtime, s/c the cost of the statement. (a) and (b) use the server's default isolation ({isolation}). A dropped transaction's \
          `ROLLBACK` is sent with the pool's release ping. All marker tables have `MySqlStore`'s layout; the \
          effect is one `INSERT` into a table of its own.\n\n",
         reps = cfg.reps,
@@ -1167,7 +1215,7 @@ async fn mysql_section(
     text.push_str(&report::rate_table(
         &names,
         &groups,
-        &[(3, 2), (3, 1), (3, 0)],
+        &[(3, 2), (3, 1), (3, 0), (3, 4), (4, 2)],
         cfg.reps,
     ));
     text.push_str("\nLatency per delivery, p50 / p99 (ms):\n\n");

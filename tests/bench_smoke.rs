@@ -72,6 +72,12 @@ async fn postgres_variants_run_once() {
     let tk = env.tables("dk").await;
     let cached = pg::cached(&tk, 100);
     once("pg (d+cache)", &pg::Macro::new(tk, cached), false).await;
+    once(
+        "pg (s)",
+        &pg::ClaimFirst::store_statements(env.tables("s").await),
+        false,
+    )
+    .await;
     env.cleanup().await;
 }
 
@@ -113,6 +119,7 @@ async fn mysql_variants_run_once() {
     let td = env.tables("d").await;
     let store = td.store.clone();
     once("mysql (d)", &my::Macro::new(td, store), false).await;
+    once("mysql (s)", &my::StoreStatements::new(env.tables("s").await), false).await;
     env.cleanup().await;
     env.pool.close().await;
 }
@@ -124,6 +131,12 @@ async fn sqlite_variants_run_once() {
     once("sqlite (b)", &lite::Article::new(env.tables("b").await), false).await;
     once("sqlite (c)", &lite::ClaimFirst::new(env.tables("c").await), false).await;
     once("sqlite (d)", &lite::Macro::new(env.tables("d").await), false).await;
+    once(
+        "sqlite (s)",
+        &lite::ClaimFirst::store_statements(env.tables("s").await),
+        false,
+    )
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -157,8 +170,15 @@ async fn redis_variants_run_once() {
         effects: AtomicU64::new(0),
     };
     once("redis (d+cache)", &cached, false).await;
+    let by_hand = kv::StoreCommands {
+        conn: conn.clone(),
+        prefix: format!("{base}storecmds:"),
+        effects: AtomicU64::new(0),
+        tokens: AtomicU64::new(0),
+    };
+    once("redis (s)", &by_hand, false).await;
     let deleted = kv::delete_prefix(&mut conn.clone(), &base).await;
-    assert_eq!(deleted, 5, "one marker per variant");
+    assert_eq!(deleted, 6, "one marker per variant");
 }
 
 #[tokio::test]

@@ -185,6 +185,8 @@ pub struct ClaimFirst {
     t: LiteTables,
     effect: Arc<str>,
     claim: Arc<str>,
+    /// (s): `SqliteStore`'s claim statement (the clock read in SQL).
+    store_statement: bool,
 }
 
 impl ClaimFirst {
@@ -198,6 +200,31 @@ impl ClaimFirst {
             )
             .into(),
             t,
+            store_statement: false,
+        }
+    }
+
+    /// (s): (c) with exactly the claim statement `SqliteStore` sends for a
+    /// `()` handler without fingerprint (`ON CONFLICT DO UPDATE .. WHERE
+    /// expired`, the clock read in SQL, four parameters). (d) against (s) is
+    /// the cost of the macro and the runtime; (s) against (c) the cost of
+    /// the statement.
+    pub fn store_statements(t: LiteTables) -> Self {
+        let now = "CAST((julianday('now') - 2440587.5) * 86400000.0 AS INTEGER)";
+        ClaimFirst {
+            claim: format!(
+                "INSERT INTO {} (scope, message_id, processed_at, expires_at, fingerprint) \
+                 VALUES (?1, ?2, {now}, {now} + ?3, ?4) \
+                 ON CONFLICT (scope, message_id) DO UPDATE \
+                 SET processed_at = excluded.processed_at, expires_at = excluded.expires_at, \
+                     fingerprint = excluded.fingerprint, result = NULL \
+                 WHERE expires_at <= excluded.processed_at \
+                 RETURNING 1",
+                t.markers
+            )
+            .into(),
+            store_statement: true,
+            ..ClaimFirst::new(t)
         }
     }
 }
@@ -205,15 +232,16 @@ impl ClaimFirst {
 impl Variant for ClaimFirst {
     async fn deliver(&self, key: String) -> Result<Outcome, BoxError> {
         let (mut tx, _writer) = self.t.begin().await?;
-        let now = now_ms();
-        let claimed: Option<i32> = sqlx::query_scalar(AssertSqlSafe(Arc::clone(&self.claim)))
+        let claim = sqlx::query_scalar::<_, i32>(AssertSqlSafe(Arc::clone(&self.claim)))
             .bind(SCOPE)
-            .bind(&key)
-            .bind(now)
-            .bind(now + WEEK_MS)
-            .fetch_optional(&mut *tx)
-            .await?;
-        if claimed.is_none() {
+            .bind(&key);
+        let claim = if self.store_statement {
+            claim.bind(WEEK_MS).bind(None::<&str>)
+        } else {
+            let now = now_ms();
+            claim.bind(now).bind(now + WEEK_MS)
+        };
+        if claim.fetch_optional(&mut *tx).await?.is_none() {
             tx.rollback().await?;
             return Ok(Outcome::Duplicate);
         }

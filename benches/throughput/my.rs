@@ -280,6 +280,67 @@ impl Variant for ClaimFirst {
     }
 }
 
+// ---- (s) by hand, with the statement `MySqlStore` sends ------------------------
+
+/// (c) with exactly what `MySqlStore` sends for a `()` handler without
+/// fingerprint: its `BEGIN`, its claim statement (`INSERT .. ON DUPLICATE KEY
+/// UPDATE` taking over an expired marker, six parameters, the outcome read
+/// from `last_insert_id`), the effect, `COMMIT`. (d) against (s) is the cost
+/// of the macro and the runtime; (s) against (c) the cost of the statement.
+pub struct StoreStatements {
+    t: MyTables,
+    effect: Arc<str>,
+    claim: Arc<str>,
+}
+
+impl StoreStatements {
+    pub fn new(t: MyTables) -> Self {
+        let expired = "expires_at <= UTC_TIMESTAMP(3)";
+        StoreStatements {
+            effect: t.effect_sql(),
+            claim: format!(
+                "INSERT INTO {} (scope, message_id, processed_at, expires_at, fingerprint) \
+                 VALUES (?, ?, UTC_TIMESTAMP(3), UTC_TIMESTAMP(3) + INTERVAL ? MICROSECOND, ?) \
+                 ON DUPLICATE KEY UPDATE \
+                 fingerprint = IF(LAST_INSERT_ID(IF({expired}, 2, 1)) = 2, ?, fingerprint), \
+                 result = IF({expired}, NULL, result), \
+                 processed_at = IF({expired}, UTC_TIMESTAMP(3), processed_at), \
+                 expires_at = IF({expired}, UTC_TIMESTAMP(3) + INTERVAL ? MICROSECOND, expires_at)",
+                t.markers
+            )
+            .into(),
+            t,
+        }
+    }
+}
+
+impl Variant for StoreStatements {
+    async fn deliver(&self, key: String) -> Result<Outcome, BoxError> {
+        let mut tx = self.t.pool.begin_with(BEGIN_READ_COMMITTED).await?;
+        let ttl_micros = i64::try_from(idempotent_runtime::DEFAULT_TTL.as_micros())?;
+        let done = sqlx::query(AssertSqlSafe(Arc::clone(&self.claim)))
+            .bind(SCOPE)
+            .bind(&key)
+            .bind(ttl_micros)
+            .bind(None::<&str>)
+            .bind(None::<&str>)
+            .bind(ttl_micros)
+            .execute(&mut *tx)
+            .await?;
+        match done.last_insert_id() {
+            0 => {}
+            1 => return Ok(Outcome::Duplicate),
+            _ => return Err("an expired marker: not in this benchmark".into()),
+        }
+        effect(&mut tx, &self.effect, &key).await?;
+        tx.commit().await?;
+        Ok(Outcome::Fresh)
+    }
+    async fn reset(&self) {
+        self.t.truncate().await;
+    }
+}
+
 // ---- (d) the macro, with any transactional MySQL store ----------------------
 
 pub struct Macro<S> {

@@ -189,7 +189,7 @@ impl Variant for Article {
     }
 }
 
-// ---- (c) hand-written claim-first ---------------------------------------------
+// ---- (c) hand-written claim-first, and (s) the same with `PgStore`'s statements ----
 
 pub struct ClaimFirst {
     t: Tables,
@@ -199,6 +199,8 @@ pub struct ClaimFirst {
     /// transaction (sqlx then queues the ROLLBACK with the connection's
     /// release).
     explicit_rollback: bool,
+    /// (s): `PgStore`'s `BEGIN` and claim statement (four parameters).
+    store_statements: bool,
 }
 
 impl ClaimFirst {
@@ -214,19 +216,50 @@ impl ClaimFirst {
             .into(),
             t,
             explicit_rollback,
+            store_statements: false,
+        }
+    }
+
+    /// (s): (c) with exactly what `PgStore` sends for a `()` handler
+    /// without fingerprint: `BEGIN ISOLATION LEVEL READ COMMITTED`, its
+    /// claim statement (`ON CONFLICT DO UPDATE .. WHERE expired`, four
+    /// parameters), the effect, `COMMIT`; a duplicate's transaction is
+    /// dropped. (d) against (s) is the cost of the macro and the runtime;
+    /// (s) against (c) the cost of the statement.
+    pub fn store_statements(t: Tables) -> Self {
+        ClaimFirst {
+            claim: format!(
+                "INSERT INTO {} AS m (scope, message_id, processed_at, expires_at, fingerprint) \
+                 VALUES ($1, $2, now(), now() + $3 * interval '1 millisecond', $4) \
+                 ON CONFLICT (scope, message_id) DO UPDATE \
+                 SET processed_at = EXCLUDED.processed_at, expires_at = EXCLUDED.expires_at, \
+                     fingerprint = EXCLUDED.fingerprint, result = NULL \
+                 WHERE m.expires_at <= now() \
+                 RETURNING true",
+                t.markers
+            )
+            .into(),
+            store_statements: true,
+            ..ClaimFirst::new(t, false)
         }
     }
 }
 
 impl Variant for ClaimFirst {
     async fn deliver(&self, key: String) -> Result<Outcome, BoxError> {
-        let mut tx = self.t.pool.begin().await?;
-        let claimed: Option<i32> = sqlx::query_scalar(AssertSqlSafe(Arc::clone(&self.claim)))
+        let mut tx = if self.store_statements {
+            self.t.pool.begin_with("BEGIN ISOLATION LEVEL READ COMMITTED").await?
+        } else {
+            self.t.pool.begin().await?
+        };
+        let mut claim = sqlx::query(AssertSqlSafe(Arc::clone(&self.claim)))
             .bind(SCOPE)
-            .bind(&key)
-            .fetch_optional(&mut *tx)
-            .await?;
-        if claimed.is_none() {
+            .bind(&key);
+        if self.store_statements {
+            let ttl_ms = i64::try_from(idempotent_runtime::DEFAULT_TTL.as_millis())?;
+            claim = claim.bind(ttl_ms).bind(None::<&str>);
+        }
+        if claim.fetch_optional(&mut *tx).await?.is_none() {
             if self.explicit_rollback {
                 tx.rollback().await?;
             }

@@ -393,6 +393,79 @@ async fn renewal_keeps_a_long_body_claimed() {
 }
 
 #[tokio::test]
+async fn a_shorter_lease_after_a_longer_one_is_renewed_in_time() {
+    // One task renews a store's leases at a third of the shortest lease seen:
+    // a 300 ms lease claimed while a 6 s one is open must not wait for the
+    // 2 s period.
+    with_fixture("renewal-shorter", |fx| async move {
+        let long = req("orders", "long").with_lease(Duration::from_secs(6));
+        let long_guard = fresh(&fx.store, &long).await;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let lease = Duration::from_millis(300);
+        let short = req("orders", "short").with_lease(lease);
+        let short_guard = fresh(&fx.store, &short).await;
+        let start = Instant::now();
+        while start.elapsed() < lease * 3 {
+            assert_in_progress(&fx.store, &short).await;
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        short_guard.complete(None).await.unwrap();
+        long_guard.complete(None).await.unwrap();
+        assert!(done(&fx.store, &short).await.is_none());
+        assert!(done(&fx.store, &long).await.is_none());
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn many_long_bodies_keep_their_leases_while_others_end() {
+    with_fixture("renewal-many", |fx| async move {
+        let lease = Duration::from_millis(300);
+        let keys: Vec<String> = (0..50).map(|i| format!("msg-{i}")).collect();
+        let mut guards = Vec::new();
+        for key in &keys {
+            guards.push(fresh(&fx.store, &req("orders", key).with_lease(lease)).await);
+        }
+        // Half of them fail at once: their leases are released, not renewed.
+        for guard in guards.drain(25..) {
+            guard.abort().await;
+        }
+        tokio::time::sleep(lease * 3).await;
+        for key in &keys[..25] {
+            assert_in_progress(&fx.store, &req("orders", key).with_lease(lease)).await;
+        }
+        for key in &keys[25..] {
+            assert_eq!(fx.raw("orders", key).await, None, "{key}: a released lease came back");
+        }
+        for guard in guards {
+            guard.complete(Some("1".into())).await.unwrap();
+        }
+        for key in &keys[..25] {
+            assert_eq!(done(&fx.store, &req("orders", key)).await.as_deref(), Some("1"));
+        }
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn a_claim_outliving_its_store_keeps_its_lease() {
+    // The store (and every clone) dropped while a body still runs: its
+    // lease is still renewed until the guard ends.
+    with_fixture("renewal-dropped", |fx| async move {
+        let store = RedisStore::builder(fx.conn.clone()).prefix(&fx.prefix).build().unwrap();
+        let lease = Duration::from_millis(300);
+        let r = req("orders", "msg-1").with_lease(lease);
+        let guard = fresh(&store, &r).await;
+        drop(store);
+        tokio::time::sleep(lease * 2).await;
+        assert_in_progress(&fx.store, &r).await;
+        guard.complete(None).await.unwrap();
+        assert!(done(&fx.store, &r).await.is_none());
+    })
+    .await;
+}
+
+#[tokio::test]
 async fn a_crashed_consumers_lease_expires() {
     with_fixture("crash", |fx| async move {
         let crashing = fx.without_renewal();

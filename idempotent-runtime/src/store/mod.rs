@@ -379,6 +379,8 @@ pub(crate) mod postgres_outbox;
 pub(crate) mod postgres_partitions;
 #[cfg(feature = "redis")]
 pub(crate) mod redis;
+#[cfg(feature = "redis")]
+mod redis_renewal;
 #[cfg(feature = "sqlx")]
 pub(crate) mod sql;
 #[cfg(feature = "sqlite")]

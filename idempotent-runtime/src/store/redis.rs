@@ -31,13 +31,12 @@ use std::fmt;
 use std::hash::{BuildHasher, Hasher};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, LazyLock};
-use std::time::Duration;
 
 use redis::Script;
 use redis::aio::ConnectionManager;
-use tokio::task::JoinHandle;
 
 use crate::Error;
+use crate::store::redis_renewal::{Renewal, Renewer};
 use crate::store::{Claim, Guard, Replay, Request, Store};
 
 /// The key prefix of [`RedisStore::new`].
@@ -57,7 +56,7 @@ return redis.call('GET', KEYS[1])",
 });
 
 /// Extends the lease if the token still matches. ARGV: lease value, lease ms.
-static RENEW: LazyLock<Script> = LazyLock::new(|| {
+pub(super) static RENEW: LazyLock<Script> = LazyLock::new(|| {
     Script::new(
         r"if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
 return 0",
@@ -84,8 +83,9 @@ return 0",
 /// A store on Redis: markers are keys under a prefix, claims are leases.
 ///
 /// A claim holds a lease (the handler's `lease`, default
-/// [`DEFAULT_LEASE`](crate::DEFAULT_LEASE)) that is renewed every third of
-/// its length while the body runs. A concurrent duplicate gets
+/// [`DEFAULT_LEASE`](crate::DEFAULT_LEASE)) that is extended while the body
+/// runs, between one and two thirds into its length, by one background task
+/// per store (shared by its clones). A concurrent duplicate gets
 /// [`Error::InProgress`]; a completed key replays the stored result for the
 /// handler's `ttl`, after which Redis expires the marker by itself. When
 /// the body fails, panics or is cancelled the lease is released at once;
@@ -113,7 +113,8 @@ pub struct RedisStore {
     conn: ConnectionManager,
     prefix: Arc<str>,
     namespace: &'static str,
-    renew: bool,
+    /// Extends the leases of running claims (`None`: renewal off).
+    renewer: Option<Arc<Renewer>>,
     /// The server's settings were checked (on the first claim).
     checked: Arc<tokio::sync::OnceCell<()>>,
     /// The server refused `SET .. NX .. GET` (Redis < 7.0): claims use the
@@ -129,10 +130,10 @@ impl RedisStore {
     /// A store on `conn` with the key prefix `idempotent:`.
     pub fn new(conn: ConnectionManager) -> Self {
         RedisStore {
+            renewer: Some(Renewer::new(conn.clone())),
             conn,
             prefix: Arc::from(DEFAULT_PREFIX),
             namespace: namespace(DEFAULT_PREFIX),
-            renew: true,
             checked: Arc::default(),
             scripted_claim: Arc::default(),
         }
@@ -163,7 +164,7 @@ impl fmt::Debug for RedisStore {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RedisStore")
             .field("prefix", &self.prefix)
-            .field("renew", &self.renew)
+            .field("renew", &self.renewer.is_some())
             .finish()
     }
 }
@@ -212,10 +213,10 @@ impl RedisStoreBuilder {
             )));
         }
         Ok(RedisStore {
+            renewer: self.renew.then(|| Renewer::new(self.conn.clone())),
             conn: self.conn,
             namespace: namespace(&prefix),
             prefix: Arc::from(prefix),
-            renew: self.renew,
             checked: Arc::default(),
             scripted_claim: Arc::default(),
         })
@@ -249,9 +250,9 @@ impl Store for RedisStore {
         let current = self.set_lease(&mut conn, &key, &lease, lease_ms).await?;
         let Some(current) = current else {
             let renewal = self
-                .renew
-                .then(|| spawn_renewal(conn.clone(), key.clone(), lease.clone(), lease_ms))
-                .flatten();
+                .renewer
+                .as_ref()
+                .and_then(|renewer| renewer.register(&key, &lease, lease_ms));
             return Ok(Claim::Fresh(RedisGuard {
                 conn,
                 key,
@@ -376,15 +377,13 @@ pub struct RedisGuard {
     lease: String,
     ttl_ms: i64,
     fingerprint: Option<String>,
-    renewal: Option<JoinHandle<()>>,
+    renewal: Option<Renewal>,
     open: bool,
 }
 
 impl RedisGuard {
     fn stop_renewal(&mut self) {
-        if let Some(renewal) = self.renewal.take() {
-            renewal.abort();
-        }
+        self.renewal = None;
     }
 }
 
@@ -456,31 +455,6 @@ impl Drop for RedisGuard {
 async fn release(conn: &mut ConnectionManager, key: &str, lease: &str) -> redis::RedisResult<()> {
     let _: i64 = RELEASE.key(key).arg(lease).invoke_async(conn).await?;
     Ok(())
-}
-
-/// Extends the lease every third of its length until aborted or lost.
-fn spawn_renewal(mut conn: ConnectionManager, key: String, lease: String, lease_ms: i64) -> Option<JoinHandle<()>> {
-    let runtime = tokio::runtime::Handle::try_current().ok()?;
-    let every = Duration::from_millis(u64::try_from(lease_ms / 3).unwrap_or(1).max(1));
-    Some(runtime.spawn(async move {
-        let mut ticks = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
-        ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        loop {
-            ticks.tick().await;
-            let renewed: redis::RedisResult<i64> =
-                RENEW.key(&key).arg(&lease).arg(lease_ms).invoke_async(&mut conn).await;
-            match renewed {
-                Ok(1) => {}
-                Ok(_) => {
-                    tracing::warn!(target: "idempotent", %key, "the Redis lease was lost while the handler ran");
-                    return;
-                }
-                Err(error) => {
-                    tracing::warn!(target: "idempotent", %key, %error, "renewing the Redis lease failed; retrying");
-                }
-            }
-        }
-    }))
 }
 
 fn unrecognised(key: &str) -> Error {
