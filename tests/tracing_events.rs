@@ -116,3 +116,74 @@ async fn a_skipped_janitor_round_is_traced() {
         "purged without the lock"
     );
 }
+
+#[tokio::test]
+async fn a_redis_lease_lost_while_the_body_runs_is_warned_and_an_ended_one_is_not() {
+    use idempotent_runtime::RedisStore;
+    use idempotent_runtime::redis::AsyncCommands;
+    use idempotent_runtime::store::{Claim, Guard, Request, Store};
+    use std::time::Duration;
+
+    let captured = common::Captured::default();
+    let _guard = tracing::subscriber::set_default(captured.subscriber(tracing::Level::DEBUG));
+    let client = idempotent_runtime::redis::Client::open("redis://127.0.0.1:6379/").unwrap();
+    let mut conn = client.get_connection_manager().await.expect("Redis at 127.0.0.1:6379");
+    let prefix = format!("idempotent-test:lost-lease:{}:", std::process::id());
+    let store = RedisStore::builder(conn.clone()).prefix(&prefix).build().unwrap();
+    let lease = Duration::from_millis(300);
+    let claim = |key: String| {
+        let store = store.clone();
+        async move {
+            let req = Request::new("traced", &key).unwrap().with_lease(lease);
+            match store.claim(&req).await.unwrap() {
+                Claim::Fresh(guard) => guard,
+                Claim::Done(_) => panic!("{key}: expected a fresh claim"),
+            }
+        }
+    };
+
+    // Ended claims, completed and aborted, while extensions run beside them:
+    // nothing to warn about.
+    for round in 0..20 {
+        let done = claim(format!("done-{round}")).await;
+        tokio::time::sleep(lease / 3).await;
+        if round % 2 == 0 {
+            let _ = done.complete(None).await;
+        } else {
+            done.abort().await;
+        }
+    }
+    assert!(
+        !captured.text().contains("lease was lost"),
+        "a warning for a claim that ended: {}",
+        captured.text()
+    );
+
+    // Another consumer takes the key over while the body still runs.
+    let running = claim("lost".to_owned()).await;
+    let key = store.redis_key("traced", "lost");
+    let _: () = conn.set(&key, "Lsomeone-else").await.unwrap();
+    let deadline = tokio::time::Instant::now() + lease * 4;
+    while !captured.text().contains("lease was lost") {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "no warning: {}",
+            captured.text()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let out = captured.text();
+    let line = out.lines().find(|l| l.contains("lease was lost")).unwrap_or_default();
+    assert!(line.contains("WARN") && line.contains(&key), "{line}");
+    assert!(
+        running.complete(None).await.is_err(),
+        "completed over another owner's lease"
+    );
+    let value: String = conn.get(&key).await.unwrap();
+    assert_eq!(value, "Lsomeone-else");
+
+    let keys: Vec<String> = conn.keys(format!("{prefix}*")).await.unwrap();
+    if !keys.is_empty() {
+        let _: i64 = conn.del(keys).await.unwrap();
+    }
+}

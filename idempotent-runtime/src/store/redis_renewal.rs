@@ -151,13 +151,19 @@ impl Renewer {
         for (id, key, extended) in futures_util::future::join_all(extensions).await {
             match extended {
                 Ok(1) => {}
+                // Not extended: lost, unless the claim ended meanwhile (its
+                // guard deregisters before completing or releasing, so an
+                // extension sent after that finds the marker or nothing).
                 Ok(_) => {
-                    tracing::warn!(target: "idempotent", %key, "the Redis lease was lost while the handler ran");
-                    self.state().open.remove(&id);
+                    if self.state().open.remove(&id).is_some() {
+                        tracing::warn!(target: "idempotent", %key, "the Redis lease was lost while the handler ran");
+                    }
                 }
                 // Tried again a third of the lease later.
                 Err(error) => {
-                    tracing::warn!(target: "idempotent", %key, %error, "renewing the Redis lease failed; retrying");
+                    if self.state().open.contains_key(&id) {
+                        tracing::warn!(target: "idempotent", %key, %error, "renewing the Redis lease failed; retrying");
+                    }
                 }
             }
         }
