@@ -49,6 +49,9 @@ use harness::{BoxError, Cell, Outcome, Plan, RunOptions, RunStats, Variant};
 use idempotent_runtime::{CachedStore, MemoryStore, PgStore};
 use report::Group;
 
+/// The heading of the CPU table of every PostgreSQL section.
+const PG_CPU_HEADING: &str = "\nCPU per delivery, µs: this process (client) + every PostgreSQL process (server):\n\n";
+
 /// A name no other run uses: `prefix_<pid>_<n>`.
 pub fn unique(prefix: &str) -> String {
     static COUNTER: AtomicU64 = AtomicU64::new(0);
@@ -407,16 +410,14 @@ async fn run(cfg: Config) {
              the macro and the runtime, s/c the cost of the statement. All marker \
              tables have `PgStore`'s layout; the effect is one `INSERT` into a table of its own.\n\n",
         );
-        text.push_str(&report::rate_table(
+        text.push_str(&report::tables(
             &names,
             &groups,
             &[(3, 2), (3, 1), (3, 0), (3, 4), (4, 2)],
             cfg.reps,
+            "\nLatency per delivery, p50 / p99 (ms):\n\n",
+            Some(PG_CPU_HEADING),
         ));
-        text.push_str("\nLatency per delivery, p50 / p99 (ms):\n\n");
-        text.push_str(&report::latency_table(&names, &groups));
-        text.push_str("\nCPU per delivery, µs: this process (client) + every PostgreSQL process (server):\n\n");
-        text.push_str(&report::cpu_table(&names, &groups));
         doc.section(&text);
         charts.push((
             "throughput-postgres.svg".into(),
@@ -471,16 +472,14 @@ async fn run(cfg: Config) {
              worker takes N deliveries at once; every message of a batch counts the batch's latency (it is \
              acknowledged after the commit). Concurrency 8 (8 batches at once).\n\n",
         );
-        text.push_str(&report::rate_table(
+        text.push_str(&report::tables(
             &names,
             &groups,
             &[(2, 1), (3, 0), (3, 1), (4, 0), (4, 1), (5, 0), (5, 1)],
             cfg.reps,
+            "\nLatency per message, p50 / p99 (ms):\n\n",
+            Some(PG_CPU_HEADING),
         ));
-        text.push_str("\nLatency per message, p50 / p99 (ms):\n\n");
-        text.push_str(&report::latency_table(&names, &groups));
-        text.push_str("\nCPU per delivery, µs: this process (client) + every PostgreSQL process (server):\n\n");
-        text.push_str(&report::cpu_table(&names, &groups));
         doc.section(&text);
         charts.push((
             "batch-postgres.svg".into(),
@@ -525,11 +524,14 @@ async fn run(cfg: Config) {
              caller's path), (c') 3, (d) 3 (`BEGIN`, the claim, a `SELECT` of the live marker; the `ROLLBACK` \
              likewise queued).\n\n",
         );
-        text.push_str(&report::rate_table(&names, &groups, &[(2, 0), (2, 1)], cfg.reps_small));
-        text.push_str("\nLatency p50 / p99 (ms):\n\n");
-        text.push_str(&report::latency_table(&names, &groups));
-        text.push_str("\nCPU per delivery, µs: this process (client) + every PostgreSQL process (server):\n\n");
-        text.push_str(&report::cpu_table(&names, &groups));
+        text.push_str(&report::tables(
+            &names,
+            &groups,
+            &[(2, 0), (2, 1)],
+            cfg.reps_small,
+            "\nLatency p50 / p99 (ms):\n\n",
+            Some(PG_CPU_HEADING),
+        ));
         doc.section(&text);
         env.cleanup().await;
     }
@@ -576,16 +578,14 @@ async fn run(cfg: Config) {
              answered from an in-process LRU of completed keys, without a round trip. Each duplicate repeats a \
              message processed by this process (so, with a large enough cache, every duplicate is a hit).\n\n",
         );
-        text.push_str(&report::rate_table(
+        text.push_str(&report::tables(
             &names,
             &groups,
             &[(3, 2), (3, 1), (2, 1)],
             cfg.reps_small,
+            "\nLatency p50 / p99 (ms):\n\n",
+            Some(PG_CPU_HEADING),
         ));
-        text.push_str("\nLatency p50 / p99 (ms):\n\n");
-        text.push_str(&report::latency_table(&names, &groups));
-        text.push_str("\nCPU per delivery, µs: this process (client) + every PostgreSQL process (server):\n\n");
-        text.push_str(&report::cpu_table(&names, &groups));
         doc.section(&text);
         charts.push((
             "duplicates-80.svg".into(),
@@ -641,14 +641,14 @@ async fn run(cfg: Config) {
              exactly the claim statement `SqliteStore` sends (`ON CONFLICT DO UPDATE .. WHERE expired`, the clock \
              read in SQL): d/s is the cost of the macro and the runtime, s/c the cost of the statement.\n\n",
         );
-        text.push_str(&report::rate_table(
+        text.push_str(&report::tables(
             &names,
             &groups,
             &[(3, 2), (3, 1), (3, 0), (3, 4), (4, 2)],
             cfg.reps_small,
+            "\nLatency p50 / p99 (ms):\n\n",
+            None,
         ));
-        text.push_str("\nLatency p50 / p99 (ms):\n\n");
-        text.push_str(&report::latency_table(&names, &groups));
         doc.section(&text);
         charts.push((
             "throughput-sqlite.svg".into(),
@@ -698,9 +698,14 @@ async fn run(cfg: Config) {
             "## MemoryStore: deliveries per second\n\nNo I/O: what the expansion and a store cost per call. The effect \
              is an atomic counter; every row builds the message key (`format!`) and a message struct.\n\n",
         );
-        text.push_str(&report::rate_table(&names, &groups, &[(1, 0), (2, 1)], cfg.reps_small));
-        text.push_str("\nLatency p50 / p99 (ms):\n\n");
-        text.push_str(&report::latency_table(&names, &groups));
+        text.push_str(&report::tables(
+            &names,
+            &groups,
+            &[(1, 0), (2, 1)],
+            cfg.reps_small,
+            "\nLatency p50 / p99 (ms):\n\n",
+            None,
+        ));
         doc.section(&text);
     }
 
@@ -823,16 +828,14 @@ async fn redis_section(
          without renewal: d'/s is the cost of the macro and the runtime, s/c the cost of the token check. The \
          effect is an in-process counter.\n\n"
     );
-    text.push_str(&report::rate_table(
+    text.push_str(&report::tables(
         &names,
         &groups,
         &[(2, 1), (2, 0), (3, 2), (5, 2), (3, 4), (4, 1)],
         cfg.reps_small,
+        "\nLatency p50 / p99 (ms):\n\n",
+        Some("\nCPU per delivery, µs: this process (client) + `redis-server` (server):\n\n"),
     ));
-    text.push_str("\nLatency p50 / p99 (ms):\n\n");
-    text.push_str(&report::latency_table(&names, &groups));
-    text.push_str("\nCPU per delivery, µs: this process (client) + `redis-server` (server):\n\n");
-    text.push_str(&report::cpu_table(&names, &groups));
     text.push_str(&redis_round_trips().await);
     doc.section(&text);
     charts.push((
@@ -1212,18 +1215,14 @@ async fn mysql_section(
         reps = cfg.reps,
         minmax = if cfg.reps > 1 { ", min–max in small type" } else { "" },
     );
-    text.push_str(&report::rate_table(
+    text.push_str(&report::tables(
         &names,
         &groups,
         &[(3, 2), (3, 1), (3, 0), (3, 4), (4, 2)],
         cfg.reps,
+        "\nLatency per delivery, p50 / p99 (ms):\n\n",
+        Some("\nCPU per delivery, µs: this process (client) + every thread of the server (`mariadbd`/`mysqld`):\n\n"),
     ));
-    text.push_str("\nLatency per delivery, p50 / p99 (ms):\n\n");
-    text.push_str(&report::latency_table(&names, &groups));
-    text.push_str(
-        "\nCPU per delivery, µs: this process (client) + every thread of the server (`mariadbd`/`mysqld`):\n\n",
-    );
-    text.push_str(&report::cpu_table(&names, &groups));
     doc.section(&text);
     charts.push((
         "throughput-mysql.svg".into(),

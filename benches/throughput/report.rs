@@ -45,6 +45,27 @@ pub fn fmt_ratio(num: f64, den: f64) -> String {
     }
 }
 
+/// A section's tables: the rates with their `ratios` (see [`rate_table`]),
+/// then the latencies under `latency_heading`, then the CPU per delivery
+/// under `cpu_heading` when the section measures it.
+pub fn tables(
+    series: &[&str],
+    groups: &[Group],
+    ratios: &[(usize, usize)],
+    reps: usize,
+    latency_heading: &str,
+    cpu_heading: Option<&str>,
+) -> String {
+    let mut s = rate_table(series, groups, ratios, reps);
+    s.push_str(latency_heading);
+    s.push_str(&latency_table(series, groups));
+    if let Some(heading) = cpu_heading {
+        s.push_str(heading);
+        s.push_str(&cpu_table(series, groups));
+    }
+    s
+}
+
 /// Rates (median [min–max]) per group and series, plus ratio columns.
 pub fn rate_table(series: &[&str], groups: &[Group], ratios: &[(usize, usize)], reps: usize) -> String {
     let mut s = String::new();

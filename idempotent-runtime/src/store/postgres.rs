@@ -357,14 +357,8 @@ impl Store for PgStore {
         match crate::batch::gather(self.sql.namespace, req).await {
             Some(Gathered::Fresh(ticket)) => {
                 let batch = BatchClaim::claimed(self.sql.namespace, ticket).await?;
-                let guard = batch
-                    .fresh(
-                        Arc::clone(&self.sql.undo),
-                        Arc::clone(&self.sql.write_result),
-                        Arc::clone(&self.outbox.table),
-                        req,
-                    )
-                    .await?;
+                let (undo, write_result, outbox) = self.guard_parts();
+                let guard = batch.fresh(undo, write_result, outbox, req).await?;
                 return Ok(Claim::Fresh(guard));
             }
             // Not read when the request needs nothing back (both `None`).
