@@ -417,7 +417,9 @@ async fn a_shorter_lease_after_a_longer_one_is_renewed_in_time() {
     .await;
 }
 
-#[tokio::test]
+// On a multi-threaded runtime, as services run: the renewal task and the
+// bodies on different worker threads.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn many_long_bodies_keep_their_leases_while_others_end() {
     with_fixture("renewal-many", |fx| async move {
         let lease = Duration::from_millis(300);
@@ -463,6 +465,45 @@ async fn a_claim_outliving_its_store_keeps_its_lease() {
         assert!(done(&fx.store, &r).await.is_none());
     })
     .await;
+}
+
+#[test]
+fn a_store_used_on_a_second_runtime_still_renews() {
+    // A store (and its connection manager) made on one runtime, that runtime
+    // shut down, the store then used on another, as tools and tests that
+    // build a runtime per job do: the renewal task, which died with the
+    // first runtime, runs again on the second.
+    let first = tokio::runtime::Runtime::new().unwrap();
+    let fx: &'static Fixture = first.block_on(async { Box::leak(Box::new(Fixture::new("renewal-runtimes").await)) });
+    first.block_on(async {
+        let guard = fresh(&fx.store, &req("orders", "first")).await;
+        guard.complete(None).await.unwrap();
+    });
+    drop(first);
+    let second = tokio::runtime::Runtime::new().unwrap();
+    second.block_on(async {
+        let lease = Duration::from_millis(300);
+        let r = req("orders", "second").with_lease(lease);
+        // The connection manager's connection died with the first runtime:
+        // its first command fails and it reconnects.
+        let mut attempts = 0;
+        let guard = loop {
+            attempts += 1;
+            match fx.store.claim(&r).await {
+                Ok(Claim::Fresh(guard)) => break guard,
+                Err(Error::Store(_)) if attempts < 20 => tokio::time::sleep(Duration::from_millis(50)).await,
+                Ok(Claim::Done(_)) => panic!("expected a fresh claim, got a replay"),
+                Err(error) => panic!("expected a fresh claim, got {error}"),
+            }
+        };
+        let start = Instant::now();
+        while start.elapsed() < lease * 3 {
+            assert_in_progress(&fx.store, &r).await;
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        guard.complete(None).await.unwrap();
+        fx.cleanup().await;
+    });
 }
 
 #[tokio::test]
