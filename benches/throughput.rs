@@ -128,7 +128,17 @@ fn main() {
         return;
     }
 
-    let cfg = Config {
+    // `IDEMPOTENT_BENCH_REPS=7 IDEMPOTENT_BENCH_SECS=5`: more and longer
+    // runs than the defaults (every table), to narrow the spread of a cell.
+    let env_number = |name: &str| {
+        std::env::var(name)
+            .ok()
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .filter(|n| *n > 0)
+    };
+    let reps_env = env_number("IDEMPOTENT_BENCH_REPS").map(|n| usize::try_from(n).unwrap_or(usize::MAX));
+    let secs_env = env_number("IDEMPOTENT_BENCH_SECS");
+    let mut cfg = Config {
         quick,
         reps: if quick { 1 } else { 5 },
         reps_small: if quick { 1 } else { 3 },
@@ -151,6 +161,12 @@ fn main() {
             .find_map(|a| a.strip_prefix("--only="))
             .map(|s| s.split(',').map(str::to_owned).collect()),
     };
+    if let Some(reps) = reps_env {
+        (cfg.reps, cfg.reps_small) = (reps, reps);
+    }
+    if let Some(secs) = secs_env {
+        cfg.timing.duration = Duration::from_secs(secs);
+    }
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -403,9 +419,10 @@ async fn run(cfg: Config) {
              marker table, then `BEGIN; INSERT effect; INSERT marker; COMMIT` (a concurrent duplicate fails on the \
              primary key). (c) by hand with sqlx: `BEGIN; INSERT marker ON CONFLICT DO NOTHING RETURNING 1`, then the \
              effect and `COMMIT`, or on a duplicate return (the dropped transaction rolls back). (d) the same handler \
-             with `#[idempotent]` and `PgStore` (`INSERT .. ON CONFLICT DO UPDATE .. WHERE expired RETURNING`, then a \
-             `SELECT` of the live marker for a duplicate, whose transaction is dropped, its `ROLLBACK` sent with \
-             the pool's release ping). (s) by hand, exactly the statements `PgStore` sends for this handler \
+             with `#[idempotent]` and `PgStore` (for this `()` handler without fingerprint: `INSERT .. SELECT .. \
+             WHERE NOT EXISTS (live marker) ON CONFLICT DO UPDATE .. WHERE expired RETURNING`, so a duplicate \
+             neither locks nor reads the marker; its transaction is dropped, its `ROLLBACK` sent with the pool's \
+             release ping). (s) by hand, exactly the statements `PgStore` sends for this handler \
              (`BEGIN ISOLATION LEVEL READ COMMITTED`, its claim statement with four parameters): d/s is the cost of \
              the macro and the runtime, s/c the cost of the statement. All marker \
              tables have `PgStore`'s layout; the effect is one `INSERT` into a table of its own.\n\n",

@@ -154,6 +154,103 @@ async fn postgres_unit_duplicate_skips_the_read() {
     common::drop_pg_table(&pool, &table).await;
 }
 
+/// A PostgreSQL store on a new table, with its pool.
+async fn pg_store(tag: &str) -> (sqlx::PgPool, idempotent_runtime::PgStore, String) {
+    let pool = common::pg_pool(6).await;
+    let table = common::unique(tag);
+    let store = idempotent_runtime::PgStore::builder(pool.clone())
+        .table(&table)
+        .build()
+        .unwrap();
+    store.migrate().await.unwrap();
+    (pool, store, table)
+}
+
+/// On PostgreSQL a `()` duplicate without fingerprint does not lock the live
+/// marker (`ON CONFLICT DO UPDATE` would: a transaction id, a row lock and
+/// its WAL record per duplicate), so it is answered while another
+/// transaction holds the marker's row; a duplicate that reads the marker
+/// still locks it, and waits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_unit_duplicate_takes_no_lock() {
+    let (pool, store, table) = pg_store("unit_replay_lock").await;
+    let runs = Runs::default();
+    let (u, v) = (msg("unit"), msg("value"));
+    unit(&store, &u, &runs).await.unwrap();
+    assert_eq!(value(&store, &v, &runs).await.unwrap(), 8);
+
+    // Another transaction holds both markers' rows.
+    let mut holder = pool.begin().await.unwrap();
+    let lock = format!("SELECT 1 FROM {table} WHERE message_id IN ($1, $2) FOR UPDATE");
+    let locked = sqlx::query(sqlx::AssertSqlSafe(lock))
+        .bind(&u.id)
+        .bind(&v.id)
+        .fetch_all(&mut *holder)
+        .await
+        .unwrap();
+    assert_eq!(locked.len(), 2);
+
+    let wait = std::time::Duration::from_secs(10);
+    tokio::time::timeout(wait, unit(&store, &u, &runs))
+        .await
+        .expect("a `()` duplicate does not wait for the marker's row lock")
+        .unwrap();
+    let reading = tokio::spawn({
+        let (store, v) = (
+            store.clone(),
+            Msg {
+                id: v.id.clone(),
+                body: v.body.clone(),
+            },
+        );
+        async move { value(&store, &v, &Runs::default()).await.unwrap() }
+    });
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    assert!(
+        !reading.is_finished(),
+        "a duplicate that reads the marker locks it first"
+    );
+    holder.rollback().await.unwrap();
+    assert_eq!(tokio::time::timeout(wait, reading).await.unwrap().unwrap(), 8);
+    assert_eq!(runs.get(), 2, "no body ran again");
+    common::drop_pg_table(&pool, &table).await;
+}
+
+/// The `()` claim's guard leaves only live markers alone: an expired marker
+/// not yet purged is taken over (the body runs again), by exactly one of
+/// concurrent deliveries, and so is a new key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_unit_claim_takes_over_expired_markers_once() {
+    let (pool, store, table) = pg_store("unit_replay_expired").await;
+    let runs = Runs::default();
+    let m = msg("unit");
+    let concurrently = || futures_util::future::join_all((0..6).map(|_| unit(&store, &m, &runs)));
+    for result in concurrently().await {
+        result.unwrap();
+    }
+    assert_eq!(runs.get(), 1, "concurrent deliveries of a new key run the body once");
+    unit(&store, &m, &runs).await.unwrap();
+    assert_eq!(runs.get(), 1, "a live marker is a duplicate");
+
+    let expire = format!("UPDATE {table} SET expires_at = now() - interval '1 second' WHERE message_id = $1");
+    for round in 2..=3 {
+        let expired = sqlx::query(sqlx::AssertSqlSafe(expire.clone()))
+            .bind(&m.id)
+            .execute(&pool)
+            .await
+            .unwrap()
+            .rows_affected();
+        assert_eq!(expired, 1);
+        for result in concurrently().await {
+            result.unwrap();
+        }
+        assert_eq!(runs.get(), round, "an expired marker is taken over by one delivery");
+        unit(&store, &m, &runs).await.unwrap();
+        assert_eq!(runs.get(), round, "the marker that took over is live");
+    }
+    common::drop_pg_table(&pool, &table).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mysql_unit_duplicate_skips_the_read() {
     let pool = common::mysql_pool(4).await;

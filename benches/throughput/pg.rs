@@ -222,21 +222,24 @@ impl ClaimFirst {
 
     /// (s): (c) with exactly what `PgStore` sends for a `()` handler
     /// without fingerprint: `BEGIN ISOLATION LEVEL READ COMMITTED`, its
-    /// claim statement (`ON CONFLICT DO UPDATE .. WHERE expired`, four
-    /// parameters), the effect, `COMMIT`; a duplicate's transaction is
+    /// claim statement (`INSERT .. SELECT .. WHERE NOT EXISTS (live marker)
+    /// ON CONFLICT DO UPDATE .. WHERE expired`, four parameters), the
+    /// effect, `COMMIT`; a duplicate's transaction is
     /// dropped. (d) against (s) is the cost of the macro and the runtime;
     /// (s) against (c) the cost of the statement.
     pub fn store_statements(t: Tables) -> Self {
         ClaimFirst {
             claim: format!(
-                "INSERT INTO {} AS m (scope, message_id, processed_at, expires_at, fingerprint) \
-                 VALUES ($1, $2, now(), now() + $3 * interval '1 millisecond', $4) \
+                "INSERT INTO {t} AS m (scope, message_id, processed_at, expires_at, fingerprint) \
+                 SELECT $1, $2, now(), now() + $3 * interval '1 millisecond', $4 \
+                 WHERE NOT EXISTS (SELECT FROM {t} l \
+                     WHERE l.scope = $1 AND l.message_id = $2 AND l.expires_at > now()) \
                  ON CONFLICT (scope, message_id) DO UPDATE \
                  SET processed_at = EXCLUDED.processed_at, expires_at = EXCLUDED.expires_at, \
                      fingerprint = EXCLUDED.fingerprint, result = NULL \
                  WHERE m.expires_at <= now() \
                  RETURNING true",
-                t.markers
+                t = t.markers
             )
             .into(),
             store_statements: true,
