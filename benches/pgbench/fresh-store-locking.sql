@@ -1,0 +1,7 @@
+-- PgStore's locking claim (for a handler that reads the marker; before 2026-12-01 evening every claim), the effect, COMMIT.
+\set k random(1, 1000000000000)
+\set ttl 604800000
+BEGIN ISOLATION LEVEL READ COMMITTED;
+INSERT INTO pgb_m AS m (scope, message_id, processed_at, expires_at, fingerprint) VALUES ('handle', 'm' || :k, now(), now() + :ttl * interval '1 millisecond', NULL) ON CONFLICT (scope, message_id) DO UPDATE SET processed_at = EXCLUDED.processed_at, expires_at = EXCLUDED.expires_at, fingerprint = EXCLUDED.fingerprint, result = NULL WHERE m.expires_at <= now() RETURNING true;
+INSERT INTO pgb_p (message_id, amount) VALUES ('m' || :k, 100);
+COMMIT;
