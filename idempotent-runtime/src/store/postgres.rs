@@ -19,6 +19,14 @@ use crate::store::{Claim, Replay, Request, Store, TransactionalStore};
 /// `default_transaction_isolation` says.
 pub(crate) const BEGIN_READ_COMMITTED: &str = "BEGIN ISOLATION LEVEL READ COMMITTED";
 
+/// Every claim's conflict clause (on the marker table as `m`): an expired
+/// marker is taken over, a live one is not. `DO UPDATE` locks the
+/// conflicting row before it tests the `WHERE`, live or not.
+const TAKE_OVER: &str = "ON CONFLICT (scope, message_id) DO UPDATE \
+     SET processed_at = EXCLUDED.processed_at, expires_at = EXCLUDED.expires_at, \
+         fingerprint = EXCLUDED.fingerprint, result = NULL \
+     WHERE m.expires_at <= now()";
+
 /// The same, for sessions whose `synchronous_commit` is `off`: a commit
 /// that returns before it is durable would let the broker's message be
 /// acknowledged for an effect that a server crash then loses.
@@ -149,18 +157,14 @@ impl PgStore {
             claim: format!(
                 "INSERT INTO {t} AS m (scope, message_id, processed_at, expires_at, fingerprint) \
                  VALUES ($1, $2, now(), now() + $3 * interval '1 millisecond', $4) \
-                 ON CONFLICT (scope, message_id) DO UPDATE \
-                 SET processed_at = EXCLUDED.processed_at, expires_at = EXCLUDED.expires_at, \
-                     fingerprint = EXCLUDED.fingerprint, result = NULL \
-                 WHERE m.expires_at <= now() \
-                 RETURNING true"
+                 {TAKE_OVER} RETURNING true"
             )
             .into(),
             // `ON CONFLICT DO UPDATE` locks the conflicting row before
             // testing its `WHERE`: on a duplicate, a transaction id, a row
             // lock and its WAL record that a request reading nothing back
-            // does not need (+33 us of server CPU per duplicate, pgbench,
-            // docs/benchmarks.md). The `NOT EXISTS` leaves a live marker
+            // does not need (under pgbench 106-111 us of server CPU per
+            // duplicate, 75-85 with this guard; docs/benchmarks.md). The `NOT EXISTS` leaves a live marker
             // alone and inserts nothing; a missing or expired marker goes
             // on to the upsert as above, and a claim committed concurrently
             // (not in this statement's snapshot) is still met by the upsert,
@@ -170,11 +174,7 @@ impl PgStore {
                  SELECT $1, $2, now(), now() + $3 * interval '1 millisecond', $4 \
                  WHERE NOT EXISTS (SELECT FROM {t} l \
                      WHERE l.scope = $1 AND l.message_id = $2 AND l.expires_at > now()) \
-                 ON CONFLICT (scope, message_id) DO UPDATE \
-                 SET processed_at = EXCLUDED.processed_at, expires_at = EXCLUDED.expires_at, \
-                     fingerprint = EXCLUDED.fingerprint, result = NULL \
-                 WHERE m.expires_at <= now() \
-                 RETURNING true"
+                 {TAKE_OVER} RETURNING true"
             )
             .into(),
             read: format!("SELECT fingerprint, result FROM {t} WHERE scope = $1 AND message_id = $2").into(),
@@ -187,11 +187,7 @@ impl PgStore {
                  SELECT u.scope, u.message_id, now(), now() + u.ttl * interval '1 millisecond', u.fingerprint \
                  FROM unnest($1::text[], $2::text[], $3::bigint[], $4::text[]) AS u(scope, message_id, ttl, fingerprint) \
                  ORDER BY u.scope, u.message_id \
-                 ON CONFLICT (scope, message_id) DO UPDATE \
-                 SET processed_at = EXCLUDED.processed_at, expires_at = EXCLUDED.expires_at, \
-                     fingerprint = EXCLUDED.fingerprint, result = NULL \
-                 WHERE m.expires_at <= now() \
-                 RETURNING m.scope, m.message_id"
+                 {TAKE_OVER} RETURNING m.scope, m.message_id"
             )
             .into(),
             bulk_read: format!(
