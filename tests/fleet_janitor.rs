@@ -267,9 +267,12 @@ async fn sigkilled_holder_is_taken_over(backend: Backend) {
     };
     let index = children.iter().position(|child| child.id() == holder).unwrap();
     let mut killed = children.swap_remove(index);
+    // Taken before the SIGKILL: the holder is alive until then, and a
+    // replica may take the lock over as soon as it dies, before `wait`
+    // returns (a time read after it was once later than the takeover).
+    let killed_at = SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_nanos();
     killed.kill().unwrap(); // SIGKILL
     killed.wait().unwrap();
-    let killed_at = SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_nanos();
 
     // Another replica takes the lock over and purges.
     table.wait_until_purged().await;
