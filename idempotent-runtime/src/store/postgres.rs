@@ -19,6 +19,11 @@ use crate::store::{Claim, Replay, Request, Store, TransactionalStore};
 /// `default_transaction_isolation` says.
 pub(crate) const BEGIN_READ_COMMITTED: &str = "BEGIN ISOLATION LEVEL READ COMMITTED";
 
+/// The same, for sessions whose `synchronous_commit` is `off`: a commit
+/// that returns before it is durable would let the broker's message be
+/// acknowledged for an effect that a server crash then loses.
+const BEGIN_READ_COMMITTED_DURABLE: &str = "BEGIN ISOLATION LEVEL READ COMMITTED; SET LOCAL synchronous_commit = on";
+
 /// Every claim's conflict clause (on the marker table as `m`): an expired
 /// marker is taken over, a live one is not. `DO UPDATE` locks the
 /// conflicting row before it tests the `WHERE`, live or not.
@@ -26,11 +31,6 @@ const TAKE_OVER: &str = "ON CONFLICT (scope, message_id) DO UPDATE \
      SET processed_at = EXCLUDED.processed_at, expires_at = EXCLUDED.expires_at, \
          fingerprint = EXCLUDED.fingerprint, result = NULL \
      WHERE m.expires_at <= now()";
-
-/// The same, for sessions whose `synchronous_commit` is `off`: a commit
-/// that returns before it is durable would let the broker's message be
-/// acknowledged for an effect that a server crash then loses.
-const BEGIN_READ_COMMITTED_DURABLE: &str = "BEGIN ISOLATION LEVEL READ COMMITTED; SET LOCAL synchronous_commit = on";
 
 /// A PostgreSQL store: the marker is inserted in the same transaction as the
 /// handler's effect, so both commit or neither does.
@@ -164,11 +164,12 @@ impl PgStore {
             // testing its `WHERE`: on a duplicate, a transaction id, a row
             // lock and its WAL record that a request reading nothing back
             // does not need (under pgbench 106-111 us of server CPU per
-            // duplicate, 75-85 with this guard; docs/benchmarks.md). The `NOT EXISTS` leaves a live marker
-            // alone and inserts nothing; a missing or expired marker goes
-            // on to the upsert as above, and a claim committed concurrently
-            // (not in this statement's snapshot) is still met by the upsert,
-            // which waits for it and then finds it live.
+            // duplicate, 75-85 with this guard; docs/benchmarks.md). The
+            // `NOT EXISTS` leaves a live marker alone and inserts nothing;
+            // a missing or expired marker goes on to the upsert as above,
+            // and a claim committed concurrently (not in this statement's
+            // snapshot) is still met by the upsert, which waits for it and
+            // then finds it live.
             claim_no_read: format!(
                 "INSERT INTO {t} AS m (scope, message_id, processed_at, expires_at, fingerprint) \
                  SELECT $1, $2, now(), now() + $3 * interval '1 millisecond', $4 \
