@@ -28,6 +28,8 @@ server_ticks() {
     echo "$total"
 }
 pg -f "$here/setup.sql"
+# The marker table is PgStore's, from the same migration file.
+sed 's/processed_messages/pgb_m/g' "$here/../../idempotent-runtime/sql/postgres.sql" | pg
 if [ "$mode" = dup ]; then
     pg -c "INSERT INTO pgb_m (scope, message_id, expires_at) \
            SELECT 'handle', 'm' || g, now() + interval '7 days' FROM generate_series(1, 200000) g"
