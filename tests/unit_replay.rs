@@ -154,9 +154,10 @@ async fn postgres_unit_duplicate_skips_the_read() {
     common::drop_pg_table(&pool, &table).await;
 }
 
-/// A PostgreSQL store on a new table, with its pool.
-async fn pg_store(tag: &str) -> (sqlx::PgPool, idempotent_runtime::PgStore, String) {
-    let pool = common::pg_pool(6).await;
+/// A PostgreSQL store on a new table, with its pool, whose sessions default
+/// to the isolation level `setting` (`common::settings::PG_*`).
+async fn pg_store(tag: &str, setting: u8) -> (sqlx::PgPool, idempotent_runtime::PgStore, String) {
+    let pool = common::pg_pool_with(6, setting).await;
     let table = common::unique(tag);
     let store = idempotent_runtime::PgStore::builder(pool.clone())
         .table(&table)
@@ -170,10 +171,9 @@ async fn pg_store(tag: &str) -> (sqlx::PgPool, idempotent_runtime::PgStore, Stri
 /// marker (`ON CONFLICT DO UPDATE` would: a transaction id, a row lock and
 /// its WAL record per duplicate), so it is answered while another
 /// transaction holds the marker's row; a duplicate that reads the marker
-/// still locks it, and waits.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn postgres_unit_duplicate_takes_no_lock() {
-    let (pool, store, table) = pg_store("unit_replay_lock").await;
+/// still locks it, and waits. Under every session default isolation.
+async fn unit_duplicate_takes_no_lock(setting: u8) {
+    let (pool, store, table) = pg_store("unit_replay_lock", setting).await;
     let runs = Runs::default();
     let (u, v) = (msg("unit"), msg("value"));
     unit(&store, &u, &runs).await.unwrap();
@@ -218,10 +218,10 @@ async fn postgres_unit_duplicate_takes_no_lock() {
 
 /// The `()` claim's guard leaves only live markers alone: an expired marker
 /// not yet purged is taken over (the body runs again), by exactly one of
-/// concurrent deliveries, and so is a new key.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn postgres_unit_claim_takes_over_expired_markers_once() {
-    let (pool, store, table) = pg_store("unit_replay_expired").await;
+/// concurrent deliveries, and so is a new key. Under every session default
+/// isolation.
+async fn unit_claim_takes_over_expired_markers_once(setting: u8) {
+    let (pool, store, table) = pg_store("unit_replay_expired", setting).await;
     let runs = Runs::default();
     let m = msg("unit");
     let concurrently = || futures_util::future::join_all((0..6).map(|_| unit(&store, &m, &runs)));
@@ -249,6 +249,29 @@ async fn postgres_unit_claim_takes_over_expired_markers_once() {
         assert_eq!(runs.get(), round, "the marker that took over is live");
     }
     common::drop_pg_table(&pool, &table).await;
+}
+
+macro_rules! postgres_unit_claim_tests {
+    ($($setting:ident => $lock:ident, $expired:ident;)*) => {$(
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn $lock() {
+            unit_duplicate_takes_no_lock(common::settings::$setting).await;
+        }
+
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn $expired() {
+            unit_claim_takes_over_expired_markers_once(common::settings::$setting).await;
+        }
+    )*};
+}
+
+postgres_unit_claim_tests! {
+    PG_SERVER_DEFAULT => postgres_unit_duplicate_takes_no_lock,
+        postgres_unit_claim_takes_over_expired_markers_once;
+    PG_REPEATABLE_READ => postgres_repeatable_read_default_unit_duplicate_takes_no_lock,
+        postgres_repeatable_read_default_unit_claim_takes_over_expired_markers_once;
+    PG_SERIALIZABLE => postgres_serializable_default_unit_duplicate_takes_no_lock,
+        postgres_serializable_default_unit_claim_takes_over_expired_markers_once;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
