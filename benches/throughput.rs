@@ -538,8 +538,8 @@ async fn run(cfg: Config) {
             "## PostgreSQL: the duplicate path\n\nSame workload at concurrency 8. Client round trips per delivery \
              (each waits for the server): fresh (c) = (d) = 4 (`BEGIN`, claim, effect, `COMMIT`); duplicate: (c) 2 \
              (`BEGIN`, claim; the `ROLLBACK` is queued by sqlx and sent with the pool's release ping, off the \
-             caller's path), (c') 3, (d) 3 (`BEGIN`, the claim, a `SELECT` of the live marker; the `ROLLBACK` \
-             likewise queued).\n\n",
+             caller's path), (c') 3, (d) 2 (`BEGIN`, the claim, which for this `()` handler neither locks nor \
+             reads the live marker; the `ROLLBACK` likewise queued).\n\n",
         );
         text.push_str(&report::tables(
             &names,
