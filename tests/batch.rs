@@ -578,3 +578,171 @@ async fn concurrent_batches_on_the_same_keys(setting: u8) {
     assert_eq!(count, 20);
     pg_teardown(&store, &other, &effects, ()).await;
 }
+
+/// The service of the two tests below: the store, the effects table and a
+/// count of the bodies run.
+type NoLockSvc = std::sync::Arc<(idempotent_runtime::PgStore, String, AtomicU64)>;
+
+async fn record(svc: &NoLockSvc, msg: &Msg, tx: &mut sqlx::PgConnection) -> Result<(), AppError> {
+    svc.2.fetch_add(1, Ordering::SeqCst);
+    let insert = format!("INSERT INTO {} (message_id, amount) VALUES ($1, $2)", svc.1);
+    sqlx::query(sqlx::AssertSqlSafe(insert))
+        .bind(&msg.id)
+        .bind(msg.amount)
+        .execute(&mut *tx)
+        .await?;
+    Ok(())
+}
+
+/// Returns `()` and has no fingerprint: reads nothing back.
+#[idempotent(key = "msg.id", store = &svc.0, scope = "batch.nolock.unit")]
+async fn pay_unit(svc: &NoLockSvc, msg: &Msg, tx: &mut sqlx::PgConnection) -> Result<(), AppError> {
+    record(svc, msg, tx).await
+}
+
+/// Returns a value: its duplicate reads the marker.
+#[idempotent(key = "msg.id", store = &svc.0, scope = "batch.nolock.value")]
+async fn pay_value(svc: &NoLockSvc, msg: &Msg, tx: &mut sqlx::PgConnection) -> Result<i64, AppError> {
+    record(svc, msg, tx).await?;
+    Ok(msg.amount)
+}
+
+/// The batch's one claim statement leaves the live marker of a request
+/// that reads nothing back unlocked (no transaction id, row lock or WAL
+/// record per duplicate), so a batch of such duplicates is answered while
+/// another transaction holds their rows; the duplicates of a handler that
+/// reads its marker still lock it first, and wait. Under every session
+/// default isolation.
+async fn batch_unit_duplicates_take_no_lock(setting: u8) {
+    let (store, other, effects, ()) = pg_setup_with(setting).await;
+    let svc: NoLockSvc = std::sync::Arc::new((store.clone(), effects.clone(), AtomicU64::new(0)));
+    let (u1, u2, v1, v2) = (msg("u1", 1), msg("u2", 2), msg("v1", 3), msg("v2", 4));
+    pay_unit(&svc, &u1).await.unwrap();
+    pay_unit(&svc, &u2).await.unwrap();
+    assert_eq!(pay_value(&svc, &v1).await.unwrap(), 3);
+    assert_eq!(pay_value(&svc, &v2).await.unwrap(), 4);
+
+    let mut holder = store.pool().begin().await.unwrap();
+    let lock = format!(
+        "SELECT 1 FROM {} WHERE message_id IN ('u1', 'u2', 'v1', 'v2') FOR UPDATE",
+        store.table()
+    );
+    let locked = sqlx::query(sqlx::AssertSqlSafe(lock))
+        .fetch_all(&mut *holder)
+        .await
+        .unwrap();
+    assert_eq!(locked.len(), 4);
+
+    let wait = Duration::from_secs(10);
+    let u3 = msg("u3", 5);
+    let batch = store.begin_batch().await.unwrap();
+    let outcomes = tokio::time::timeout(
+        wait,
+        batch.run_all(vec![pay_unit(&svc, &u1), pay_unit(&svc, &u2), pay_unit(&svc, &u3)]),
+    )
+    .await
+    .expect("`()` duplicates in a batch do not wait for their markers' row locks");
+    assert!(outcomes.iter().all(Result::is_ok), "{outcomes:?}");
+    assert_eq!(batch.fresh_claims(), 1, "u3 only");
+    tokio::time::timeout(wait, batch.commit()).await.unwrap().unwrap();
+
+    let reading = tokio::spawn({
+        let (svc, store) = (std::sync::Arc::clone(&svc), store.clone());
+        async move {
+            let (v1, v2) = (msg("v1", 3), msg("v2", 4));
+            let batch = store.begin_batch().await.unwrap();
+            let outcomes = batch.run_all(vec![pay_value(&svc, &v1), pay_value(&svc, &v2)]).await;
+            batch.commit().await.unwrap();
+            outcomes.into_iter().map(Result::unwrap).collect::<Vec<i64>>()
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        !reading.is_finished(),
+        "the duplicates of a handler that reads its marker lock it first"
+    );
+    holder.rollback().await.unwrap();
+    assert_eq!(tokio::time::timeout(wait, reading).await.unwrap().unwrap(), vec![3, 4]);
+    assert_eq!(svc.2.load(Ordering::SeqCst), 5, "no body ran again");
+    pg_teardown(&store, &other, &effects, ()).await;
+}
+
+/// The guard leaves only live markers alone: expired markers not yet
+/// purged are taken over by the batch statement, each by exactly one of
+/// concurrent batches, and so are new keys. Under every session default
+/// isolation.
+async fn batch_claims_take_over_expired_markers_once(setting: u8) {
+    let (store, other, effects, ()) = pg_setup_with(setting).await;
+    let svc: NoLockSvc = std::sync::Arc::new((store.clone(), effects.clone(), AtomicU64::new(0)));
+    let ids: Vec<String> = (0..4).map(|i| format!("k{i}")).collect();
+    let concurrently = || {
+        futures_util::future::join_all((0..4).map(|_| {
+            let (svc, store, ids) = (std::sync::Arc::clone(&svc), store.clone(), ids.clone());
+            async move {
+                let msgs: Vec<Msg> = ids.iter().map(|id| msg(id, 1)).collect();
+                let batch = store.begin_batch().await.unwrap();
+                let outcomes = batch.run_all(msgs.iter().map(|m| pay_unit(&svc, m)).collect()).await;
+                assert!(outcomes.iter().all(Result::is_ok), "{outcomes:?}");
+                batch.commit().await.unwrap();
+            }
+        }))
+    };
+    tokio::time::timeout(Duration::from_secs(20), concurrently())
+        .await
+        .unwrap();
+    assert_eq!(
+        svc.2.load(Ordering::SeqCst),
+        4,
+        "concurrent batches of new keys run each body once"
+    );
+
+    let expire = format!("UPDATE {} SET expires_at = now() - interval '1 second'", store.table());
+    for round in 2..=3 {
+        let expired = sqlx::query(sqlx::AssertSqlSafe(expire.clone()))
+            .execute(store.pool())
+            .await
+            .unwrap()
+            .rows_affected();
+        assert_eq!(expired, 4);
+        tokio::time::timeout(Duration::from_secs(20), concurrently())
+            .await
+            .unwrap();
+        assert_eq!(
+            svc.2.load(Ordering::SeqCst),
+            4 * round,
+            "each expired marker is taken over by one batch"
+        );
+        tokio::time::timeout(Duration::from_secs(20), concurrently())
+            .await
+            .unwrap();
+        assert_eq!(
+            svc.2.load(Ordering::SeqCst),
+            4 * round,
+            "the markers that took over are live"
+        );
+    }
+    pg_teardown(&store, &other, &effects, ()).await;
+}
+
+macro_rules! pg_batch_claim_tests {
+    ($($setting:ident => $lock:ident, $expired:ident;)*) => {$(
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn $lock() {
+            batch_unit_duplicates_take_no_lock(common::settings::$setting).await;
+        }
+
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn $expired() {
+            batch_claims_take_over_expired_markers_once(common::settings::$setting).await;
+        }
+    )*};
+}
+
+pg_batch_claim_tests! {
+    PG_SERVER_DEFAULT => batch_unit_duplicates_take_no_lock_server_default,
+        batch_claims_take_over_expired_markers_once_server_default;
+    PG_REPEATABLE_READ => batch_unit_duplicates_take_no_lock_repeatable_read_default,
+        batch_claims_take_over_expired_markers_once_repeatable_read_default;
+    PG_SERIALIZABLE => batch_unit_duplicates_take_no_lock_serializable_default,
+        batch_claims_take_over_expired_markers_once_serializable_default;
+}

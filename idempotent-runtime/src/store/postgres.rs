@@ -182,11 +182,18 @@ impl PgStore {
             write_result: format!("UPDATE {t} SET result = $1 WHERE scope = $2 AND message_id = $3").into(),
             undo: format!("DELETE FROM {t} WHERE scope = $1 AND message_id = $2").into(),
             // A batch's claims in one statement, in key order (concurrent
-            // batches lock their markers in one order: no deadlock).
+            // batches lock their markers in one order: no deadlock). A
+            // request that reads nothing back (`$5` false) has
+            // `claim_no_read`'s guard: its live marker is left alone,
+            // unlocked; the others keep the locking upsert, their live
+            // markers read next by `bulk_read`.
             bulk_claim: format!(
                 "INSERT INTO {t} AS m (scope, message_id, processed_at, expires_at, fingerprint) \
                  SELECT u.scope, u.message_id, now(), now() + u.ttl * interval '1 millisecond', u.fingerprint \
-                 FROM unnest($1::text[], $2::text[], $3::bigint[], $4::text[]) AS u(scope, message_id, ttl, fingerprint) \
+                 FROM unnest($1::text[], $2::text[], $3::bigint[], $4::text[], $5::bool[]) \
+                     AS u(scope, message_id, ttl, fingerprint, reads) \
+                 WHERE u.reads OR NOT EXISTS (SELECT FROM {t} l \
+                     WHERE l.scope = u.scope AND l.message_id = u.message_id AND l.expires_at > now()) \
                  ORDER BY u.scope, u.message_id \
                  {TAKE_OVER} RETURNING m.scope, m.message_id"
             )
@@ -484,8 +491,9 @@ fn bulk_claim(sql: Arc<PgSql>) -> crate::batch::BulkClaim {
     })
 }
 
-/// Claims `requests` in one statement; reads the live markers of those
-/// that are not fresh and need their fingerprint or result, in one more.
+/// Claims `requests` in one statement (locking the live markers of those
+/// that read them); reads the live markers of those that are not fresh and
+/// need their fingerprint or result, in one more.
 async fn claim_all(
     conn: &mut sqlx::PgConnection,
     sql: &PgSql,
@@ -495,11 +503,13 @@ async fn claim_all(
     let keys: Vec<String> = requests.iter().map(|r| r.key.clone()).collect();
     let ttls: Vec<i64> = requests.iter().map(|r| r.ttl_millis).collect();
     let fingerprints: Vec<Option<String>> = requests.iter().map(|r| r.fingerprint.clone()).collect();
+    let reads: Vec<bool> = requests.iter().map(|r| r.needs_read).collect();
     let rows = sqlx::query(AssertSqlSafe(Arc::clone(&sql.bulk_claim)))
         .bind(scopes)
         .bind(keys)
         .bind(ttls)
         .bind(fingerprints)
+        .bind(reads)
         .fetch_all(&mut *conn)
         .await?;
     let mut fresh = std::collections::HashSet::with_capacity(rows.len());
