@@ -411,6 +411,12 @@ async fn run(cfg: Config) {
                 t,
                 &warm,
             ),
+            row(
+                "(c2) (c) again: the A/A control",
+                pg::ClaimFirst::new(env.tables("cc").await, false),
+                t,
+                &warm,
+            ),
         ];
         let names: Vec<&'static str> = rows.iter().map(|r| r.name).collect();
         let groups = grid("pg", &rows, &cells(&cfg.dups, &cfg.concurrencies), &plans, cfg.reps).await;
@@ -424,13 +430,14 @@ async fn run(cfg: Config) {
              neither locks nor reads the marker; its transaction is dropped, its `ROLLBACK` sent with the pool's \
              release ping). (s) by hand, exactly the statements `PgStore` sends for this handler \
              (`BEGIN ISOLATION LEVEL READ COMMITTED`, its claim statement with four parameters): d/s is the cost of \
-             the macro and the runtime, s/c the cost of the statement. All marker \
+             the macro and the runtime, s/c the cost of the statement. (c2) is (c) again on tables of its own: \
+             c2/c is how far two identical variants differ in one run, the resolution of every ratio. All marker \
              tables have `PgStore`'s layout; the effect is one `INSERT` into a table of its own.\n\n",
         );
         text.push_str(&report::tables(
             &names,
             &groups,
-            &[(3, 2), (3, 1), (3, 0), (3, 4), (4, 2)],
+            &[(3, 2), (3, 1), (3, 0), (3, 4), (4, 2), (5, 2)],
             cfg.reps,
             "\nLatency per delivery, p50 / p99 (ms):\n\n",
             Some(PG_CPU_HEADING),
@@ -647,6 +654,12 @@ async fn run(cfg: Config) {
                 t,
                 &warm,
             ),
+            row(
+                "(c2) (c) again: the A/A control",
+                lite::ClaimFirst::new(env.tables("cc").await),
+                t,
+                &warm,
+            ),
         ];
         let names: Vec<&'static str> = rows.iter().map(|r| r.name).collect();
         let concs = [1, 8];
@@ -656,12 +669,13 @@ async fn run(cfg: Config) {
              (`SqliteStore::open`). Writers are serialised in-process (one permit, then `BEGIN IMMEDIATE`) for \
              every variant, as `SqliteStore` does; the article's check runs outside the write lock. (s) by hand, \
              exactly the claim statement `SqliteStore` sends (`ON CONFLICT DO UPDATE .. WHERE expired`, the clock \
-             read in SQL): d/s is the cost of the macro and the runtime, s/c the cost of the statement.\n\n",
+             read in SQL): d/s is the cost of the macro and the runtime, s/c the cost of the statement. (c2) is (c) \
+             again on tables of its own: c2/c is the resolution of every ratio.\n\n",
         );
         text.push_str(&report::tables(
             &names,
             &groups,
-            &[(3, 2), (3, 1), (3, 0), (3, 4), (4, 2)],
+            &[(3, 2), (3, 1), (3, 0), (3, 4), (4, 2), (5, 2)],
             cfg.reps_small,
             "\nLatency p50 / p99 (ms):\n\n",
             None,
@@ -829,6 +843,16 @@ async fn redis_section(
             t,
             warm,
         ),
+        row(
+            "(c2) (c) again: the A/A control",
+            kv::ClaimFirst {
+                conn: conn.clone(),
+                prefix: format!("{base}claimfirst2:"),
+                effects: AtomicU64::new(0),
+            },
+            t,
+            warm,
+        ),
     ];
     let names: Vec<&'static str> = rows.iter().map(|r| r.name).collect();
     let groups = grid("redis", &rows, &cfg.lease_cells(), plans, cfg.reps_small).await;
@@ -842,13 +866,14 @@ async fn redis_section(
          (d) `RedisStore`: `SET key lease NX PX ms GET` claims a lease or returns the completed marker (a script on \
          Redis < 7.0); completion is a script (token check + `SET PX`); the leases of running bodies are \
          extended by one task per store. (d') the same without renewal. (s) by hand, the commands (d) sends, \
-         without renewal: d'/s is the cost of the macro and the runtime, s/c the cost of the token check. The \
-         effect is an in-process counter.\n\n"
+         without renewal: d'/s is the cost of the macro and the runtime, s/c the cost of the token check. (c2) is \
+         (c) again under keys of its own: c2/c is the resolution of every ratio. The effect is an in-process \
+         counter.\n\n"
     );
     text.push_str(&report::tables(
         &names,
         &groups,
-        &[(2, 1), (2, 0), (3, 2), (5, 2), (3, 4), (4, 1)],
+        &[(2, 1), (2, 0), (3, 2), (5, 2), (3, 4), (4, 1), (6, 1)],
         cfg.reps_small,
         "\nLatency p50 / p99 (ms):\n\n",
         Some("\nCPU per delivery, µs: this process (client) + `redis-server` (server):\n\n"),
@@ -1211,6 +1236,12 @@ async fn mysql_section(
             t,
             warm,
         ),
+        row(
+            "(c2) (c) again: the A/A control",
+            my::ClaimFirst::new(env.tables("cc").await),
+            t,
+            warm,
+        ),
     ];
     let names: Vec<&'static str> = rows.iter().map(|r| r.name).collect();
     let groups = grid("mysql", &rows, &cells(&cfg.dups, &cfg.concurrencies), plans, cfg.reps).await;
@@ -1226,7 +1257,8 @@ async fn mysql_section(
          `BEGIN`, then `INSERT .. ON DUPLICATE KEY UPDATE` that also takes over an expired marker, its outcome \
          read from `last_insert_id`; a duplicate's transaction is dropped, no read since the handler returns \
          `()`). (s) by hand, exactly the statements `MySqlStore` sends for this handler: d/s is the cost of the \
-         macro and the runtime, s/c the cost of the statement. (a) and (b) use the server's default isolation ({isolation}). A dropped transaction's \
+         macro and the runtime, s/c the cost of the statement. (c2) is (c) again on tables of its own: c2/c is \
+         the resolution of every ratio. (a) and (b) use the server's default isolation ({isolation}). A dropped transaction's \
          `ROLLBACK` is sent with the pool's release ping. All marker tables have `MySqlStore`'s layout; the \
          effect is one `INSERT` into a table of its own.\n\n",
         reps = cfg.reps,
@@ -1235,7 +1267,7 @@ async fn mysql_section(
     text.push_str(&report::tables(
         &names,
         &groups,
-        &[(3, 2), (3, 1), (3, 0), (3, 4), (4, 2)],
+        &[(3, 2), (3, 1), (3, 0), (3, 4), (4, 2), (5, 2)],
         cfg.reps,
         "\nLatency per delivery, p50 / p99 (ms):\n\n",
         Some("\nCPU per delivery, µs: this process (client) + every thread of the server (`mariadbd`/`mysqld`):\n\n"),

@@ -8,6 +8,7 @@
 #
 #   benches/pgbench/run.sh fresh 5 15 8 fresh-c fresh-store fresh-store-locking
 #   benches/pgbench/run.sh dup   3 10 8 dup-c dup-store dup-store-locking
+#   benches/pgbench/run.sh dup   3 10 8 dup-batch8-store dup-batch8-store-locking   # 8 per transaction
 #
 # `fresh` empties the tables before each run (every key is new); `dup` fills
 # the marker table with 200 000 live markers once and each transaction

@@ -289,11 +289,7 @@ impl Cell {
     pub fn rate(&self) -> f64 {
         let mut r = self.rates.clone();
         r.sort_by(f64::total_cmp);
-        match r.len() {
-            0 => f64::NAN,
-            n if n % 2 == 1 => r[n / 2],
-            n => (r[n / 2 - 1] + r[n / 2]) / 2.0,
-        }
+        median(&r)
     }
 
     pub fn min_max(&self) -> (f64, f64) {
@@ -304,6 +300,15 @@ impl Cell {
 
     pub fn p(&self, p: f64) -> f64 {
         percentile(&self.latencies_us, p)
+    }
+}
+
+/// The median of sorted values (NaN for none).
+pub fn median(sorted: &[f64]) -> f64 {
+    match sorted.len() {
+        0 => f64::NAN,
+        n if n % 2 == 1 => sorted[n / 2],
+        n => (sorted[n / 2 - 1] + sorted[n / 2]) / 2.0,
     }
 }
 

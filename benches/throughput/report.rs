@@ -57,6 +57,13 @@ pub fn tables(
     cpu_heading: Option<&str>,
 ) -> String {
     let mut s = rate_table(series, groups, ratios, reps);
+    if reps > 1 && !ratios.is_empty() {
+        s.push_str(
+            "\nThe same ratios run by run: each repetition's rates divided (the rows of one repetition ran \
+             back to back), median [min–max] of the repetitions:\n\n",
+        );
+        s.push_str(&paired_table(series, groups, ratios));
+    }
     s.push_str(latency_heading);
     s.push_str(&latency_table(series, groups));
     if let Some(heading) = cpu_heading {
@@ -101,6 +108,46 @@ pub fn rate_table(series: &[&str], groups: &[Group], ratios: &[(usize, usize)], 
         }
         for (a, b) in ratios {
             let _ = write!(s, "{} | ", fmt_ratio(rate(&g.cells[*a]), rate(&g.cells[*b])));
+        }
+        s.push('\n');
+    }
+    s
+}
+
+/// Per group, each ratio `a/b` run by run (`a`'s k-th rate over `b`'s):
+/// median [min–max].
+pub fn paired_table(series: &[&str], groups: &[Group], ratios: &[(usize, usize)]) -> String {
+    let mut s = String::from("| | ");
+    for (a, b) in ratios {
+        let _ = write!(s, "{}/{} | ", short(series[*a]), short(series[*b]));
+    }
+    s.push('\n');
+    s.push_str(&"| --- ".repeat(1 + ratios.len()));
+    s.push_str("|\n");
+    for g in groups {
+        let _ = write!(s, "| {} | ", g.label);
+        for (a, b) in ratios {
+            let mut paired: Vec<f64> = match (&g.cells[*a], &g.cells[*b]) {
+                (Some(a), Some(b)) => a
+                    .rates
+                    .iter()
+                    .zip(&b.rates)
+                    .filter(|(_, b)| **b > 0.0)
+                    .map(|(a, b)| a / b)
+                    .collect(),
+                _ => Vec::new(),
+            };
+            paired.sort_by(f64::total_cmp);
+            match (paired.first(), paired.last()) {
+                (Some(min), Some(max)) => {
+                    let _ = write!(
+                        s,
+                        "{:.2} <sub>{min:.2}–{max:.2}</sub> | ",
+                        crate::harness::median(&paired)
+                    );
+                }
+                _ => s.push_str("– | "),
+            }
         }
         s.push('\n');
     }
