@@ -467,6 +467,22 @@ suite!(
 
 // ---- across batches ----------------------------------------------------------------
 
+/// The service of the PostgreSQL tests below: the store, the effects table
+/// and a count of the bodies run.
+type PgSvc = std::sync::Arc<(idempotent_runtime::PgStore, String, AtomicU64)>;
+
+/// A handler's body: counts the run and inserts the effect.
+async fn record(svc: &PgSvc, msg: &Msg, tx: &mut sqlx::PgConnection) -> Result<(), AppError> {
+    svc.2.fetch_add(1, Ordering::SeqCst);
+    let insert = format!("INSERT INTO {} (message_id, amount) VALUES ($1, $2)", svc.1);
+    sqlx::query(sqlx::AssertSqlSafe(insert))
+        .bind(&msg.id)
+        .bind(msg.amount)
+        .execute(&mut *tx)
+        .await?;
+    Ok(())
+}
+
 /// Two batches claiming one key: the second waits for the first's commit,
 /// then answers a duplicate (PostgreSQL; MariaDB behaves alike, SQLite runs
 /// one write transaction at a time).
@@ -476,18 +492,8 @@ async fn a_key_claimed_in_an_open_batch_waits_for_its_commit_in_another() {
     let svc = std::sync::Arc::new((store.clone(), effects.clone(), AtomicU64::new(0)));
 
     #[idempotent(key = "msg.id", store = &svc.0, scope = "batch.across")]
-    async fn pay(
-        svc: &std::sync::Arc<(idempotent_runtime::PgStore, String, AtomicU64)>,
-        msg: &Msg,
-        tx: &mut sqlx::PgConnection,
-    ) -> Result<i64, AppError> {
-        svc.2.fetch_add(1, Ordering::SeqCst);
-        let insert = format!("INSERT INTO {} (message_id, amount) VALUES ($1, $2)", svc.1);
-        sqlx::query(sqlx::AssertSqlSafe(insert))
-            .bind(&msg.id)
-            .bind(msg.amount)
-            .execute(&mut *tx)
-            .await?;
+    async fn pay(svc: &PgSvc, msg: &Msg, tx: &mut sqlx::PgConnection) -> Result<i64, AppError> {
+        record(svc, msg, tx).await?;
         Ok(msg.amount)
     }
 
@@ -531,18 +537,8 @@ async fn concurrent_batches_on_the_same_keys(setting: u8) {
     let svc = std::sync::Arc::new((store.clone(), effects.clone(), AtomicU64::new(0)));
 
     #[idempotent(key = "msg.id", store = &svc.0, scope = "batch.order")]
-    async fn pay(
-        svc: &std::sync::Arc<(idempotent_runtime::PgStore, String, AtomicU64)>,
-        msg: &Msg,
-        tx: &mut sqlx::PgConnection,
-    ) -> Result<(), AppError> {
-        svc.2.fetch_add(1, Ordering::SeqCst);
-        let insert = format!("INSERT INTO {} (message_id, amount) VALUES ($1, $2)", svc.1);
-        sqlx::query(sqlx::AssertSqlSafe(insert))
-            .bind(&msg.id)
-            .bind(msg.amount)
-            .execute(&mut *tx)
-            .await?;
+    async fn pay(svc: &PgSvc, msg: &Msg, tx: &mut sqlx::PgConnection) -> Result<(), AppError> {
+        record(svc, msg, tx).await?;
         // Keep the batch open a while, so the other one meets its markers.
         tokio::time::sleep(Duration::from_millis(5)).await;
         Ok(())
@@ -579,30 +575,15 @@ async fn concurrent_batches_on_the_same_keys(setting: u8) {
     pg_teardown(&store, &other, &effects, ()).await;
 }
 
-/// The service of the two tests below: the store, the effects table and a
-/// count of the bodies run.
-type NoLockSvc = std::sync::Arc<(idempotent_runtime::PgStore, String, AtomicU64)>;
-
-async fn record(svc: &NoLockSvc, msg: &Msg, tx: &mut sqlx::PgConnection) -> Result<(), AppError> {
-    svc.2.fetch_add(1, Ordering::SeqCst);
-    let insert = format!("INSERT INTO {} (message_id, amount) VALUES ($1, $2)", svc.1);
-    sqlx::query(sqlx::AssertSqlSafe(insert))
-        .bind(&msg.id)
-        .bind(msg.amount)
-        .execute(&mut *tx)
-        .await?;
-    Ok(())
-}
-
 /// Returns `()` and has no fingerprint: reads nothing back.
 #[idempotent(key = "msg.id", store = &svc.0, scope = "batch.nolock.unit")]
-async fn pay_unit(svc: &NoLockSvc, msg: &Msg, tx: &mut sqlx::PgConnection) -> Result<(), AppError> {
+async fn pay_unit(svc: &PgSvc, msg: &Msg, tx: &mut sqlx::PgConnection) -> Result<(), AppError> {
     record(svc, msg, tx).await
 }
 
 /// Returns a value: its duplicate reads the marker.
 #[idempotent(key = "msg.id", store = &svc.0, scope = "batch.nolock.value")]
-async fn pay_value(svc: &NoLockSvc, msg: &Msg, tx: &mut sqlx::PgConnection) -> Result<i64, AppError> {
+async fn pay_value(svc: &PgSvc, msg: &Msg, tx: &mut sqlx::PgConnection) -> Result<i64, AppError> {
     record(svc, msg, tx).await?;
     Ok(msg.amount)
 }
@@ -615,7 +596,7 @@ async fn pay_value(svc: &NoLockSvc, msg: &Msg, tx: &mut sqlx::PgConnection) -> R
 /// default isolation.
 async fn batch_unit_duplicates_take_no_lock(setting: u8) {
     let (store, other, effects, ()) = pg_setup_with(setting).await;
-    let svc: NoLockSvc = std::sync::Arc::new((store.clone(), effects.clone(), AtomicU64::new(0)));
+    let svc: PgSvc = std::sync::Arc::new((store.clone(), effects.clone(), AtomicU64::new(0)));
     let (u1, u2, v1, v2) = (msg("u1", 1), msg("u2", 2), msg("v1", 3), msg("v2", 4));
     pay_unit(&svc, &u1).await.unwrap();
     pay_unit(&svc, &u2).await.unwrap();
@@ -673,7 +654,7 @@ async fn batch_unit_duplicates_take_no_lock(setting: u8) {
 /// isolation.
 async fn batch_claims_take_over_expired_markers_once(setting: u8) {
     let (store, other, effects, ()) = pg_setup_with(setting).await;
-    let svc: NoLockSvc = std::sync::Arc::new((store.clone(), effects.clone(), AtomicU64::new(0)));
+    let svc: PgSvc = std::sync::Arc::new((store.clone(), effects.clone(), AtomicU64::new(0)));
     let ids: Vec<String> = (0..4).map(|i| format!("k{i}")).collect();
     let concurrently = || {
         futures_util::future::join_all((0..4).map(|_| {
