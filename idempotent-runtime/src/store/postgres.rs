@@ -32,6 +32,12 @@ const TAKE_OVER: &str = "ON CONFLICT (scope, message_id) DO UPDATE \
          fingerprint = EXCLUDED.fingerprint, result = NULL \
      WHERE m.expires_at <= now()";
 
+/// The guard of the claims that take no lock on a duplicate: no live
+/// marker for (`scope`, `key`) in the table `t` (`l`).
+fn no_live_marker(t: &str, scope: &str, key: &str) -> String {
+    format!("NOT EXISTS (SELECT FROM {t} l WHERE l.scope = {scope} AND l.message_id = {key} AND l.expires_at > now())")
+}
+
 /// A PostgreSQL store: the marker is inserted in the same transaction as the
 /// handler's effect, so both commit or neither does.
 ///
@@ -173,9 +179,9 @@ impl PgStore {
             claim_no_read: format!(
                 "INSERT INTO {t} AS m (scope, message_id, processed_at, expires_at, fingerprint) \
                  SELECT $1, $2, now(), now() + $3 * interval '1 millisecond', $4 \
-                 WHERE NOT EXISTS (SELECT FROM {t} l \
-                     WHERE l.scope = $1 AND l.message_id = $2 AND l.expires_at > now()) \
-                 {TAKE_OVER} RETURNING true"
+                 WHERE {} \
+                 {TAKE_OVER} RETURNING true",
+                no_live_marker(&t, "$1", "$2")
             )
             .into(),
             read: format!("SELECT fingerprint, result FROM {t} WHERE scope = $1 AND message_id = $2").into(),
@@ -192,10 +198,10 @@ impl PgStore {
                  SELECT u.scope, u.message_id, now(), now() + u.ttl * interval '1 millisecond', u.fingerprint \
                  FROM unnest($1::text[], $2::text[], $3::bigint[], $4::text[], $5::bool[]) \
                      AS u(scope, message_id, ttl, fingerprint, reads) \
-                 WHERE u.reads OR NOT EXISTS (SELECT FROM {t} l \
-                     WHERE l.scope = u.scope AND l.message_id = u.message_id AND l.expires_at > now()) \
+                 WHERE u.reads OR {} \
                  ORDER BY u.scope, u.message_id \
-                 {TAKE_OVER} RETURNING m.scope, m.message_id"
+                 {TAKE_OVER} RETURNING m.scope, m.message_id",
+                no_live_marker(&t, "u.scope", "u.message_id")
             )
             .into(),
             bulk_read: format!(
