@@ -556,6 +556,104 @@ async fn postgres_commits_are_durable_even_when_the_session_default_is_not() {
     common::drop_pg_table(&pool, &table).await;
 }
 
+#[tokio::test]
+async fn postgres_claims_run_at_read_committed_when_the_sessions_default_changes_under_the_store() {
+    // The claim begins with a plain `BEGIN` while the sessions default to
+    // Read Committed, and its statement refuses any other level. A default
+    // changed while the service runs (`ALTER ROLE .. SET`, here the one
+    // pooled session's own) must not let a claim run at Repeatable Read,
+    // where a concurrent duplicate fails instead of waiting and replaying.
+    // Two stores on the pool, so that each claim statement (the one that
+    // reads the marker back, and the guarded one of a `()` handler) meets
+    // the changed default first.
+    let pool = common::pg_pool(1).await;
+    let table = common::unique("iso_change");
+    let store = || {
+        idempotent_runtime::PgStore::builder(pool.clone())
+            .table(&table)
+            .build()
+            .unwrap()
+    };
+    let (reading, unit) = (store(), store());
+    reading.migrate().await.unwrap();
+    let levels = common::unique("iso_levels");
+    sqlx::query(AssertSqlSafe(format!(
+        "CREATE TABLE {levels} (id TEXT PRIMARY KEY, level TEXT)"
+    )))
+    .execute(&pool)
+    .await
+    .unwrap();
+
+    #[idempotent(key = "id", store = store)]
+    async fn level_inside(
+        store: &idempotent_runtime::PgStore,
+        id: &str,
+        tx: &mut sqlx::PgConnection,
+    ) -> Result<String, AppError> {
+        Ok(sqlx::query_scalar("SHOW transaction_isolation")
+            .fetch_one(&mut *tx)
+            .await?)
+    }
+
+    #[idempotent(key = "id", store = store)]
+    async fn record_level(
+        store: &idempotent_runtime::PgStore,
+        levels: &str,
+        id: &str,
+        tx: &mut sqlx::PgConnection,
+    ) -> Result<(), AppError> {
+        sqlx::query(AssertSqlSafe(format!(
+            "INSERT INTO {levels} VALUES ($1, current_setting('transaction_isolation'))"
+        )))
+        .bind(id)
+        .execute(&mut *tx)
+        .await?;
+        Ok(())
+    }
+    let recorded = |id: String| {
+        let (pool, levels) = (pool.clone(), levels.clone());
+        async move {
+            sqlx::query_scalar::<_, String>(AssertSqlSafe(format!("SELECT level FROM {levels} WHERE id = $1")))
+                .bind(id)
+                .fetch_one(&pool)
+                .await
+                .unwrap()
+        }
+    };
+
+    let before = (common::unique("before"), common::unique("before-unit"));
+    assert_eq!(level_inside(&reading, &before.0).await.unwrap(), "read committed");
+    record_level(&unit, &levels, &before.1).await.unwrap();
+    assert_eq!(recorded(before.1).await, "read committed");
+
+    sqlx::query("SET SESSION CHARACTERISTICS AS TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let outside: String = sqlx::query_scalar("SHOW transaction_isolation")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(outside, "repeatable read", "the pool's one session now defaults to it");
+
+    for round in 0..2 {
+        let (id, unit_id) = (common::unique("after"), common::unique("after-unit"));
+        assert_eq!(
+            level_inside(&reading, &id).await.unwrap(),
+            "read committed",
+            "round {round}"
+        );
+        record_level(&unit, &levels, &unit_id).await.unwrap();
+        assert_eq!(recorded(unit_id.clone()).await, "read committed", "round {round}");
+        // The duplicates replay (the reading one its stored result) and run
+        // nothing.
+        assert_eq!(level_inside(&reading, &id).await.unwrap(), "read committed");
+        record_level(&unit, &levels, &unit_id).await.unwrap();
+    }
+    common::drop_pg_table(&pool, &levels).await;
+    common::drop_pg_table(&pool, &table).await;
+}
+
 #[tokio::test(flavor = "current_thread")]
 async fn mysql_without_a_log_flush_at_each_commit_is_reported() {
     // innodb_flush_log_at_trx_commit is global: a session cannot turn it

@@ -19,6 +19,28 @@ use crate::store::{Claim, Replay, Request, Store, TransactionalStore};
 /// `default_transaction_isolation` says.
 pub(crate) const BEGIN_READ_COMMITTED: &str = "BEGIN ISOLATION LEVEL READ COMMITTED";
 
+/// Begins a single claim's transaction while the sessions have shown no
+/// other default than Read Committed: the claim statement checks the level
+/// ([`AT_READ_COMMITTED`]). Setting the level in `BEGIN` marks the
+/// settings changed, and at the end of every such transaction PostgreSQL
+/// (before 16) walks all of them to reset them (`AtEOXact_GUC`: 2.2-2.7 us
+/// of server CPU per fresh message under pgbench; docs/benchmarks.md).
+const BEGIN_PLAIN: &str = "BEGIN";
+
+/// The first condition of every claim statement: true at Read Committed;
+/// at any other level the statement fails (22P02, with
+/// [`NOT_READ_COMMITTED`] in the message) before it reads or writes
+/// anything, and the claim begins again with [`BEGIN_READ_COMMITTED`]. So a
+/// claim never runs at Repeatable Read or Serializable, where a concurrent
+/// duplicate fails with a serialization error (40001) instead of waiting
+/// for the first claim, whatever the sessions' default and whenever it
+/// changes (`ALTER ROLE .. SET`, a new connection's options).
+const AT_READ_COMMITTED: &str = "CASE current_setting('transaction_isolation') WHEN 'read committed' THEN true \
+     ELSE ('idempotent: claim not at read committed: ' || current_setting('transaction_isolation'))::boolean END";
+
+/// The mark of [`AT_READ_COMMITTED`]'s failure.
+const NOT_READ_COMMITTED: &str = "idempotent: claim not at read committed";
+
 /// The same, for sessions whose `synchronous_commit` is `off`: a commit
 /// that returns before it is durable would let the broker's message be
 /// acknowledged for an effect that a server crash then loses.
@@ -42,7 +64,9 @@ fn no_live_marker(t: &str, scope: &str, key: &str) -> String {
 /// handler's effect, so both commit or neither does.
 ///
 /// The transaction runs at Read Committed whatever the server's or role's
-/// `default_transaction_isolation`, and with `synchronous_commit` on when
+/// `default_transaction_isolation` (also when it changes while the store
+/// runs: the claim statement refuses another level, and the store then sets
+/// it in `BEGIN`), and with `synchronous_commit` on when
 /// the sessions have it `off` (the message is acknowledged after the
 /// commit, so the commit must be durable). A concurrent duplicate waits on the
 /// marker's primary key until the first call commits (then it replays the
@@ -58,6 +82,9 @@ pub struct PgStore {
     /// How claims begin, decided on the first claim from the sessions'
     /// `synchronous_commit`.
     begin: Arc<tokio::sync::OnceCell<&'static str>>,
+    /// Set once a claim met a session whose default isolation is not Read
+    /// Committed: single claims then set the level in `BEGIN`.
+    set_isolation: Arc<std::sync::atomic::AtomicBool>,
 }
 
 #[derive(Debug)]
@@ -162,7 +189,8 @@ impl PgStore {
             // fresh message; see docs/benchmarks.md).
             claim: format!(
                 "INSERT INTO {t} AS m (scope, message_id, processed_at, expires_at, fingerprint) \
-                 VALUES ($1, $2, now(), now() + $3 * interval '1 millisecond', $4) \
+                 SELECT $1, $2, now(), now() + $3 * interval '1 millisecond', $4 \
+                 WHERE {AT_READ_COMMITTED} \
                  {TAKE_OVER} RETURNING true"
             )
             .into(),
@@ -179,7 +207,7 @@ impl PgStore {
             claim_no_read: format!(
                 "INSERT INTO {t} AS m (scope, message_id, processed_at, expires_at, fingerprint) \
                  SELECT $1, $2, now(), now() + $3 * interval '1 millisecond', $4 \
-                 WHERE {} \
+                 WHERE {AT_READ_COMMITTED} AND {} \
                  {TAKE_OVER} RETURNING true",
                 no_live_marker(&t, "$1", "$2")
             )
@@ -233,6 +261,7 @@ impl PgStore {
                 DEFAULT_OUTBOX_RETENTION,
             ))),
             begin: Arc::default(),
+            set_isolation: Arc::default(),
         }
     }
 
@@ -373,6 +402,46 @@ impl PgStore {
             .await?;
         Ok(begin)
     }
+
+    /// Begins a single claim's transaction and runs the claim statement:
+    /// with a plain `BEGIN` until a session shows another default isolation
+    /// than Read Committed (the statement refuses to run there), then with
+    /// the level set in `BEGIN`. Whether the claim is fresh.
+    async fn claim_alone(&self, req: &Request<'_>) -> Result<(sqlx::Transaction<'static, Postgres>, bool), Error> {
+        use std::sync::atomic::Ordering;
+        let begin = self.begin_statement().await?;
+        let checked = begin == BEGIN_READ_COMMITTED && !self.set_isolation.load(Ordering::Relaxed);
+        if checked {
+            let mut tx = self.pool.begin_with(BEGIN_PLAIN).await?;
+            match self.claim_statement(&mut tx, req).await {
+                Ok(claimed) => return Ok((tx, claimed)),
+                Err(error) if not_read_committed(&error) => {
+                    // Nothing was read or written: roll back (returning the
+                    // connection first, for a pool of one) and begin again.
+                    drop(tx);
+                    if !self.set_isolation.swap(true, Ordering::Relaxed) {
+                        tracing::info!(
+                            target: "idempotent",
+                            "a session of this pool defaults to another isolation level than read committed: \
+                             claims set read committed in their BEGIN"
+                        );
+                    }
+                }
+                Err(error) => return Err(error.into()),
+            }
+        }
+        let mut tx = self.pool.begin_with(begin).await?;
+        let claimed = self.claim_statement(&mut tx, req).await?;
+        Ok((tx, claimed))
+    }
+}
+
+/// Whether `error` is [`AT_READ_COMMITTED`]'s refusal.
+fn not_read_committed(error: &sqlx::Error) -> bool {
+    match error {
+        sqlx::Error::Database(db) => db.code().as_deref() == Some("22P02") && db.message().contains(NOT_READ_COMMITTED),
+        _ => false,
+    }
 }
 
 impl Store for PgStore {
@@ -405,9 +474,7 @@ impl Store for PgStore {
         if let Some(batch) = BatchClaim::join(self.sql.namespace).await? {
             return claim_in_batch(self, batch, req).await;
         }
-        let begin = self.begin_statement().await?;
-        let mut tx = self.pool.begin_with(begin).await?;
-        let claimed = self.claim_statement(&mut tx, req).await?;
+        let (mut tx, claimed) = self.claim_alone(req).await?;
         if claimed {
             return Ok(Claim::Fresh(SqlGuard::new(
                 tx,
