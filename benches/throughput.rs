@@ -425,11 +425,11 @@ async fn run(cfg: Config) {
              marker table, then `BEGIN; INSERT effect; INSERT marker; COMMIT` (a concurrent duplicate fails on the \
              primary key). (c) by hand with sqlx: `BEGIN; INSERT marker ON CONFLICT DO NOTHING RETURNING 1`, then the \
              effect and `COMMIT`, or on a duplicate return (the dropped transaction rolls back). (d) the same handler \
-             with `#[idempotent]` and `PgStore` (for this `()` handler without fingerprint: `INSERT .. SELECT .. \
-             WHERE NOT EXISTS (live marker) ON CONFLICT DO UPDATE .. WHERE expired RETURNING`, so a duplicate \
-             neither locks nor reads the marker; its transaction is dropped, its `ROLLBACK` sent with the pool's \
-             release ping). (s) by hand, exactly the statements `PgStore` sends for this handler \
-             (`BEGIN ISOLATION LEVEL READ COMMITTED`, its claim statement with four parameters): d/s is the cost of \
+             with `#[idempotent]` and `PgStore` (for this `()` handler without fingerprint: `BEGIN`, then `INSERT .. \
+             SELECT .. WHERE <at read committed> AND NOT EXISTS (live marker) ON CONFLICT DO UPDATE .. WHERE \
+             expired RETURNING`, so a duplicate neither locks nor reads the marker; its transaction is dropped, its \
+             `ROLLBACK` sent with the pool's release ping). (s) by hand, exactly the statements `PgStore` sends for \
+             this handler (`BEGIN`, its claim statement with four parameters): d/s is the cost of \
              the macro and the runtime, s/c the cost of the statement. (c2) is (c) again on tables of its own: \
              c2/c is how far two identical variants differ in one run, the resolution of every ratio. All marker \
              tables have `PgStore`'s layout; the effect is one `INSERT` into a table of its own.\n\n",

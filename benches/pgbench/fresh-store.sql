@@ -1,7 +1,7 @@
--- PgStore's claim for a handler that reads nothing back (the guarded upsert), the effect, COMMIT (a new key every time).
+-- PgStore's claim for a handler that reads nothing back (the guarded upsert), the effect, COMMIT (a new key every time). Plain BEGIN: the statement checks the isolation level.
 \set k random(1, 1000000000000)
 \set ttl 604800000
-BEGIN ISOLATION LEVEL READ COMMITTED;
-INSERT INTO pgb_m AS m (scope, message_id, processed_at, expires_at, fingerprint) SELECT 'handle', 'm' || :k, now(), now() + :ttl * interval '1 millisecond', NULL WHERE NOT EXISTS (SELECT 1 FROM pgb_m l WHERE l.scope = 'handle' AND l.message_id = 'm' || :k AND l.expires_at > now()) ON CONFLICT (scope, message_id) DO UPDATE SET processed_at = EXCLUDED.processed_at, expires_at = EXCLUDED.expires_at, fingerprint = EXCLUDED.fingerprint, result = NULL WHERE m.expires_at <= now() RETURNING true;
+BEGIN;
+INSERT INTO pgb_m AS m (scope, message_id, processed_at, expires_at, fingerprint) SELECT 'handle', 'm' || :k, now(), now() + :ttl * interval '1 millisecond', NULL WHERE CASE current_setting('transaction_isolation') WHEN 'read committed' THEN true ELSE ('idempotent: claim not at read committed: ' || current_setting('transaction_isolation'))::boolean END AND NOT EXISTS (SELECT 1 FROM pgb_m l WHERE l.scope = 'handle' AND l.message_id = 'm' || :k AND l.expires_at > now()) ON CONFLICT (scope, message_id) DO UPDATE SET processed_at = EXCLUDED.processed_at, expires_at = EXCLUDED.expires_at, fingerprint = EXCLUDED.fingerprint, result = NULL WHERE m.expires_at <= now() RETURNING true;
 INSERT INTO pgb_p (message_id, amount) VALUES ('m' || :k, 100);
 COMMIT;

@@ -15,7 +15,11 @@
 # claims one of them, then rolls back. Needs PostgreSQL on 127.0.0.1:5432
 # (database `test`, trust auth) and pgbench; makes tables pgb_m and pgb_p.
 # PGBENCH_MODE=simple sends every statement as a simple query (default:
-# prepared).
+# prepared). PGBENCH_PERF=1 also samples every CPU with `perf record -a`
+# (999 Hz, needs root) during each run and prints the CPU time per
+# transaction spent in the `postgres` binary itself (the executor, planner
+# and catalog code, without the kernel, TLS and libc that carry most of a
+# run's noise) and in `AtEOXact_GUC` (the settings' reset at transaction end).
 set -euo pipefail
 mode=$1; reps=$2; secs=$3; conc=$4; shift 4
 here=$(dirname "$0")
@@ -40,12 +44,30 @@ hz=$(getconf CLK_TCK)
 for r in $(seq 1 "$reps"); do
     for v in "$@"; do
         [ "$mode" = fresh ] && pg -c "TRUNCATE pgb_m, pgb_p"
+        if [ -n "${PGBENCH_PERF:-}" ]; then
+            data=$(mktemp)
+            perf record -q -a -F 999 -o "$data" -- sleep $((secs + 1)) > /dev/null 2>&1 &
+            perf_pid=$!
+            sleep 0.5
+        fi
         before=$(server_ticks)
         out=$(pgbench -h 127.0.0.1 -U postgres -n -M "${PGBENCH_MODE:-prepared}" -c "$conc" -j 2 -T "$secs" -f "$here/$v.sql" test 2>&1)
         after=$(server_ticks)
         tx=$(echo "$out" | awk '/number of transactions actually processed/ {print $NF}' | cut -d/ -f1)
         tps=$(echo "$out" | awk '/^tps/ {printf "%.0f", $3}')
-        echo "rep $r  $v  c=$conc  tps $tps  server µs/tx $(( (after - before) * 1000000 / hz / tx ))"
+        line="rep $r  $v  c=$conc  tps $tps  server µs/tx $(( (after - before) * 1000000 / hz / tx ))"
+        if [ -n "${PGBENCH_PERF:-}" ]; then
+            wait "$perf_pid"
+            # One sample per 1/999 s of one CPU.
+            binary=$(perf report -i "$data" --comm postgres --sort dso --stdio -F sample,dso 2> /dev/null |
+                awk '$2 == "postgres" {print $1}')
+            guc=$(perf report -i "$data" --comm postgres --sort sym --stdio -F sample,sym 2> /dev/null |
+                awk '/AtEOXact_GUC/ {print $1}')
+            line="$line  postgres binary µs/tx $(echo "scale=1; ${binary:-0} * 1000000 / 999 / $tx" | bc)"
+            line="$line  AtEOXact_GUC µs/tx $(echo "scale=2; ${guc:-0} * 1000000 / 999 / $tx" | bc)"
+            rm -f "$data"
+        fi
+        echo "$line"
     done
 done
 pg -c "DROP TABLE pgb_m, pgb_p"

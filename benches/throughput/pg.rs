@@ -221,9 +221,9 @@ impl ClaimFirst {
     }
 
     /// (s): (c) with exactly what `PgStore` sends for a `()` handler
-    /// without fingerprint: `BEGIN ISOLATION LEVEL READ COMMITTED`, its
-    /// claim statement (`INSERT .. SELECT .. WHERE NOT EXISTS (live marker)
-    /// ON CONFLICT DO UPDATE .. WHERE expired`, four parameters), the
+    /// without fingerprint: `BEGIN`, its claim statement (`INSERT .. SELECT
+    /// .. WHERE <at read committed> AND NOT EXISTS (live marker) ON
+    /// CONFLICT DO UPDATE .. WHERE expired`, four parameters), the
     /// effect, `COMMIT`; a duplicate's transaction is
     /// dropped. (d) against (s) is the cost of the macro and the runtime;
     /// (s) against (c) the cost of the statement.
@@ -232,7 +232,10 @@ impl ClaimFirst {
             claim: format!(
                 "INSERT INTO {t} AS m (scope, message_id, processed_at, expires_at, fingerprint) \
                  SELECT $1, $2, now(), now() + $3 * interval '1 millisecond', $4 \
-                 WHERE NOT EXISTS (SELECT FROM {t} l \
+                 WHERE CASE current_setting('transaction_isolation') WHEN 'read committed' THEN true \
+                     ELSE ('idempotent: claim not at read committed: ' \
+                         || current_setting('transaction_isolation'))::boolean END \
+                 AND NOT EXISTS (SELECT FROM {t} l \
                      WHERE l.scope = $1 AND l.message_id = $2 AND l.expires_at > now()) \
                  ON CONFLICT (scope, message_id) DO UPDATE \
                  SET processed_at = EXCLUDED.processed_at, expires_at = EXCLUDED.expires_at, \
@@ -250,11 +253,7 @@ impl ClaimFirst {
 
 impl Variant for ClaimFirst {
     async fn deliver(&self, key: String) -> Result<Outcome, BoxError> {
-        let mut tx = if self.store_statements {
-            self.t.pool.begin_with("BEGIN ISOLATION LEVEL READ COMMITTED").await?
-        } else {
-            self.t.pool.begin().await?
-        };
+        let mut tx = self.t.pool.begin().await?;
         let mut claim = sqlx::query(AssertSqlSafe(Arc::clone(&self.claim)))
             .bind(SCOPE)
             .bind(&key);

@@ -1,0 +1,6 @@
+-- A duplicate with PgStore's earlier guarded claim (handler reads nothing back): no row lock; ROLLBACK. BEGIN with the isolation level (until 2026-12-01, night).
+\set k random(1, 200000)
+\set ttl 604800000
+BEGIN ISOLATION LEVEL READ COMMITTED;
+INSERT INTO pgb_m AS m (scope, message_id, processed_at, expires_at, fingerprint) SELECT 'handle', 'm' || :k, now(), now() + :ttl * interval '1 millisecond', NULL WHERE NOT EXISTS (SELECT 1 FROM pgb_m l WHERE l.scope = 'handle' AND l.message_id = 'm' || :k AND l.expires_at > now()) ON CONFLICT (scope, message_id) DO UPDATE SET processed_at = EXCLUDED.processed_at, expires_at = EXCLUDED.expires_at, fingerprint = EXCLUDED.fingerprint, result = NULL WHERE m.expires_at <= now() RETURNING true;
+ROLLBACK;
