@@ -645,8 +645,9 @@ async fn postgres_claims_run_at_read_committed_when_the_sessions_default_changes
         );
         record_level(&unit, &levels, &unit_id).await.unwrap();
         assert_eq!(recorded(unit_id.clone()).await, "read committed", "round {round}");
-        // The duplicates replay (the reading one its stored result) and run
-        // nothing.
+        // The duplicates replay: the reading one its stored result, the
+        // `()` one without running its body (a second insert of its id
+        // would fail on the primary key).
         assert_eq!(level_inside(&reading, &id).await.unwrap(), "read committed");
         record_level(&unit, &levels, &unit_id).await.unwrap();
     }
