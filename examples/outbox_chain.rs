@@ -603,18 +603,26 @@ async fn chain(amqp_url: &str, admin: &Channel, pool: &PgPool, names: &Names) ->
         inner: RabbitPublisher::new(amqp_url).exchange(&names.exchange),
         forgotten: AtomicUsize::new(0),
     });
-    let relays: Vec<RelayHandle> = vec![
+    let mut relays: Vec<RelayHandle> = vec![
         Relay::builder(payments_store.clone(), Arc::clone(&forgetful))
             .poll_interval(Duration::from_millis(100))
             .retry_backoff(Duration::from_millis(100), Duration::from_secs(1))
             .spawn(),
+    ];
+    // Relay 2 starts once relay 1 has lost its confirms: started together,
+    // relay 2 could take the waiting events first (each relay skips the
+    // rows the other holds) and leave relay 1 fewer than LOST_CONFIRMS.
+    while forgetful.forgotten.load(Ordering::Relaxed) < LOST_CONFIRMS {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    relays.push(
         Relay::builder(
             payments_store.clone(),
             RabbitPublisher::new(amqp_url).exchange(&names.exchange),
         )
         .poll_interval(Duration::from_millis(100))
         .spawn(),
-    ];
+    );
 
     // Settled: every payment charged and notified, the outbox drained, the
     // queues empty and the surviving consumers idle.
