@@ -75,17 +75,8 @@ pub fn tables(
 
 /// Rates (median [min–max]) per group and series, plus ratio columns.
 pub fn rate_table(series: &[&str], groups: &[Group], ratios: &[(usize, usize)], reps: usize) -> String {
-    let mut s = String::new();
-    let _ = write!(s, "| | ");
-    for name in series {
-        let _ = write!(s, "{name} | ");
-    }
-    for (a, b) in ratios {
-        let _ = write!(s, "{}/{} | ", short(series[*a]), short(series[*b]));
-    }
-    s.push('\n');
-    s.push_str(&"| --- ".repeat(1 + series.len() + ratios.len()));
-    s.push_str("|\n");
+    let names = series.iter().map(|name| name.to_string());
+    let mut s = header(names.chain(ratio_names(series, ratios)));
     for g in groups {
         let _ = write!(s, "| {} | ", g.label);
         for cell in &g.cells {
@@ -117,13 +108,7 @@ pub fn rate_table(series: &[&str], groups: &[Group], ratios: &[(usize, usize)], 
 /// Per group, each ratio `a/b` run by run (`a`'s k-th rate over `b`'s):
 /// median [min–max].
 pub fn paired_table(series: &[&str], groups: &[Group], ratios: &[(usize, usize)]) -> String {
-    let mut s = String::from("| | ");
-    for (a, b) in ratios {
-        let _ = write!(s, "{}/{} | ", short(series[*a]), short(series[*b]));
-    }
-    s.push('\n');
-    s.push_str(&"| --- ".repeat(1 + ratios.len()));
-    s.push_str("|\n");
+    let mut s = header(ratio_names(series, ratios));
     for g in groups {
         let _ = write!(s, "| {} | ", g.label);
         for (a, b) in ratios {
@@ -156,13 +141,7 @@ pub fn paired_table(series: &[&str], groups: &[Group], ratios: &[(usize, usize)]
 
 /// p50 / p99 latency per delivery (ms) per group and series.
 pub fn latency_table(series: &[&str], groups: &[Group]) -> String {
-    let mut s = String::from("| | ");
-    for name in series {
-        let _ = write!(s, "{name} | ");
-    }
-    s.push('\n');
-    s.push_str(&"| --- ".repeat(1 + series.len()));
-    s.push_str("|\n");
+    let mut s = header(series.iter().map(|name| name.to_string()));
     for g in groups {
         let _ = write!(s, "| {} | ", g.label);
         for cell in &g.cells {
@@ -180,13 +159,7 @@ pub fn latency_table(series: &[&str], groups: &[Group]) -> String {
 
 /// CPU time per delivery: this process + the database server (µs).
 pub fn cpu_table(series: &[&str], groups: &[Group]) -> String {
-    let mut s = String::from("| | ");
-    for name in series {
-        let _ = write!(s, "{name} | ");
-    }
-    s.push('\n');
-    s.push_str(&"| --- ".repeat(1 + series.len()));
-    s.push_str("|\n");
+    let mut s = header(series.iter().map(|name| name.to_string()));
     for g in groups {
         let _ = write!(s, "| {} | ", g.label);
         for cell in &g.cells {
@@ -204,6 +177,27 @@ pub fn cpu_table(series: &[&str], groups: &[Group]) -> String {
 }
 
 /// The letter of a series name like "(d) macro + PgStore".
+/// A table's two header lines: an empty corner, then `columns`.
+fn header(columns: impl IntoIterator<Item = String>) -> String {
+    let mut s = String::from("| | ");
+    let mut count = 0;
+    for column in columns {
+        let _ = write!(s, "{column} | ");
+        count += 1;
+    }
+    s.push('\n');
+    s.push_str(&"| --- ".repeat(1 + count));
+    s.push_str("|\n");
+    s
+}
+
+/// The ratio columns' names, `a/b` by short names.
+fn ratio_names<'a>(series: &'a [&str], ratios: &'a [(usize, usize)]) -> impl Iterator<Item = String> + 'a {
+    ratios
+        .iter()
+        .map(|(a, b)| format!("{}/{}", short(series[*a]), short(series[*b])))
+}
+
 fn short(name: &str) -> String {
     name.strip_prefix('(')
         .and_then(|r| r.split_once(')'))
