@@ -289,17 +289,19 @@ async fn grid(section: &str, rows: &[Row], cells: &[(u32, usize)], plans: &Plans
     let only: Option<Vec<String>> = std::env::var("IDEMPOTENT_BENCH_ROWS")
         .ok()
         .map(|v| v.split(',').map(|r| format!("({})", r.trim())).collect());
+    // The order rotates over the rows measured, so that each of them comes
+    // first (and last) as often as the others.
+    let measured: Vec<usize> = (0..rows.len())
+        .filter(|&ri| {
+            only.as_ref()
+                .is_none_or(|only| only.iter().any(|o| rows[ri].name.starts_with(o.as_str())))
+        })
+        .collect();
     for rep in 0..reps {
         for (gi, &(dup, conc)) in cells.iter().enumerate() {
-            for k in 0..rows.len() {
-                let ri = (k + rep) % rows.len();
+            for k in 0..measured.len() {
+                let ri = measured[(k + rep) % measured.len()];
                 let row = &rows[ri];
-                if only
-                    .as_ref()
-                    .is_some_and(|only| !only.iter().any(|o| row.name.starts_with(o.as_str())))
-                {
-                    continue;
-                }
                 let prefix = format!("r{rep}c{conc}d{dup}v{ri}-");
                 let stats = (row.measure)(plans.get(dup), conc, prefix).await;
                 eprintln!(
