@@ -176,7 +176,6 @@ pub fn cpu_table(series: &[&str], groups: &[Group]) -> String {
     s
 }
 
-/// The letter of a series name like "(d) macro + PgStore".
 /// A table's two header lines: an empty corner, then `columns`.
 fn header(columns: impl IntoIterator<Item = String>) -> String {
     let mut s = String::from("| | ");
@@ -198,6 +197,7 @@ fn ratio_names<'a>(series: &'a [&str], ratios: &'a [(usize, usize)]) -> impl Ite
         .map(|(a, b)| format!("{}/{}", short(series[*a]), short(series[*b])))
 }
 
+/// The letter of a series name like "(d) macro + PgStore".
 fn short(name: &str) -> String {
     name.strip_prefix('(')
         .and_then(|r| r.split_once(')'))
