@@ -83,9 +83,11 @@ fn expand(handler: &Handler, args: &Args, key: &syn::Expr, store: &syn::Expr) ->
 
     // The scope: the explicit one, or the handler's path (see the runtime's
     // `scope` module), read from the type name of a closure in this body.
+    // The path is a function: with an explicit scope only the scope
+    // registry asks for it, once per handler, not every call.
     let scope_value = match &args.scope {
         Some(lit) => quote!(#lit),
-        None => quote!(#handler_path),
+        None => quote!(#handler_path()),
     };
     let probes = transaction_probes(handler, &rt);
 
@@ -213,7 +215,7 @@ fn expand(handler: &Handler, args: &Args, key: &syn::Expr, store: &syn::Expr) ->
         let #codec = #codec_of();
         let #into_error = #from_store;
         static #site: #rt::Site = #rt::Site::new(::core::file!(), ::core::line!(), #shared);
-        let #handler_path: &'static str = #rt::default_scope(::core::any::type_name_of_val(&|| ()));
+        let #handler_path: fn() -> &'static str = || #rt::default_scope(::core::any::type_name_of_val(&|| ()));
         let #scope: &'static str = #scope_value;
         let (#claim, #span, #binder, #stager, #logged_key) = {
             #[allow(unused_parens, clippy::needless_borrow)]

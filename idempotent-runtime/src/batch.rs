@@ -252,6 +252,13 @@ fn next_member_id() -> u64 {
     NEXT.fetch_add(1, Ordering::Relaxed)
 }
 
+/// Whether this task is a member of a batch opened on the store of
+/// `namespace` (the one check a claim outside any batch makes).
+#[inline]
+pub(crate) fn in_batch(namespace: &'static str) -> bool {
+    MEMBER.try_with(|m| m.shared.namespace == namespace).unwrap_or(false)
+}
+
 /// This task's batch, when it was opened on the store of `namespace`.
 fn member(namespace: &'static str) -> Option<Member> {
     MEMBER

@@ -174,8 +174,9 @@ impl<S: Store + ?Sized> AnyStore for S {
 pub struct Caller {
     /// The handler's `static` site.
     pub site: &'static Site,
-    /// The handler's path (its default scope).
-    pub path: &'static str,
+    /// The handler's path (its default scope), computed only when the
+    /// scope is registered or refused.
+    pub path: fn() -> &'static str,
     /// The scope it claims with.
     pub scope: &'static str,
 }
@@ -274,7 +275,7 @@ pub async fn claim<S: AnyStore + ?Sized>(
         Ok(()) => store.claim_key(req).await,
         Err(error) => Err(error),
     };
-    log_claim(&claim, req, span);
+    log_claim(&claim, caller.scope, req.key(), span);
     claim
 }
 
@@ -469,22 +470,22 @@ pub fn logged_key<G>(claim: &Result<Claim<G>, Error>, key: &str) -> Box<str> {
 /// Logs how a claim went. The events carry the scope and the key
 /// themselves (not only their span, which is at debug level), so an
 /// operator at the default level sees which handler skipped which message.
-fn log_claim<G>(claim: &Result<Claim<G>, Error>, req: &Request<'_>, span: &Span) {
-    let (scope, key) = (req.scope(), req.key());
-    span.in_scope(|| match claim {
+fn log_claim<G>(claim: &Result<Claim<G>, Error>, scope: &'static str, key: &str, span: &Span) {
+    match claim {
+        // Logged by `finish`, once the body has run.
         Ok(Claim::Fresh(_)) => {}
-        Ok(Claim::Done(_)) => {
+        Ok(Claim::Done(_)) => span.in_scope(|| {
             trace_outcome(span, Outcome::Duplicate, None);
             count(scope, "duplicate");
             tracing::info!(target: "idempotent", scope, key, outcome = "duplicate", "duplicate message skipped")
-        }
-        Err(error) => {
+        }),
+        Err(error) => span.in_scope(|| {
             count(scope, "failed");
             note_outage(error);
             trace_error(span, error);
             tracing::warn!(target: "idempotent", scope, key, outcome = "failed", %error, "claim failed")
-        }
-    });
+        }),
+    }
 }
 
 /// A store that is down (or a key another consumer holds) is not the
@@ -498,11 +499,12 @@ fn note_outage(error: &Error) {
 
 /// Counts one outcome (`processed`, `duplicate`, `failed`) of a handler's
 /// scope: `idempotent_outcomes_total{scope, outcome}` through the `metrics`
-/// facade (feature `metrics`; without it, nothing).
+/// facade (feature `metrics`; without it, nothing). The scope is a
+/// `&'static str`, so the label borrows it rather than copying it.
 #[inline]
-fn count(scope: &str, outcome: &'static str) {
+fn count(scope: &'static str, outcome: &'static str) {
     #[cfg(feature = "metrics")]
-    metrics::counter!("idempotent_outcomes_total", "scope" => scope.to_owned(), "outcome" => outcome).increment(1);
+    metrics::counter!("idempotent_outcomes_total", "scope" => scope, "outcome" => outcome).increment(1);
     #[cfg(not(feature = "metrics"))]
     let _ = (scope, outcome);
 }

@@ -126,20 +126,25 @@ fn registry() -> &'static Registry {
 
 /// Checks that `scope` on the store `namespace` is not used by another
 /// handler than `site` in this process (unless both share it), and records
-/// it. `handler` is the handler's path, for the error message.
+/// it. `handler` gives the handler's path, for the error message (asked
+/// only when the pair is not yet this site's).
 #[doc(hidden)]
 pub fn register(
     site: &'static Site,
-    handler: &'static str,
+    handler: fn() -> &'static str,
     scope: &'static str,
     namespace: Option<&'static str>,
 ) -> Result<(), Error> {
     let Some(namespace) = namespace else {
         return Ok(());
     };
-    if site.first.get() == Some(&(namespace, scope)) {
+    if let Some(&(first_namespace, first_scope)) = site.first.get()
+        && same(first_namespace, namespace)
+        && same(first_scope, scope)
+    {
         return Ok(());
     }
+    let handler = handler();
     let mut owners = registry().lock().unwrap_or_else(|poisoned| poisoned.into_inner());
     match owners.get(&(namespace, scope)) {
         Some(owner) if std::ptr::eq(owner.site, site) => {}
@@ -160,6 +165,13 @@ pub fn register(
     drop(owners);
     let _ = site.first.set((namespace, scope));
     Ok(())
+}
+
+/// Equal texts, compared by address first (a site's calls pass the same
+/// `&'static str` every time).
+#[inline]
+fn same(a: &str, b: &str) -> bool {
+    std::ptr::eq(a, b) || a == b
 }
 
 /// Interns a store's namespace text, so that equal namespaces are one
@@ -217,17 +229,17 @@ mod tests {
         static SA: Site = Site::new("c.rs", 3, true);
         static SB: Site = Site::new("d.rs", 4, true);
         let ns = intern_namespace("test://scope-registry".into());
-        register(&A, "a", "s1", Some(ns)).unwrap();
-        register(&A, "a", "s1", Some(ns)).unwrap();
-        let err = register(&B, "b", "s1", Some(ns)).unwrap_err();
+        register(&A, || "a", "s1", Some(ns)).unwrap();
+        register(&A, || "a", "s1", Some(ns)).unwrap();
+        let err = register(&B, || "b", "s1", Some(ns)).unwrap_err();
         let text = err.to_string();
         assert!(text.contains("b (b.rs:2)") && text.contains("a (a.rs:1)"), "{text}");
         // Another store: no conflict.
-        register(&B, "b", "s1", Some(intern_namespace("test://other".into()))).unwrap();
+        register(&B, || "b", "s1", Some(intern_namespace("test://other".into()))).unwrap();
         // Stores without a namespace are not checked.
-        register(&B, "b", "s1", None).unwrap();
-        register(&SA, "sa", "s2", Some(ns)).unwrap();
-        register(&SB, "sb", "s2", Some(ns)).unwrap();
-        assert!(register(&A, "a", "s2", Some(ns)).is_err(), "only sharers share");
+        register(&B, || "b", "s1", None).unwrap();
+        register(&SA, || "sa", "s2", Some(ns)).unwrap();
+        register(&SB, || "sb", "s2", Some(ns)).unwrap();
+        assert!(register(&A, || "a", "s2", Some(ns)).is_err(), "only sharers share");
     }
 }

@@ -409,7 +409,9 @@ impl Store for MySqlStore {
 
     async fn claim(&self, req: &Request<'_>) -> Result<Claim<Self::Guard>, Error> {
         self.checked.get_or_init(|| warn_about_durability(&self.pool)).await;
-        if let Some(batch) = BatchClaim::join(self.sql.namespace).await? {
+        if crate::batch::in_batch(self.sql.namespace)
+            && let Some(batch) = BatchClaim::join(self.sql.namespace).await?
+        {
             return claim_in_batch(self, batch, req).await;
         }
         let mut retry = Retry::default();

@@ -382,6 +382,9 @@ impl PgStore {
     /// The statement that begins a claim: with `synchronous_commit` forced
     /// back on when the sessions run with it `off` (asked once per store).
     async fn begin_statement(&self) -> Result<&'static str, Error> {
+        if let Some(begin) = self.begin.get() {
+            return Ok(begin);
+        }
         let begin = self
             .begin
             .get_or_try_init(|| async {
@@ -455,25 +458,29 @@ impl Store for PgStore {
         if let Some(partitions) = &self.sql.partitions {
             return self.claim_partitioned(partitions, req).await;
         }
+        // Outside a batch (the common case) neither the gathering nor the
+        // batch's transaction applies: one check of the task's batch.
+        if crate::batch::in_batch(self.sql.namespace) {
+            match crate::batch::gather(self.sql.namespace, req).await {
+                Some(Gathered::Fresh(ticket)) => {
+                    let batch = BatchClaim::claimed(self.sql.namespace, ticket).await?;
+                    let (undo, write_result, outbox) = self.guard_parts();
+                    let guard = batch.fresh(undo, write_result, outbox, req).await?;
+                    return Ok(Claim::Fresh(guard));
+                }
+                // Not read when the request needs nothing back (both `None`).
+                Some(Gathered::Done { fingerprint, result }) => return replay(req, (fingerprint, result)),
+                Some(Gathered::Failed(error)) => return Err(error),
+                Some(Gathered::Alone) | None => {}
+            }
+            if let Some(batch) = BatchClaim::join(self.sql.namespace).await? {
+                return claim_in_batch(self, batch, req).await;
+            }
+        }
         // Read Committed whatever the server's or role's default: at
         // Repeatable Read or Serializable a concurrent duplicate fails with
         // a serialization error (40001) instead of waiting for the first
         // claim and then replaying its result.
-        match crate::batch::gather(self.sql.namespace, req).await {
-            Some(Gathered::Fresh(ticket)) => {
-                let batch = BatchClaim::claimed(self.sql.namespace, ticket).await?;
-                let (undo, write_result, outbox) = self.guard_parts();
-                let guard = batch.fresh(undo, write_result, outbox, req).await?;
-                return Ok(Claim::Fresh(guard));
-            }
-            // Not read when the request needs nothing back (both `None`).
-            Some(Gathered::Done { fingerprint, result }) => return replay(req, (fingerprint, result)),
-            Some(Gathered::Failed(error)) => return Err(error),
-            Some(Gathered::Alone) | None => {}
-        }
-        if let Some(batch) = BatchClaim::join(self.sql.namespace).await? {
-            return claim_in_batch(self, batch, req).await;
-        }
         let (mut tx, claimed) = self.claim_alone(req).await?;
         if claimed {
             return Ok(Claim::Fresh(SqlGuard::new(

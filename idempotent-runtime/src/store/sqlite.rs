@@ -255,7 +255,9 @@ impl Store for SqliteStore {
     }
 
     async fn claim(&self, req: &Request<'_>) -> Result<Claim<Self::Guard>, Error> {
-        if let Some(batch) = BatchClaim::join(self.sql.namespace).await? {
+        if crate::batch::in_batch(self.sql.namespace)
+            && let Some(batch) = BatchClaim::join(self.sql.namespace).await?
+        {
             return claim_in_batch(self, batch, req).await;
         }
         let (mut tx, writer) = self.begin_immediate().await?;
