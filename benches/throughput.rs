@@ -129,14 +129,26 @@ fn main() {
     }
 
     // `IDEMPOTENT_BENCH_REPS=7 IDEMPOTENT_BENCH_SECS=5`: more and longer
-    // runs than the defaults (every table), to narrow the spread of a cell.
-    let env_number = |name: &str| {
-        std::env::var(name)
-            .ok()
-            .and_then(|v| v.trim().parse::<u64>().ok())
-            .filter(|n| *n > 0)
+    // (or, `IDEMPOTENT_BENCH_SECS=0.3`, shorter) runs than the defaults
+    // (every table). A value that is not a positive number stops the run:
+    // ignoring it would measure something else than what was asked.
+    let env_number = |name: &str| -> Option<f64> {
+        let text = std::env::var(name).ok()?;
+        match text.trim().parse::<f64>() {
+            Ok(n) if n.is_finite() && n > 0.0 => Some(n),
+            _ => {
+                eprintln!("{name}={text:?}: expected a positive number");
+                std::process::exit(2);
+            }
+        }
     };
-    let reps_env = env_number("IDEMPOTENT_BENCH_REPS").map(|n| usize::try_from(n).unwrap_or(usize::MAX));
+    let reps_env = env_number("IDEMPOTENT_BENCH_REPS").map(|n| {
+        if n.fract() != 0.0 {
+            eprintln!("IDEMPOTENT_BENCH_REPS={n}: expected a whole number of repetitions");
+            std::process::exit(2);
+        }
+        n as usize
+    });
     let secs_env = env_number("IDEMPOTENT_BENCH_SECS");
     let mut cfg = Config {
         quick,
@@ -165,7 +177,7 @@ fn main() {
         (cfg.reps, cfg.reps_small) = (reps, reps);
     }
     if let Some(secs) = secs_env {
-        cfg.timing.duration = Duration::from_secs(secs);
+        cfg.timing.duration = Duration::from_secs_f64(secs);
     }
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
