@@ -6,7 +6,7 @@ mod common;
 use std::time::Duration;
 
 use idempotent_runtime::sqlx::{self, AssertSqlSafe};
-use idempotent_runtime::store::{Claim, Guard, Request, Store};
+use idempotent_runtime::store::{Claim, Fingerprint, Guard, Request, Store};
 use idempotent_runtime::{Janitor, PgStore};
 
 async fn complete(store: &PgStore, key: &str, ttl: Duration) {
@@ -102,4 +102,182 @@ async fn expiry_follows_the_database_clock() {
 fn janitor_outside_a_runtime_is_an_error_not_a_panic() {
     let err = Janitor::spawn(idempotent_runtime::MemoryStore::new(), Duration::from_secs(1)).unwrap_err();
     assert!(err.to_string().contains("tokio runtime"), "{err}");
+}
+
+// ---- MySqlStore: taking over an expired marker --------------------------
+
+/// A store on a table of its own, and the statement that makes every
+/// marker of `key` (all of them without `key`) expired a second ago.
+async fn mysql_store() -> (idempotent_runtime::MySqlStore, String) {
+    let table = common::unique("expiry_my");
+    let store = idempotent_runtime::MySqlStore::builder(common::mysql_pool(16).await)
+        .table(&table)
+        .build()
+        .unwrap();
+    store.migrate().await.unwrap();
+    (store, table)
+}
+
+async fn mysql_expire(store: &idempotent_runtime::MySqlStore, table: &str, key: Option<&str>) -> u64 {
+    let sql = format!(
+        "UPDATE `{table}` SET expires_at = UTC_TIMESTAMP(3) - INTERVAL 1 SECOND WHERE message_id = COALESCE(?, message_id)"
+    );
+    sqlx::query(AssertSqlSafe(sql))
+        .bind(key)
+        .execute(store.pool())
+        .await
+        .unwrap()
+        .rows_affected()
+}
+
+/// A request of `key` whose duplicates must carry `payload`.
+fn my_req<'a>(key: &'a str, payload: &str) -> Request<'a> {
+    Request::new("expiry", key)
+        .unwrap()
+        .with_fingerprint(Some(Fingerprint::from_bytes(payload.as_bytes())))
+}
+
+/// Claims `key` with `payload`: a fresh claim completes with `result`
+/// after `hold` (so that concurrent claims wait on it) and gives `None`; a
+/// duplicate gives the stored result.
+async fn my_claim(
+    store: &idempotent_runtime::MySqlStore,
+    key: &str,
+    payload: &str,
+    result: &str,
+    hold: Duration,
+) -> Result<Option<String>, idempotent_runtime::Error> {
+    match store.claim(&my_req(key, payload)).await? {
+        Claim::Fresh(guard) => {
+            tokio::time::sleep(hold).await;
+            guard.complete(Some(result.to_owned())).await?;
+            Ok(None)
+        }
+        Claim::Done(replay) => Ok(replay.json().map(str::to_owned)),
+    }
+}
+
+/// An expired marker is taken over by exactly one of concurrent claims,
+/// with the new claim's fingerprint, expiry and result (the old result is
+/// not replayed, the old fingerprint no longer checked); a take-over that
+/// rolls back leaves the marker expired for the next claim.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mysql_expired_marker_is_taken_over_once_with_the_new_fingerprint_and_result() {
+    let (store, table) = mysql_store().await;
+    let no_hold = Duration::ZERO;
+    assert_eq!(my_claim(&store, "k", "a", "1", no_hold).await.unwrap(), None);
+    assert_eq!(
+        my_claim(&store, "k", "a", "1", no_hold).await.unwrap().as_deref(),
+        Some("1")
+    );
+    assert!(matches!(
+        my_claim(&store, "k", "b", "2", no_hold).await,
+        Err(idempotent_runtime::Error::KeyReused { .. })
+    ));
+
+    for round in ["2", "3"] {
+        assert_eq!(mysql_expire(&store, &table, Some("k")).await, 1);
+        let claims = futures_util::future::join_all(
+            (0..6).map(|_| my_claim(&store, "k", round, round, Duration::from_millis(100))),
+        )
+        .await;
+        let outcomes: Vec<Option<String>> = claims.into_iter().map(Result::unwrap).collect();
+        assert_eq!(
+            outcomes.iter().filter(|o| o.is_none()).count(),
+            1,
+            "one claim takes the expired marker over: {outcomes:?}"
+        );
+        assert!(
+            outcomes.iter().flatten().all(|o| o == round),
+            "the others wait for it and replay its result: {outcomes:?}"
+        );
+        assert_eq!(
+            my_claim(&store, "k", round, "x", no_hold).await.unwrap().as_deref(),
+            Some(round),
+            "the marker that took over is live, with the new result"
+        );
+        assert!(
+            matches!(
+                my_claim(&store, "k", "a", "x", no_hold).await,
+                Err(idempotent_runtime::Error::KeyReused { .. })
+            ),
+            "the marker keeps the new fingerprint"
+        );
+    }
+
+    assert_eq!(mysql_expire(&store, &table, Some("k")).await, 1);
+    match store.claim(&my_req("k", "c")).await.unwrap() {
+        Claim::Fresh(guard) => drop(guard),
+        Claim::Done(_) => panic!("the expired marker was not taken over"),
+    }
+    assert_eq!(
+        my_claim(&store, "k", "c", "4", no_hold).await.unwrap(),
+        None,
+        "a take-over that rolled back leaves the marker expired"
+    );
+    // A `()` handler without fingerprint takes an expired marker over too.
+    assert_eq!(mysql_expire(&store, &table, Some("k")).await, 1);
+    let unit = Request::new("expiry", "k").unwrap().with_unit_result(true);
+    match store.claim(&unit).await.unwrap() {
+        Claim::Fresh(guard) => guard.complete(None).await.unwrap(),
+        Claim::Done(_) => panic!("a `()` claim did not take the expired marker over"),
+    }
+
+    let sql = format!("SELECT COUNT(*), CAST(SUM(expires_at > UTC_TIMESTAMP(3)) AS SIGNED) FROM `{table}`");
+    let (rows, live): (i64, i64) = sqlx::query_as(AssertSqlSafe(sql))
+        .fetch_one(store.pool())
+        .await
+        .unwrap();
+    assert_eq!((rows, live), (1, 1), "one marker, live");
+    common::drop_mysql_table(store.pool(), &table).await;
+}
+
+/// Inside batches too: each expired marker is taken over by exactly one of
+/// concurrent batches, and the markers that took over are live.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mysql_batch_claims_take_over_expired_markers_once() {
+    use idempotent_runtime::batch::BatchStore;
+    let (store, table) = mysql_store().await;
+    let fresh = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let concurrently = || {
+        futures_util::future::join_all((0..3).map(|_| {
+            let (store, fresh) = (store.clone(), std::sync::Arc::clone(&fresh));
+            async move {
+                let batch = store.begin_batch().await.unwrap();
+                let calls = (0..4).map(|i| {
+                    let (store, fresh) = (store.clone(), std::sync::Arc::clone(&fresh));
+                    async move {
+                        let key = format!("k{i}");
+                        match store.claim(&my_req(&key, "p")).await? {
+                            Claim::Fresh(guard) => {
+                                fresh.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                                guard.complete(Some("1".into())).await
+                            }
+                            Claim::Done(_) => Ok(()),
+                        }
+                    }
+                });
+                let outcomes = batch.run_all(calls.collect()).await;
+                assert!(outcomes.iter().all(Result::is_ok), "{outcomes:?}");
+                batch.commit().await.unwrap();
+            }
+        }))
+    };
+    let runs = || fresh.load(std::sync::atomic::Ordering::SeqCst);
+    tokio::time::timeout(Duration::from_secs(30), concurrently())
+        .await
+        .unwrap();
+    assert_eq!(runs(), 4, "concurrent batches of new keys claim each once");
+    for round in 2..=3 {
+        assert_eq!(mysql_expire(&store, &table, None).await, 4);
+        tokio::time::timeout(Duration::from_secs(30), concurrently())
+            .await
+            .unwrap();
+        assert_eq!(runs(), 4 * round, "each expired marker is taken over by one batch");
+        tokio::time::timeout(Duration::from_secs(30), concurrently())
+            .await
+            .unwrap();
+        assert_eq!(runs(), 4 * round, "the markers that took over are live");
+    }
+    common::drop_mysql_table(store.pool(), &table).await;
 }

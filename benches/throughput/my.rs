@@ -284,8 +284,8 @@ impl Variant for ClaimFirst {
 
 /// (c) with exactly what `MySqlStore` sends for a `()` handler without
 /// fingerprint: its `BEGIN`, its claim statement (`INSERT .. ON DUPLICATE KEY
-/// UPDATE` taking over an expired marker, six parameters, the outcome read
-/// from `last_insert_id`), the effect, `COMMIT`. (d) against (s) is the cost
+/// UPDATE` whose update clause only reports an expired marker, four
+/// parameters, the outcome read from `last_insert_id`), the effect, `COMMIT`. (d) against (s) is the cost
 /// of the macro and the runtime; (s) against (c) the cost of the statement.
 pub struct StoreStatements {
     t: MyTables,
@@ -302,10 +302,7 @@ impl StoreStatements {
                 "INSERT INTO {} (scope, message_id, processed_at, expires_at, fingerprint) \
                  VALUES (?, ?, UTC_TIMESTAMP(3), UTC_TIMESTAMP(3) + INTERVAL ? MICROSECOND, ?) \
                  ON DUPLICATE KEY UPDATE \
-                 fingerprint = IF(LAST_INSERT_ID(IF({expired}, 2, 1)) = 2, ?, fingerprint), \
-                 result = IF({expired}, NULL, result), \
-                 processed_at = IF({expired}, UTC_TIMESTAMP(3), processed_at), \
-                 expires_at = IF({expired}, UTC_TIMESTAMP(3) + INTERVAL ? MICROSECOND, expires_at)",
+                 fingerprint = IF(LAST_INSERT_ID(IF({expired}, 2, 1)) = 0, NULL, fingerprint)",
                 t.markers
             )
             .into(),
@@ -323,8 +320,6 @@ impl Variant for StoreStatements {
             .bind(&key)
             .bind(ttl_micros)
             .bind(None::<&str>)
-            .bind(None::<&str>)
-            .bind(ttl_micros)
             .execute(&mut *tx)
             .await?;
         match done.last_insert_id() {

@@ -9,10 +9,16 @@
 //! INSERT INTO t (scope, message_id, processed_at, expires_at, fingerprint)
 //! VALUES (?, ?, UTC_TIMESTAMP(3), UTC_TIMESTAMP(3) + INTERVAL ? MICROSECOND, ?)
 //! ON DUPLICATE KEY UPDATE
-//!     fingerprint  = IF(LAST_INSERT_ID(IF(expires_at <= UTC_TIMESTAMP(3), 2, 1)) = 2, ?, fingerprint),
-//!     result       = IF(expires_at <= UTC_TIMESTAMP(3), NULL, result),
-//!     processed_at = IF(expires_at <= UTC_TIMESTAMP(3), UTC_TIMESTAMP(3), processed_at),
-//!     expires_at   = IF(expires_at <= UTC_TIMESTAMP(3), UTC_TIMESTAMP(3) + INTERVAL ? MICROSECOND, expires_at)
+//!     fingerprint = IF(LAST_INSERT_ID(IF(expires_at <= UTC_TIMESTAMP(3), 2, 1)) = 0, NULL, fingerprint)
+//! ```
+//!
+//! and, only when the existing marker has expired, a second one that takes
+//! it over:
+//!
+//! ```sql
+//! UPDATE t SET fingerprint = ?, result = NULL, processed_at = UTC_TIMESTAMP(3),
+//!              expires_at = UTC_TIMESTAMP(3) + INTERVAL ? MICROSECOND
+//! WHERE scope = ? AND message_id = ?
 //! ```
 //!
 //! * On a duplicate key InnoDB takes an **exclusive** lock on the existing
@@ -26,12 +32,18 @@
 //!   tell them apart. The outcome is read from the OK packet's
 //!   `last_insert_id` instead: the table has no `AUTO_INCREMENT` column, so it
 //!   is 0 after an insert, and `LAST_INSERT_ID(expr)` in the update clause
-//!   sets it to 1 (live marker, nothing changed) or 2 (expired marker taken
-//!   over; affected rows is then 2).
-//! * MySQL evaluates the assignments left to right with the new values of
-//!   columns already assigned, so `expires_at` is assigned last and every
-//!   condition sees the old expiry. `UTC_TIMESTAMP(3)` is constant within a
-//!   statement.
+//!   sets it to 1 (live marker) or 2 (expired marker). The assignment never
+//!   changes the row (`LAST_INSERT_ID` is 1 or 2, never 0): the clause
+//!   only reports. MariaDB resolves an update clause again at every
+//!   execution of the prepared statement, fresh inserts included, and the
+//!   four conditional assignments that used to take the marker over here
+//!   cost 2–6 % of the rate (docs/benchmarks.md, "mid-morning").
+//! * An expired marker is taken over by the `UPDATE`, under the exclusive
+//!   lock the claim statement took: no other claim can see or change the
+//!   marker in between, and a concurrent claim of the same key waits, then
+//!   finds the marker live (or expired again, if this transaction rolls
+//!   back). Taking over costs a second round trip, on a marker that outlived
+//!   its ttl without being purged.
 //!
 //! InnoDB can still report a deadlock (1213) when several transactions wait
 //! on the same key and the first rolls back, or a lock wait timeout (1205)
@@ -79,7 +91,7 @@ const MAX_TTL_MICROS: i64 = 1000 * 366 * 24 * 3600 * 1_000_000;
 /// `last_insert_id` of the claim statement: what happened to the marker.
 const CLAIM_INSERTED: u64 = 0;
 const CLAIM_LIVE: u64 = 1;
-const CLAIM_TAKEN_OVER: u64 = 2;
+const CLAIM_EXPIRED: u64 = 2;
 
 /// A MySQL / MariaDB store: the marker is inserted in the same InnoDB
 /// transaction as the handler's effect, so both commit or neither does.
@@ -110,6 +122,8 @@ struct MySqlSql {
     table: crate::table::TableName,
     namespace: &'static str,
     claim: Arc<str>,
+    /// Takes over an expired marker, locked by the claim statement.
+    take_over: Arc<str>,
     read: Arc<str>,
     write_result: Arc<str>,
     /// Deletes a marker claimed in a batch whose body failed.
@@ -154,11 +168,13 @@ impl MySqlStore {
                 "INSERT INTO {t} (scope, message_id, processed_at, expires_at, fingerprint) \
                  VALUES (?, ?, UTC_TIMESTAMP(3), UTC_TIMESTAMP(3) + INTERVAL ? MICROSECOND, ?) \
                  ON DUPLICATE KEY UPDATE \
-                 fingerprint = IF(LAST_INSERT_ID(IF({expired}, {CLAIM_TAKEN_OVER}, {CLAIM_LIVE})) = \
-                 {CLAIM_TAKEN_OVER}, ?, fingerprint), \
-                 result = IF({expired}, NULL, result), \
-                 processed_at = IF({expired}, UTC_TIMESTAMP(3), processed_at), \
-                 expires_at = IF({expired}, UTC_TIMESTAMP(3) + INTERVAL ? MICROSECOND, expires_at)"
+                 fingerprint = IF(LAST_INSERT_ID(IF({expired}, {CLAIM_EXPIRED}, {CLAIM_LIVE})) = \
+                 {CLAIM_INSERTED}, NULL, fingerprint)"
+            )
+            .into(),
+            take_over: format!(
+                "UPDATE {t} SET fingerprint = ?, result = NULL, processed_at = UTC_TIMESTAMP(3), \
+                 expires_at = UTC_TIMESTAMP(3) + INTERVAL ? MICROSECOND WHERE scope = ? AND message_id = ?"
             )
             .into(),
             read: format!("SELECT fingerprint, result FROM {t} WHERE scope = ? AND message_id = ?").into(),
@@ -311,13 +327,29 @@ impl ClaimSql for MySqlStore {
             .bind(req.key())
             .bind(ttl_micros)
             .bind(fingerprint)
-            .bind(fingerprint)
-            .bind(ttl_micros)
-            .execute(conn)
+            .execute(&mut *conn)
             .await?;
         match (done.last_insert_id(), done.rows_affected()) {
-            (CLAIM_INSERTED, 1) | (CLAIM_TAKEN_OVER, 2) => Ok(true),
+            (CLAIM_INSERTED, 1) => Ok(true),
             (CLAIM_LIVE, _) => Ok(false),
+            (CLAIM_EXPIRED, _) => {
+                let taken = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.take_over)))
+                    .bind(fingerprint)
+                    .bind(ttl_micros)
+                    .bind(req.scope())
+                    .bind(req.key())
+                    .execute(conn)
+                    .await?
+                    .rows_affected();
+                if taken == 1 {
+                    Ok(true)
+                } else {
+                    Err(sqlx::Error::Protocol(format!(
+                        "the expired marker locked by the MySQL claim statement was not taken over \
+                         ({taken} rows affected)"
+                    )))
+                }
+            }
             (id, rows) => Err(sqlx::Error::Protocol(format!(
                 "unexpected outcome of the MySQL claim statement (last_insert_id {id}, {rows} rows affected)"
             ))),
