@@ -106,8 +106,7 @@ fn janitor_outside_a_runtime_is_an_error_not_a_panic() {
 
 // ---- MySqlStore: taking over an expired marker --------------------------
 
-/// A store on a table of its own, and the statement that makes every
-/// marker of `key` (all of them without `key`) expired a second ago.
+/// A store on a table of its own.
 async fn mysql_store() -> (idempotent_runtime::MySqlStore, String) {
     let table = common::unique("expiry_my");
     let store = idempotent_runtime::MySqlStore::builder(common::mysql_pool(16).await)
@@ -118,6 +117,8 @@ async fn mysql_store() -> (idempotent_runtime::MySqlStore, String) {
     (store, table)
 }
 
+/// Makes the marker of `key` (every marker, without `key`) expired a
+/// second ago; how many.
 async fn mysql_expire(store: &idempotent_runtime::MySqlStore, table: &str, key: Option<&str>) -> u64 {
     let sql = format!(
         "UPDATE `{table}` SET expires_at = UTC_TIMESTAMP(3) - INTERVAL 1 SECOND WHERE message_id = COALESCE(?, message_id)"
