@@ -106,10 +106,11 @@ fn janitor_outside_a_runtime_is_an_error_not_a_panic() {
 
 // ---- MySqlStore: taking over an expired marker --------------------------
 
-/// A store on a table of its own.
-async fn mysql_store() -> (idempotent_runtime::MySqlStore, String) {
+/// A store on a table of its own, on connections whose session default
+/// isolation is `setting`'s (the store's transactions set their own).
+async fn mysql_store(setting: u8) -> (idempotent_runtime::MySqlStore, String) {
     let table = common::unique("expiry_my");
-    let store = idempotent_runtime::MySqlStore::builder(common::mysql_pool(16).await)
+    let store = idempotent_runtime::MySqlStore::builder(common::mysql_pool_with(16, setting).await)
         .table(&table)
         .build()
         .unwrap();
@@ -121,7 +122,8 @@ async fn mysql_store() -> (idempotent_runtime::MySqlStore, String) {
 /// second ago; how many.
 async fn mysql_expire(store: &idempotent_runtime::MySqlStore, table: &str, key: Option<&str>) -> u64 {
     let sql = format!(
-        "UPDATE `{table}` SET expires_at = UTC_TIMESTAMP(3) - INTERVAL 1 SECOND WHERE message_id = COALESCE(?, message_id)"
+        "UPDATE `{table}` SET expires_at = UTC_TIMESTAMP(3) - INTERVAL 1 SECOND \
+         WHERE message_id = COALESCE(?, message_id)"
     );
     sqlx::query(AssertSqlSafe(sql))
         .bind(key)
@@ -162,9 +164,8 @@ async fn my_claim(
 /// with the new claim's fingerprint, expiry and result (the old result is
 /// not replayed, the old fingerprint no longer checked); a take-over that
 /// rolls back leaves the marker expired for the next claim.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn mysql_expired_marker_is_taken_over_once_with_the_new_fingerprint_and_result() {
-    let (store, table) = mysql_store().await;
+async fn expired_marker_is_taken_over_once_with_the_new_fingerprint_and_result(setting: u8) {
+    let (store, table) = mysql_store(setting).await;
     let no_hold = Duration::ZERO;
     assert_eq!(my_claim(&store, "k", "a", "1", no_hold).await.unwrap(), None);
     assert_eq!(
@@ -235,10 +236,9 @@ async fn mysql_expired_marker_is_taken_over_once_with_the_new_fingerprint_and_re
 
 /// Inside batches too: each expired marker is taken over by exactly one of
 /// concurrent batches, and the markers that took over are live.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn mysql_batch_claims_take_over_expired_markers_once() {
+async fn batch_claims_take_over_expired_markers_once(setting: u8) {
     use idempotent_runtime::batch::BatchStore;
-    let (store, table) = mysql_store().await;
+    let (store, table) = mysql_store(setting).await;
     let fresh = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
     let concurrently = || {
         futures_util::future::join_all((0..3).map(|_| {
@@ -281,4 +281,30 @@ async fn mysql_batch_claims_take_over_expired_markers_once() {
         assert_eq!(runs(), 4 * round, "the markers that took over are live");
     }
     common::drop_mysql_table(store.pool(), &table).await;
+}
+
+/// Both take-over tests under each session default isolation.
+macro_rules! mysql_take_over_tests {
+    ($($setting:ident => $single:ident, $batch:ident;)*) => {$(
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn $single() {
+            expired_marker_is_taken_over_once_with_the_new_fingerprint_and_result(common::settings::$setting).await;
+        }
+
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn $batch() {
+            batch_claims_take_over_expired_markers_once(common::settings::$setting).await;
+        }
+    )*};
+}
+
+mysql_take_over_tests! {
+    MY_SERVER_DEFAULT => mysql_expired_marker_is_taken_over_once_with_the_new_fingerprint_and_result,
+        mysql_batch_claims_take_over_expired_markers_once;
+    MY_READ_COMMITTED => mysql_read_committed_session_expired_marker_is_taken_over_once,
+        mysql_read_committed_session_batch_claims_take_over_expired_markers_once;
+    MY_REPEATABLE_READ => mysql_repeatable_read_session_expired_marker_is_taken_over_once,
+        mysql_repeatable_read_session_batch_claims_take_over_expired_markers_once;
+    MY_SERIALIZABLE => mysql_serializable_session_expired_marker_is_taken_over_once,
+        mysql_serializable_session_batch_claims_take_over_expired_markers_once;
 }
