@@ -1269,8 +1269,8 @@ async fn mysql_section(
          `INSERT IGNORE` of the marker (1 row affected: claimed; 0: a duplicate, whose transaction is dropped), \
          then the effect and `COMMIT`. (d) the same handler with `#[idempotent]` and `MySqlStore` (the same \
          `BEGIN`, then `INSERT .. ON DUPLICATE KEY UPDATE` whose update clause only reports an expired marker \
-         (taken over by a second statement), its outcome read from `last_insert_id`; a duplicate's transaction is dropped, no read since the handler returns \
-         `()`). (s) by hand, exactly the statements `MySqlStore` sends for this handler: d/s is the cost of the \
+         (taken over by a second statement), its outcome read from `last_insert_id`; a duplicate's transaction \
+         is dropped, no read since the handler returns `()`). (s) by hand, exactly the statements `MySqlStore` sends for this handler: d/s is the cost of the \
          macro and the runtime, s/c the cost of the statement. (c2) is (c) again on tables of its own: c2/c is \
          the resolution of every ratio. (a) and (b) use the server's default isolation ({isolation}). A dropped transaction's \
          `ROLLBACK` is sent with the pool's release ping. All marker tables have `MySqlStore`'s layout; the \

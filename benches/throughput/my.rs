@@ -285,8 +285,9 @@ impl Variant for ClaimFirst {
 /// (c) with exactly what `MySqlStore` sends for a `()` handler without
 /// fingerprint: its `BEGIN`, its claim statement (`INSERT .. ON DUPLICATE KEY
 /// UPDATE` whose update clause only reports an expired marker, four
-/// parameters, the outcome read from `last_insert_id`), the effect, `COMMIT`. (d) against (s) is the cost
-/// of the macro and the runtime; (s) against (c) the cost of the statement.
+/// parameters, the outcome read from `last_insert_id`), the effect,
+/// `COMMIT`. (d) against (s) is the cost of the macro and the runtime; (s)
+/// against (c) the cost of the statement.
 pub struct StoreStatements {
     t: MyTables,
     effect: Arc<str>,
