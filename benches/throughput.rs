@@ -8,6 +8,7 @@
 //! cargo bench --bench throughput -- --only=pg,redis # sections: pg, batch, cache, rtt, sqlite, mysql, redis, memory, size, purge
 //! cargo bench --bench throughput -- --out=DIR       # where the markdown and SVG files go
 //! IDEMPOTENT_BENCH_ROWS=d cargo bench --bench throughput -- --only=pg   # one variant alone (to profile it)
+//! IDEMPOTENT_BENCH_REDIS_URL=redis://127.0.0.1:6390/ cargo bench --bench throughput -- --only=redis   # another Redis or Valkey server
 //! ```
 //!
 //! Needs the services of `.ci/run`: PostgreSQL (postgres://postgres@127.0.0.1:5432/test),
@@ -710,8 +711,9 @@ async fn run(cfg: Config) {
 
     // -- Redis -----------------------------------------------------------------------------
     if cfg.wants("redis") {
-        match kv::connect(kv::REDIS_URL).await {
-            Ok(conn) => redis_section(&cfg, &mut doc, &mut charts, conn, &plans, &warm).await,
+        let url = std::env::var("IDEMPOTENT_BENCH_REDIS_URL").unwrap_or_else(|_| kv::REDIS_URL.to_owned());
+        match kv::connect(&url).await {
+            Ok(conn) => redis_section(&cfg, &mut doc, &mut charts, conn, &url, &plans, &warm).await,
             Err(e) => eprintln!("Redis unavailable ({e}): skipping"),
         }
     }
@@ -789,6 +791,7 @@ async fn redis_section(
     doc: &mut Doc,
     charts: &mut Vec<(String, String, Vec<&'static str>, Vec<Group>)>,
     conn: idempotent_runtime::redis::aio::ConnectionManager,
+    url: &str,
     plans: &Plans,
     warm: &Arc<Plan>,
 ) {
@@ -836,12 +839,7 @@ async fn redis_section(
         ),
         row(
             "(s) by hand, RedisStore's commands, no renewal",
-            kv::StoreCommands {
-                conn: conn.clone(),
-                prefix: format!("{base}storecmds:"),
-                effects: AtomicU64::new(0),
-                tokens: AtomicU64::new(0),
-            },
+            kv::StoreCommands::new(conn.clone(), format!("{base}storecmds:")),
             t,
             warm,
         ),
@@ -874,11 +872,12 @@ async fn redis_section(
     eprintln!("  redis: deleted {deleted} keys under {base}");
 
     let mut text = format!(
-        "## Redis: deliveries per second\n\nRedis {version} at 127.0.0.1:6379, one multiplexed connection \
+        "## Redis: deliveries per second\n\n{version} at {url}, one multiplexed connection \
          (`ConnectionManager`) shared by the workers. (b) the article: `EXISTS`, the effect, `SETEX` (not atomic: two \
          concurrent deliveries can both pass `EXISTS`). (c) claim-first by hand: `SET key lease NX PX`, the effect, `SET key done PX ttl` (no token check). \
          (d) `RedisStore`: `SET key lease NX PX ms GET` claims a lease or returns the completed marker (a script on \
-         Redis < 7.0); completion is a script (token check + `SET PX`); the leases of running bodies are \
+         Redis < 7.0); completion is `SET key marker IFEQ lease PX ttl` (Valkey ≥ 8.1, Redis ≥ 8.4), else a \
+         script (token check + `SET PX`); the leases of running bodies are \
          extended by one task per store. (d') the same without renewal. (s) by hand, the commands (d) sends, \
          without renewal: d'/s is the cost of the macro and the runtime, s/c the cost of the token check. (c2) is \
          (c) again under keys of its own: c2/c is the resolution of every ratio. The effect is an in-process \
@@ -890,7 +889,7 @@ async fn redis_section(
         &[(2, 1), (2, 0), (3, 2), (5, 2), (3, 4), (4, 1), (6, 1)],
         cfg.reps_small,
         "\nLatency p50 / p99 (ms):\n\n",
-        Some("\nCPU per delivery, µs: this process (client) + `redis-server` (server):\n\n"),
+        Some("\nCPU per delivery, µs: this process (client) + `redis-server` or `valkey-server` (server):\n\n"),
     ));
     text.push_str(&redis_round_trips().await);
     doc.section(&text);
@@ -1192,11 +1191,11 @@ async fn redis_version(conn: &mut idempotent_runtime::redis::aio::ConnectionMana
         .query_async(conn)
         .await
         .unwrap_or_default();
-    info.lines()
-        .find_map(|l| l.strip_prefix("redis_version:"))
-        .unwrap_or("?")
-        .trim()
-        .to_owned()
+    let field = |name: &str| info.lines().find_map(|l| l.strip_prefix(name)).map(str::trim);
+    match (field("valkey_version:"), field("redis_version:")) {
+        (Some(valkey), _) => format!("Valkey {valkey}"),
+        (None, redis) => format!("Redis {}", redis.unwrap_or("?")),
+    }
 }
 
 // ---- the section ---------------------------------------------------------------

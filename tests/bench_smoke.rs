@@ -3,6 +3,8 @@
 //! (PostgreSQL, SQLite, Redis, memory) keep compiling and keep telling a
 //! fresh message from a duplicate. No timing is measured here.
 
+mod common;
+
 #[allow(dead_code)]
 #[path = "../benches/throughput/harness.rs"]
 mod harness;
@@ -139,9 +141,10 @@ async fn sqlite_variants_run_once() {
     .await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn redis_variants_run_once() {
-    let conn = kv::connect(kv::REDIS_URL).await.expect("Redis at 127.0.0.1:6379");
+/// Runs the Redis rows once on the server at `url`; whether (s) fell back
+/// to the completion script.
+async fn redis_variants_run_once_on(url: &str) -> bool {
+    let conn = kv::connect(url).await.expect("the Redis server");
     let base = format!("{}:", unique("idem-smoke"));
     let article = kv::Article {
         conn: conn.clone(),
@@ -170,15 +173,25 @@ async fn redis_variants_run_once() {
         effects: AtomicU64::new(0),
     };
     once("redis (d+cache)", &cached, false).await;
-    let by_hand = kv::StoreCommands {
-        conn: conn.clone(),
-        prefix: format!("{base}storecmds:"),
-        effects: AtomicU64::new(0),
-        tokens: AtomicU64::new(0),
-    };
+    let by_hand = kv::StoreCommands::new(conn.clone(), format!("{base}storecmds:"));
     once("redis (s)", &by_hand, false).await;
     let deleted = kv::delete_prefix(&mut conn.clone(), &base).await;
     assert_eq!(deleted, 6, "one marker per variant");
+    by_hand.scripted.load(Ordering::Relaxed)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_variants_run_once() {
+    let scripted = redis_variants_run_once_on(kv::REDIS_URL).await;
+    assert!(scripted, "Redis 7.0 has no SET .. IFEQ: (s) completes with the script");
+}
+
+/// On Valkey 8.1, (s) completes with `SET .. IFEQ` as `RedisStore` does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_variants_run_once_on_valkey() {
+    let server = common::servers::ChildServer::valkey();
+    let scripted = redis_variants_run_once_on(&server.redis_url()).await;
+    assert!(!scripted, "Valkey 8.1 takes SET .. IFEQ");
 }
 
 #[tokio::test]

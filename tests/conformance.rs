@@ -6,7 +6,8 @@
 //! `conformance!` at the bottom: memory, Postgres, SQLite, MySQL (MariaDB)
 //! and Redis, and each SQL store again under the server settings users
 //! change (PostgreSQL's default isolation, MariaDB's session isolation,
-//! SQLite's journal mode). Where transactional stores (Postgres,
+//! SQLite's journal mode), and Redis again on a Valkey 8.1 server, where the
+//! completion is a native `SET .. IFEQ` instead of a script. Where transactional stores (Postgres,
 //! SQLite, MySQL) and lease stores (Redis, memory) differ, the test says so
 //! through `Fixture::TRANSACTIONAL` rather than hiding it:
 //! - a concurrent duplicate *waits* for the first call on a transactional
@@ -542,19 +543,28 @@ struct Redis {
     prefix: String,
 }
 
-impl Fixture for Redis {
-    type S = idempotent_runtime::RedisStore;
-    const TRANSACTIONAL: bool = false;
-    const PURGES: bool = false;
-    async fn setup() -> Self {
-        let client = idempotent_runtime::redis::Client::open(common::REDIS_URL).unwrap();
-        let conn = client.get_connection_manager().await.expect("Redis at 127.0.0.1:6379");
+impl Redis {
+    async fn on(url: &str) -> Redis {
+        let client = idempotent_runtime::redis::Client::open(url).unwrap();
+        let conn = client
+            .get_connection_manager()
+            .await
+            .unwrap_or_else(|err| panic!("Redis at {url}: {err}"));
         let prefix = format!("{}:", common::unique("conformance"));
         let store = idempotent_runtime::RedisStore::builder(conn.clone())
             .prefix(prefix.clone())
             .build()
             .unwrap();
         Redis { store, conn, prefix }
+    }
+}
+
+impl Fixture for Redis {
+    type S = idempotent_runtime::RedisStore;
+    const TRANSACTIONAL: bool = false;
+    const PURGES: bool = false;
+    async fn setup() -> Self {
+        Redis::on(common::REDIS_URL).await
     }
     fn store(&self) -> &Self::S {
         &self.store
@@ -580,10 +590,41 @@ impl Fixture for Redis {
     }
 }
 
+/// `RedisStore` on a private Valkey 8.1 server, whose `SET .. IFEQ`
+/// completes a claim in one native command (the machine's Redis 7.0 takes
+/// the script).
+struct Valkey {
+    redis: Redis,
+    _server: common::servers::ChildServer,
+}
+
+impl Fixture for Valkey {
+    type S = idempotent_runtime::RedisStore;
+    const TRANSACTIONAL: bool = false;
+    const PURGES: bool = false;
+    async fn setup() -> Self {
+        let server = common::servers::ChildServer::valkey();
+        Valkey {
+            redis: Redis::on(&server.redis_url()).await,
+            _server: server,
+        }
+    }
+    fn store(&self) -> &Self::S {
+        &self.redis.store
+    }
+    async fn purge(&self) -> u64 {
+        self.redis.purge().await
+    }
+    async fn teardown(self) {
+        self.redis.teardown().await
+    }
+}
+
 use common::settings::*;
 
 conformance!(memory, Memory);
 conformance!(redis, Redis);
+conformance!(valkey, Valkey);
 // Each SQL store under the settings users change: the promises must not
 // depend on the server's default isolation or the journal mode.
 conformance!(postgres, Postgres<PG_SERVER_DEFAULT>);

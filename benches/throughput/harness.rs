@@ -347,7 +347,7 @@ pub fn cpu_snapshot() -> CpuSnapshot {
                 continue;
             }
             let comm = std::fs::read_to_string(path.join("comm")).unwrap_or_default();
-            if comm.starts_with("postgres") || comm.starts_with("redis-server") {
+            if comm.starts_with("postgres") || comm.starts_with("redis-server") || comm.starts_with("valkey-server") {
                 snap.server_ns += schedstat_ns(&path.join("schedstat"));
             } else if comm.starts_with("mariadbd") || comm.starts_with("mysqld") {
                 // One process, a thread per connection: a process's own

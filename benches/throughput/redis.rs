@@ -114,14 +114,56 @@ impl Variant for ClaimFirst {
 
 /// By hand, what `RedisStore` sends for a `()` handler without
 /// fingerprint, without lease renewal: `SET key token NX PX lease GET`, the
-/// effect, then its completion script (the token compared, `SET PX ttl`;
-/// Redis < 8.4 has no `SET .. IFEQ`). (d') against (s) is the cost of the
-/// macro and the runtime; (s) against (c) the cost of the token check.
+/// effect, then its completion: `SET key done IFEQ token PX ttl` where the
+/// server has it (Valkey ≥ 8.1, Redis ≥ 8.4), else the script (the token
+/// compared, `SET PX ttl`). (d') against (s) is the cost of the macro and
+/// the runtime; (s) against (c) the cost of the token check.
 pub struct StoreCommands {
     pub conn: ConnectionManager,
     pub prefix: String,
     pub effects: AtomicU64,
     pub tokens: AtomicU64,
+    /// The server refused `SET .. IFEQ`.
+    pub scripted: std::sync::atomic::AtomicBool,
+}
+
+impl StoreCommands {
+    pub fn new(conn: ConnectionManager, prefix: String) -> Self {
+        StoreCommands {
+            conn,
+            prefix,
+            effects: AtomicU64::new(0),
+            tokens: AtomicU64::new(0),
+            scripted: std::sync::atomic::AtomicBool::new(false),
+        }
+    }
+
+    async fn complete(&self, conn: &mut ConnectionManager, key: &str, token: &str) -> Result<bool, BoxError> {
+        if !self.scripted.load(Ordering::Relaxed) {
+            let set: redis::RedisResult<Option<String>> = redis::cmd("SET")
+                .arg(key)
+                .arg("D")
+                .arg("IFEQ")
+                .arg(token)
+                .arg("PX")
+                .arg(WEEK_S * 1000)
+                .query_async(conn)
+                .await;
+            match set {
+                Ok(reply) => return Ok(reply.is_some()),
+                Err(e) if e.code() == Some("ERR") => self.scripted.store(true, Ordering::Relaxed),
+                Err(e) => return Err(e.into()),
+            }
+        }
+        let replaced: i64 = COMPLETE
+            .key(key)
+            .arg(token)
+            .arg("D")
+            .arg(WEEK_S * 1000)
+            .invoke_async(conn)
+            .await?;
+        Ok(replaced == 1)
+    }
 }
 
 static COMPLETE: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(|| {
@@ -149,14 +191,7 @@ impl Variant for StoreCommands {
             return Ok(Outcome::Duplicate);
         }
         self.effects.fetch_add(1, Ordering::Relaxed);
-        let replaced: i64 = COMPLETE
-            .key(&redis_key)
-            .arg(&token)
-            .arg("D")
-            .arg(WEEK_S * 1000)
-            .invoke_async(&mut conn)
-            .await?;
-        if replaced != 1 {
+        if !self.complete(&mut conn, &redis_key, &token).await? {
             return Err("the lease was lost".into());
         }
         Ok(Outcome::Fresh)

