@@ -23,27 +23,49 @@ pub async fn connect(url: &str) -> Result<ConnectionManager, BoxError> {
 }
 
 /// Deletes every key under `prefix` (the runs' keys live 7 days otherwise).
+/// A command that fails (a long run leaves millions of keys, and a batch
+/// can outlast the connection's response timeout) is tried again, up to
+/// ten times in a row, then the deletion stops with a message: the
+/// measurements are kept either way.
 pub async fn delete_prefix(conn: &mut ConnectionManager, prefix: &str) -> u64 {
     let mut cursor: u64 = 0;
     let mut deleted = 0;
+    let mut failures = 0;
     loop {
-        let (next, keys): (u64, Vec<String>) = redis::cmd("SCAN")
-            .arg(cursor)
-            .arg("MATCH")
-            .arg(format!("{prefix}*"))
-            .arg("COUNT")
-            .arg(10_000)
-            .query_async(conn)
-            .await
-            .unwrap();
-        if !keys.is_empty() {
-            let n: u64 = redis::cmd("UNLINK").arg(&keys).query_async(conn).await.unwrap();
-            deleted += n;
+        let step = async {
+            let (next, keys): (u64, Vec<String>) = redis::cmd("SCAN")
+                .arg(cursor)
+                .arg("MATCH")
+                .arg(format!("{prefix}*"))
+                .arg("COUNT")
+                .arg(1_000)
+                .query_async(conn)
+                .await?;
+            let n: u64 = if keys.is_empty() {
+                0
+            } else {
+                redis::cmd("UNLINK").arg(&keys).query_async(conn).await?
+            };
+            Ok::<_, redis::RedisError>((next, n))
+        };
+        match step.await {
+            Ok((next, n)) => {
+                failures = 0;
+                deleted += n;
+                if next == 0 {
+                    return deleted;
+                }
+                cursor = next;
+            }
+            Err(e) if failures < 10 => {
+                failures += 1;
+                eprintln!("  deleting {prefix}*: {e}; trying again");
+            }
+            Err(e) => {
+                eprintln!("  deleting {prefix}*: {e}; stopped after {deleted} keys");
+                return deleted;
+            }
         }
-        if next == 0 {
-            return deleted;
-        }
-        cursor = next;
     }
 }
 

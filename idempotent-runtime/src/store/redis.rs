@@ -252,7 +252,7 @@ impl Store for RedisStore {
     async fn claim(&self, req: &Request<'_>) -> Result<Claim<RedisGuard>, Error> {
         self.checked.get_or_init(|| warn_about_server(self.conn.clone())).await;
         let key = self.redis_key(req.scope(), req.key());
-        let lease = format!("L{}", new_token());
+        let lease = new_lease();
         let lease_ms = req.lease_millis();
         let mut conn = self.conn.clone();
         let current = self.set_lease(&mut conn, &key, &lease, lease_ms).await?;
@@ -510,23 +510,26 @@ fn unrecognised(key: &str) -> Error {
     )
 }
 
-/// 32 hex digits, unique per claim: 128 bits from two randomly keyed
-/// SipHashes (the OS seeds std's `RandomState`) over the process id, the
-/// time and a counter.
-fn new_token() -> String {
+/// A lease value: `L` and a token of 32 hex digits, unique per claim: 128
+/// bits from two randomly keyed SipHashes (the OS seeds std's
+/// `RandomState`) over the process id, the time and a counter. The process
+/// id is read once (`getpid` is a system call at every read); a child forked
+/// afterwards still hashes another time.
+fn new_lease() -> String {
     static COUNTER: AtomicU64 = AtomicU64::new(0);
+    static PID: LazyLock<u32> = LazyLock::new(std::process::id);
     let count = COUNTER.fetch_add(1, Ordering::Relaxed);
     let nanos = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_nanos());
     let half = || {
         let mut hasher = std::hash::RandomState::new().build_hasher();
-        hasher.write_u32(std::process::id());
+        hasher.write_u32(*PID);
         hasher.write_u128(nanos);
         hasher.write_u64(count);
         hasher.finish()
     };
-    format!("{:016x}{:016x}", half(), half())
+    format!("L{:016x}{:016x}", half(), half())
 }
 
 /// `D{fingerprint}{result}`; see the module docs.
@@ -608,8 +611,12 @@ mod tests {
 
     #[test]
     fn tokens_differ() {
-        let a = new_token();
-        assert_eq!(a.len(), 32);
-        assert_ne!(a, new_token());
+        let a = new_lease();
+        assert_eq!(a.len(), 33);
+        assert!(
+            a.starts_with('L') && a[1..].bytes().all(|b| b.is_ascii_hexdigit()),
+            "{a}"
+        );
+        assert_ne!(a, new_lease());
     }
 }
