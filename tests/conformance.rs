@@ -7,9 +7,10 @@
 //! and Redis, and each SQL store again under the server settings users
 //! change (PostgreSQL's default isolation, MariaDB's session isolation,
 //! SQLite's journal mode), and Redis again on a Valkey 8.1 server, where the
-//! completion is a native `SET .. IFEQ` instead of a script. Where transactional stores (Postgres,
-//! SQLite, MySQL) and lease stores (Redis, memory) differ, the test says so
-//! through `Fixture::TRANSACTIONAL` rather than hiding it:
+//! completion is a native `SET .. IFEQ` instead of a script. Where
+//! transactional stores (Postgres, SQLite, MySQL) and lease stores (Redis,
+//! memory) differ, the test says so through `Fixture::TRANSACTIONAL` rather
+//! than hiding it:
 //! - a concurrent duplicate *waits* for the first call on a transactional
 //!   store and then replays its result; on a lease store it gets
 //!   `Error::InProgress` while the first call runs;

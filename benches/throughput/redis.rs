@@ -173,7 +173,10 @@ impl StoreCommands {
                 .await;
             match set {
                 Ok(reply) => return Ok(reply.is_some()),
-                Err(e) if e.code() == Some("ERR") => self.scripted.store(true, Ordering::Relaxed),
+                // A syntax error: the server has no `IFEQ` (nothing written).
+                Err(e) if e.code() == Some("ERR") && e.detail().is_some_and(|d| d.contains("syntax")) => {
+                    self.scripted.store(true, Ordering::Relaxed);
+                }
                 Err(e) => return Err(e.into()),
             }
         }

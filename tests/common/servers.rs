@@ -240,7 +240,7 @@ impl ChildServer {
 
     /// A private Valkey 8.1 server (`SET .. IFEQ`, which Debian 12's Redis
     /// 7.0 lacks), keeping nothing on disk.
-    pub fn valkey() -> PrivateRedis {
+    pub fn valkey() -> ChildServer {
         let server = valkey_server();
         ChildServer::start("the private Valkey server", move |port, dir| {
             let mut command = Command::new(&server);
