@@ -135,11 +135,17 @@ fn namespace(prefix: &str) -> &'static str {
 impl RedisStore {
     /// A store on `conn` with the key prefix `idempotent:`.
     pub fn new(conn: ConnectionManager) -> Self {
+        RedisStore::assemble(conn, DEFAULT_PREFIX, true)
+    }
+
+    /// The store on `conn` under a valid `prefix`, renewing leases if
+    /// `renew`.
+    fn assemble(conn: ConnectionManager, prefix: &str, renew: bool) -> Self {
         RedisStore {
-            renewer: Some(Renewer::new(conn.clone())),
+            renewer: renew.then(|| Renewer::new(conn.clone())),
             conn,
-            prefix: Arc::from(DEFAULT_PREFIX),
-            namespace: namespace(DEFAULT_PREFIX),
+            prefix: Arc::from(prefix),
+            namespace: namespace(prefix),
             checked: Arc::default(),
             scripted_claim: Arc::default(),
             scripted_completion: Arc::default(),
@@ -219,15 +225,7 @@ impl RedisStoreBuilder {
                 "Redis key prefix {prefix:?} must not contain whitespace or control characters"
             )));
         }
-        Ok(RedisStore {
-            renewer: self.renew.then(|| Renewer::new(self.conn.clone())),
-            conn: self.conn,
-            namespace: namespace(&prefix),
-            prefix: Arc::from(prefix),
-            checked: Arc::default(),
-            scripted_claim: Arc::default(),
-            scripted_completion: Arc::default(),
-        })
+        Ok(RedisStore::assemble(self.conn, &prefix, self.renew))
     }
 }
 
