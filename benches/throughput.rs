@@ -895,7 +895,7 @@ async fn redis_section(
     doc.section(&text);
     charts.push((
         "throughput-redis.svg".into(),
-        "Redis: deliveries/s".into(),
+        format!("{version}: deliveries/s"),
         names,
         groups,
     ));
