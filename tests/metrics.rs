@@ -91,6 +91,71 @@ fn outcomes_are_counted_through_the_metrics_facade() {
     assert_eq!((count("processed"), count("duplicate"), count("failed")), (1, 2, 1));
 }
 
+/// In a batch, outcomes are counted when they are final: after the batch's
+/// commit, once per message. An aborted batch's members count nothing;
+/// their rerun alone counts them then.
+mod batch {
+    use idempotent_runtime::batch::BatchStore;
+    use idempotent_runtime::{SqliteStore, idempotent};
+
+    use super::AppError;
+
+    #[idempotent(key = "id", store = store, scope = "batched")]
+    async fn handle(store: &SqliteStore, id: &str, hang: bool) -> Result<(), AppError> {
+        if hang {
+            std::future::pending::<()>().await;
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn batch_outcomes_are_counted_after_the_commit() {
+        let counters = super::recorder::Counters::default();
+        let count =
+            |outcome: &str| counters.get(&format!("idempotent_outcomes_total{{outcome={outcome},scope=batched}}"));
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        metrics::with_local_recorder(&counters, || {
+            runtime.block_on(async {
+                let store = SqliteStore::open(dir.path().join("b.db")).await.unwrap();
+                store.migrate().await.unwrap();
+                // Aborted: one member completes, one is cancelled mid-body.
+                let batch = store.begin_batch().await.unwrap();
+                batch.run(handle(&store, "a", false)).await.unwrap();
+                batch.run(handle(&store, "a", false)).await.unwrap();
+                let hang = std::time::Duration::from_millis(200);
+                assert!(
+                    tokio::time::timeout(hang, batch.run(handle(&store, "b", true)))
+                        .await
+                        .is_err()
+                );
+                batch.commit().await.unwrap_err();
+                assert_eq!(
+                    (count("processed"), count("duplicate")),
+                    (0, 0),
+                    "an aborted batch counted"
+                );
+                // The rerun alone, then a batch that commits.
+                handle(&store, "a", false).await.unwrap();
+                handle(&store, "b", false).await.unwrap();
+                let batch = store.begin_batch().await.unwrap();
+                batch.run(handle(&store, "c", false)).await.unwrap();
+                batch.run(handle(&store, "a", false)).await.unwrap();
+                assert_eq!(
+                    (count("processed"), count("duplicate")),
+                    (2, 0),
+                    "counted before the commit"
+                );
+                batch.commit().await.unwrap();
+            })
+        });
+        assert_eq!((count("processed"), count("duplicate"), count("failed")), (3, 1, 0));
+    }
+}
+
 mod outbox {
     use std::sync::Arc;
     use std::time::Duration;

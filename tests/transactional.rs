@@ -518,7 +518,8 @@ async fn postgres_commits_are_durable_even_when_the_session_default_is_not() {
     // `synchronous_commit = off` (a setting users turn on for speed) lets a
     // commit return before it is durable: the broker would be acknowledged
     // for an effect a server crash can still lose. The claim's transaction
-    // turns it back on for itself.
+    // turns it back on for its commit. What the commit runs with is read
+    // at `COMMIT` itself, by a deferred constraint trigger on the effect.
     use std::str::FromStr;
     let options = sqlx::postgres::PgConnectOptions::from_str(common::PG_URL)
         .unwrap()
@@ -529,21 +530,36 @@ async fn postgres_commits_are_durable_even_when_the_session_default_is_not() {
         .await
         .unwrap();
     let table = common::unique("durable");
+    let effects = common::unique("durable_e");
     let store = idempotent_runtime::PgStore::builder(pool.clone())
         .table(&table)
         .build()
         .unwrap();
     store.migrate().await.unwrap();
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "CREATE TABLE {effects} (id TEXT NOT NULL, at_commit TEXT); \
+         CREATE FUNCTION {effects}_f() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN \
+         UPDATE {effects} SET at_commit = current_setting('synchronous_commit') WHERE id = NEW.id; \
+         RETURN NULL; END $$; \
+         CREATE CONSTRAINT TRIGGER {effects}_t AFTER INSERT ON {effects} DEFERRABLE INITIALLY DEFERRED \
+         FOR EACH ROW EXECUTE FUNCTION {effects}_f()"
+    )))
+    .execute(&pool)
+    .await
+    .unwrap();
 
     #[idempotent(key = "id", store = store)]
-    async fn setting_inside(
+    async fn effect(
         store: &idempotent_runtime::PgStore,
+        effects: &str,
         id: &str,
         tx: &mut sqlx::PgConnection,
-    ) -> Result<String, AppError> {
-        Ok(sqlx::query_scalar("SHOW synchronous_commit")
-            .fetch_one(&mut *tx)
-            .await?)
+    ) -> Result<(), AppError> {
+        sqlx::query(sqlx::AssertSqlSafe(format!("INSERT INTO {effects} (id) VALUES ($1)")))
+            .bind(id)
+            .execute(&mut *tx)
+            .await?;
+        Ok(())
     }
 
     let outside: String = sqlx::query_scalar("SHOW synchronous_commit")
@@ -552,7 +568,21 @@ async fn postgres_commits_are_durable_even_when_the_session_default_is_not() {
         .unwrap();
     assert_eq!(outside, "off", "the pool's sessions default to off");
     let id = common::unique("durable-msg");
-    assert_eq!(setting_inside(&store, &id).await.unwrap(), "on");
+    effect(&store, &effects, &id).await.unwrap();
+    let at_commit: Option<String> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "SELECT at_commit FROM {effects} WHERE id = $1"
+    )))
+    .bind(&id)
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(at_commit.as_deref(), Some("on"));
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "DROP TABLE {effects}; DROP FUNCTION {effects}_f()"
+    )))
+    .execute(&pool)
+    .await
+    .unwrap();
     common::drop_pg_table(&pool, &table).await;
 }
 

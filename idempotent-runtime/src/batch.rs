@@ -55,6 +55,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore, oneshot};
 
 use crate::Error;
+use crate::store::sql::SqlBackend;
 
 tokio::task_local! {
     /// The batch member (one handler call of [`Batch::run_all`]) this task
@@ -71,7 +72,7 @@ pub(crate) const ROLLBACK_TO_SAVEPOINT: &str = "ROLLBACK TO SAVEPOINT idempotent
 type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
 
 /// Commits (`true`) or rolls back the boxed transaction of a batch.
-type Finish = fn(Box<dyn Any + Send>, bool) -> BoxFuture<Result<(), sqlx::Error>>;
+type Finish = fn(Box<dyn Any + Send>, bool) -> BoxFuture<Result<(), Error>>;
 
 /// A claim waiting in a batch for the one statement that claims them all.
 #[derive(Debug, Clone)]
@@ -250,6 +251,16 @@ struct Member {
 fn next_member_id() -> u64 {
     static NEXT: AtomicU64 = AtomicU64::new(1);
     NEXT.fetch_add(1, Ordering::Relaxed)
+}
+
+/// Runs `f` once the batch this task is a member of has committed (never,
+/// if it rolls back: its messages then run again alone), or at once
+/// outside any batch. See [`crate::store::when_committed`].
+pub(crate) fn when_committed<F: FnOnce() + Send + 'static>(f: F) {
+    match MEMBER.try_with(|member| Arc::clone(&member.shared)) {
+        Ok(shared) => shared.after_commit(Box::new(f)),
+        Err(_) => f(),
+    }
 }
 
 /// Whether this task is a member of a batch opened on the store of
@@ -450,13 +461,14 @@ impl std::fmt::Debug for Batch {
     }
 }
 
-/// Commits (`true`) or rolls back a boxed transaction of `DB`.
-fn finish<DB: sqlx::Database>(tx: Box<dyn Any + Send>, commit: bool) -> BoxFuture<Result<(), sqlx::Error>> {
+/// Commits (`true`, durably: [`SqlBackend::commit`]) or rolls back a boxed
+/// transaction of `DB`.
+fn finish<DB: SqlBackend>(tx: Box<dyn Any + Send>, commit: bool) -> BoxFuture<Result<(), Error>> {
     Box::pin(async move {
         match tx.downcast::<sqlx::Transaction<'static, DB>>() {
-            Ok(tx) if commit => tx.commit().await,
-            Ok(tx) => tx.rollback().await,
-            Err(_) => Err(sqlx::Error::Protocol("the batch's transaction has another type".into())),
+            Ok(tx) if commit => DB::commit(*tx).await,
+            Ok(tx) => Ok(tx.rollback().await?),
+            Err(_) => Err(sqlx::Error::Protocol("the batch's transaction has another type".into()).into()),
         }
     })
 }
@@ -466,7 +478,7 @@ impl Batch {
     /// (a store's [`Store::namespace`](crate::store::Store::namespace));
     /// `bulk` claims the gathered keys in one statement (claims are made
     /// one by one without it).
-    pub(crate) fn new<DB: sqlx::Database>(
+    pub(crate) fn new<DB: SqlBackend>(
         namespace: &'static str,
         tx: sqlx::Transaction<'static, DB>,
         writer: Option<OwnedSemaphorePermit>,
@@ -646,7 +658,17 @@ impl Batch {
             }
             return Err(Error::BatchAborted);
         }
-        (self.finish)(tx, true).await?;
+        match (self.finish)(tx, true).await {
+            Ok(()) => {}
+            // A member returned `Ok` over a statement that failed: the
+            // batch's transaction was aborted, and its `COMMIT` would have
+            // rolled everything back.
+            Err(Error::TransactionAborted) => {
+                tracing::debug!(target: "idempotent", "a statement failed in the batch: batch rolled back");
+                return Err(Error::BatchAborted);
+            }
+            Err(error) => return Err(error),
+        }
         let callbacks = std::mem::take(&mut *self.shared.after_commit.lock().unwrap_or_else(PoisonError::into_inner));
         for callback in callbacks {
             callback();

@@ -130,6 +130,7 @@ fn error_type(error: &Error) -> &'static str {
         Error::Codec(_) => "codec",
         Error::Config(_) => "config",
         Error::BatchAborted => "batch_aborted",
+        Error::TransactionAborted => "transaction_aborted",
     }
 }
 
@@ -501,10 +502,16 @@ fn note_outage(error: &Error) {
 /// scope: `idempotent_outcomes_total{scope, outcome}` through the `metrics`
 /// facade (feature `metrics`; without it, nothing). The scope is a
 /// `&'static str`, so the label borrows it rather than copying it.
+///
+/// Counted once the outcome is final: inside a batch, after the batch's
+/// commit (an aborted batch's messages run again alone and are counted
+/// then), so the counters never run ahead of what is committed.
 #[inline]
 fn count(scope: &'static str, outcome: &'static str) {
     #[cfg(feature = "metrics")]
-    metrics::counter!("idempotent_outcomes_total", "scope" => scope, "outcome" => outcome).increment(1);
+    crate::store::when_committed(move || {
+        metrics::counter!("idempotent_outcomes_total", "scope" => scope, "outcome" => outcome).increment(1)
+    });
     #[cfg(not(feature = "metrics"))]
     let _ = (scope, outcome);
 }

@@ -93,6 +93,19 @@ pub enum Error {
          with its claim open): none of its messages took effect; run them again"
     )]
     BatchAborted,
+
+    /// The handler returned `Ok`, but a statement of its body had failed
+    /// and left the database transaction unusable (on PostgreSQL a failed
+    /// statement aborts the whole transaction, and `COMMIT` then quietly
+    /// rolls it back). Nothing was committed: neither the effect nor the
+    /// marker. Return the statement's error from the handler, or run a
+    /// statement that may fail under a savepoint of its own
+    /// (`tx.begin()`), so that its failure leaves the transaction usable.
+    #[error(
+        "the handler returned Ok, but a statement of its body failed and left the transaction aborted: nothing \
+         was committed (return the statement's error, or run a statement that may fail under a savepoint)"
+    )]
+    TransactionAborted,
 }
 
 impl Error {
@@ -112,11 +125,17 @@ impl Error {
     /// error: an outage for a store that is down or a key another consumer
     /// holds (keep the message, without spending an attempt), a rejection
     /// for errors the same message will always produce (missing, invalid or
-    /// reused keys, a scope conflict, a result that cannot be stored).
+    /// reused keys, a scope conflict, a result that cannot be stored), and
+    /// a retry that spends an attempt for a transaction a failed statement
+    /// of the body aborted.
     #[cfg(any(feature = "rabbitmq", feature = "nats", feature = "redis-streams"))]
     pub fn verdict(&self) -> crate::broker::Verdict {
         if self.is_transient() {
             crate::broker::Verdict::Outage
+        } else if matches!(self, Error::TransactionAborted) {
+            // The body's failed statement may pass next time (a deadlock,
+            // a serialization failure): spend an attempt.
+            crate::broker::Verdict::Retry
         } else {
             crate::broker::Verdict::Reject
         }

@@ -6,7 +6,10 @@
 //!
 //! Only completed keys, never claims in progress: an entry is added after
 //! [`Guard::complete`] of the inner store returned `Ok` (the marker is
-//! durable), or when the inner store answered [`Claim::Done`]. Failures,
+//! durable), or when the inner store answered [`Claim::Done`]. Inside a
+//! [batch](crate::batch) both wait for the batch's commit (a marker
+//! written in the batch is not durable before it), and an aborted batch
+//! adds nothing: its messages run again alone, and are cached then. Failures,
 //! aborted claims, `InProgress` and every other error are not cached.
 //!
 //! An entry lives at most `min(ttl, max_age)`, counted from the instant the
@@ -220,21 +223,22 @@ impl<S: Store> Store for CachedStore<S> {
                         Some(f) => Known::Yes(Some(f.as_str().to_owned())),
                         None => Known::No,
                     };
-                    self.cache.insert(
-                        id,
-                        Entry {
-                            fingerprint,
-                            // A request that needs no read (a `()` result,
-                            // no fingerprint) may get a replay the inner
-                            // store did not read: unknown for others.
-                            result: if req.needs_read() {
-                                Known::Yes(replay.json().map(str::to_owned))
-                            } else {
-                                Known::No
-                            },
-                            expires_at,
+                    let entry = Entry {
+                        fingerprint,
+                        // A request that needs no read (a `()` result,
+                        // no fingerprint) may get a replay the inner
+                        // store did not read: unknown for others.
+                        result: if req.needs_read() {
+                            Known::Yes(replay.json().map(str::to_owned))
+                        } else {
+                            Known::No
                         },
-                    );
+                        expires_at,
+                    };
+                    // Inside a batch the marker may be one this batch wrote
+                    // and has not committed: cached after its commit.
+                    let cache = Arc::clone(&self.cache);
+                    crate::store::when_committed(move || cache.insert(id, entry));
                 }
                 Ok(Claim::Done(replay))
             }
@@ -323,15 +327,18 @@ impl<G: Guard> Guard for CachedGuard<G> {
         };
         let cached = result.clone();
         inner.complete(result).await?;
-        // Durable now: later duplicates can be answered from memory.
-        fill.cache.insert(
-            fill.id,
-            Entry {
-                fingerprint: fill.fingerprint,
-                result: Known::Yes(cached),
-                expires_at: fill.expires_at,
-            },
-        );
+        // Durable now (inside a batch, once the batch commits): later
+        // duplicates can be answered from memory.
+        crate::store::when_committed(move || {
+            fill.cache.insert(
+                fill.id,
+                Entry {
+                    fingerprint: fill.fingerprint,
+                    result: Known::Yes(cached),
+                    expires_at: fill.expires_at,
+                },
+            )
+        });
         Ok(())
     }
 

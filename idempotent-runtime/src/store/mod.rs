@@ -155,6 +155,18 @@ fn duration_millis(d: Duration) -> i64 {
     i64::try_from(d.as_millis()).unwrap_or(i64::MAX).max(1)
 }
 
+/// Runs `f`, which tells something outside the database that a key is
+/// done (the cache of completed keys, the outcome counters), once that is
+/// committed: at once after a claim that committed alone, after the commit
+/// of the batch whose member this task is (never, if the batch rolls back).
+#[inline]
+pub(crate) fn when_committed<F: FnOnce() + Send + 'static>(f: F) {
+    #[cfg(feature = "sqlx")]
+    crate::batch::when_committed(f);
+    #[cfg(not(feature = "sqlx"))]
+    f();
+}
+
 /// The outcome of a claim.
 #[derive(Debug)]
 pub enum Claim<G> {

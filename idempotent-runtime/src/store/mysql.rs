@@ -515,7 +515,12 @@ impl crate::batch::BatchStore for MySqlStore {
 
 impl crate::store::StagesOutbox for MySqlStore {}
 
-sql_backend!(MySql, sqlx::MySqlConnection, stage_outbox);
+sql_backend!(
+    MySql,
+    sqlx::MySqlConnection,
+    stage_outbox,
+    crate::store::sql::plain_commit
+);
 
 impl crate::janitor::PurgeExpired for MySqlStore {
     /// Expired markers, then dispatched outgoing messages past the

@@ -41,10 +41,46 @@ const AT_READ_COMMITTED: &str = "CASE current_setting('transaction_isolation') W
 /// The mark of [`AT_READ_COMMITTED`]'s failure.
 const NOT_READ_COMMITTED: &str = "idempotent: claim not at read committed";
 
-/// The same, for sessions whose `synchronous_commit` is `off`: a commit
-/// that returns before it is durable would let the broker's message be
-/// acknowledged for an effect that a server crash then loses.
-const BEGIN_READ_COMMITTED_DURABLE: &str = "BEGIN ISOLATION LEVEL READ COMMITTED; SET LOCAL synchronous_commit = on";
+/// How every claim's transaction (alone or a batch's) ends, in one round
+/// trip (one simple query, three statements):
+///
+/// 1. `synchronous_commit` is set back `on` for this transaction when the
+///    session has it `off` at this moment (whatever the server's, the
+///    database's, the role's or the session's setting, and whenever it
+///    changed): a commit that returns before it is durable would let the
+///    broker's message be acknowledged for an effect that a server crash
+///    then loses. Other values (`local`, `remote_write`, `remote_apply`)
+///    all flush the WAL locally before the commit returns, and are kept.
+/// 2. The same `SELECT` fails (25P02) when a statement of the body failed
+///    and aborted the transaction: PostgreSQL would answer `COMMIT` with a
+///    `ROLLBACK` and no error, and the message would be acknowledged for
+///    nothing. The rest of the query is then skipped.
+/// 3. `COMMIT`, then `BEGIN`: sqlx still counts the transaction as open,
+///    so dropping it queues a `ROLLBACK`, which then ends this empty
+///    transaction (sent with the connection's release, no round trip of
+///    its own) instead of drawing a "no transaction in progress" warning.
+const COMMIT_DURABLE: &str = "SELECT set_config('synchronous_commit', 'on', true) \
+     WHERE current_setting('synchronous_commit') = 'off'; COMMIT; BEGIN";
+
+/// PostgreSQL's "current transaction is aborted, commands ignored until end
+/// of transaction block".
+const IN_FAILED_TRANSACTION: &str = "25P02";
+
+/// [`SqlBackend::commit`](crate::store::sql::SqlBackend::commit) on
+/// PostgreSQL: [`COMMIT_DURABLE`].
+async fn commit(mut tx: sqlx::Transaction<'static, Postgres>) -> Result<(), Error> {
+    let ended = sqlx::raw_sql(AssertSqlSafe(COMMIT_DURABLE)).execute(&mut *tx).await;
+    // Committed: `tx` holds the empty transaction `BEGIN` opened, and
+    // dropping it rolls that back. Failed: it rolls the claim back.
+    drop(tx);
+    match ended {
+        Ok(_) => Ok(()),
+        Err(sqlx::Error::Database(db)) if db.code().as_deref() == Some(IN_FAILED_TRANSACTION) => {
+            Err(Error::TransactionAborted)
+        }
+        Err(error) => Err(error.into()),
+    }
+}
 
 /// Every claim's conflict clause (on the marker table as `m`): an expired
 /// marker is taken over, a live one is not. `DO UPDATE` locks the
@@ -66,9 +102,12 @@ fn no_live_marker(t: &str, scope: &str, key: &str) -> String {
 /// The transaction runs at Read Committed whatever the server's or role's
 /// `default_transaction_isolation` (also when it changes while the store
 /// runs: the claim statement refuses another level, and the store then sets
-/// it in `BEGIN`), and with `synchronous_commit` on when
-/// the sessions have it `off` (the message is acknowledged after the
-/// commit, so the commit must be durable). A concurrent duplicate waits on the
+/// it in `BEGIN`), and commits with `synchronous_commit` on whenever the
+/// session has it `off` at that moment (the message is acknowledged after
+/// the commit, so the commit must be durable). A handler that returns `Ok`
+/// after a statement of its body failed (which aborts a PostgreSQL
+/// transaction) gets [`Error::TransactionAborted`], not an acknowledgement
+/// of a commit that PostgreSQL turned into a rollback. A concurrent duplicate waits on the
 /// marker's primary key until the first call commits (then it replays the
 /// result) or rolls back (then it runs the body itself). Expiry is computed
 /// by the database clock.
@@ -79,9 +118,6 @@ pub struct PgStore {
     pool: PgPool,
     sql: Arc<PgSql>,
     outbox: Arc<PgOutbox>,
-    /// How claims begin, decided on the first claim from the sessions'
-    /// `synchronous_commit`.
-    begin: Arc<tokio::sync::OnceCell<&'static str>>,
     /// Set once a claim met a session whose default isolation is not Read
     /// Committed: single claims then set the level in `BEGIN`.
     set_isolation: Arc<std::sync::atomic::AtomicBool>,
@@ -260,7 +296,6 @@ impl PgStore {
                 crate::table::TableName::outbox(),
                 DEFAULT_OUTBOX_RETENTION,
             ))),
-            begin: Arc::default(),
             set_isolation: Arc::default(),
         }
     }
@@ -379,42 +414,13 @@ impl PgStore {
 }
 
 impl PgStore {
-    /// The statement that begins a claim: with `synchronous_commit` forced
-    /// back on when the sessions run with it `off` (asked once per store).
-    async fn begin_statement(&self) -> Result<&'static str, Error> {
-        if let Some(begin) = self.begin.get() {
-            return Ok(begin);
-        }
-        let begin = self
-            .begin
-            .get_or_try_init(|| async {
-                let setting: String = sqlx::query_scalar("SELECT current_setting('synchronous_commit')")
-                    .fetch_one(&self.pool)
-                    .await?;
-                if setting == "off" {
-                    tracing::info!(
-                        target: "idempotent",
-                        "synchronous_commit is off for this pool's sessions: claims set it on for their own \
-                         transactions, so an acknowledged message's effect cannot be lost by a server crash"
-                    );
-                    Ok::<_, Error>(BEGIN_READ_COMMITTED_DURABLE)
-                } else {
-                    Ok(BEGIN_READ_COMMITTED)
-                }
-            })
-            .await?;
-        Ok(begin)
-    }
-
     /// Begins a single claim's transaction and runs the claim statement:
     /// with a plain `BEGIN` until a session shows another default isolation
     /// than Read Committed (the statement refuses to run there), then with
     /// the level set in `BEGIN`. Whether the claim is fresh.
     async fn claim_alone(&self, req: &Request<'_>) -> Result<(sqlx::Transaction<'static, Postgres>, bool), Error> {
         use std::sync::atomic::Ordering;
-        let begin = self.begin_statement().await?;
-        let checked = begin == BEGIN_READ_COMMITTED && !self.set_isolation.load(Ordering::Relaxed);
-        if checked {
+        if !self.set_isolation.load(Ordering::Relaxed) {
             let mut tx = self.pool.begin_with(BEGIN_PLAIN).await?;
             match self.claim_statement(&mut tx, req).await {
                 Ok(claimed) => return Ok((tx, claimed)),
@@ -433,7 +439,7 @@ impl PgStore {
                 Err(error) => return Err(error.into()),
             }
         }
-        let mut tx = self.pool.begin_with(begin).await?;
+        let mut tx = self.pool.begin_with(BEGIN_READ_COMMITTED).await?;
         let claimed = self.claim_statement(&mut tx, req).await?;
         Ok((tx, claimed))
     }
@@ -655,11 +661,10 @@ impl PgStore {
         partitions: &Partitions,
         req: &Request<'_>,
     ) -> Result<Claim<SqlGuard<Postgres>>, Error> {
-        let begin = self.begin_statement().await?;
         let mut attempts = 0;
         loop {
             attempts += 1;
-            let mut tx = self.pool.begin_with(begin).await?;
+            let mut tx = self.pool.begin_with(BEGIN_READ_COMMITTED).await?;
             sqlx::query(AssertSqlSafe(Arc::clone(&partitions.claim_lock)))
                 .bind(req.scope())
                 .bind(req.key())
@@ -705,13 +710,13 @@ impl TransactionalStore for PgStore {
 }
 
 impl crate::batch::BatchStore for PgStore {
-    /// A transaction begun like a claim's (Read Committed, durable commit).
+    /// A transaction begun like a claim's (Read Committed), and committed
+    /// like one (durably; a statement failed in it rolls it back).
     /// A [`partitioned`](PgStoreBuilder::partitioned) store's claims do not
     /// join it: each keeps its own transaction (its claim may have to create
     /// a partition outside any transaction).
     async fn begin_batch(&self) -> Result<crate::batch::Batch, Error> {
-        let begin = self.begin_statement().await?;
-        let tx = self.pool.begin_with(begin).await?;
+        let tx = self.pool.begin_with(BEGIN_READ_COMMITTED).await?;
         let bulk = match self.sql.partitions {
             Some(_) => None,
             None => Some(bulk_claim(Arc::clone(&self.sql))),
@@ -722,7 +727,7 @@ impl crate::batch::BatchStore for PgStore {
 
 impl crate::store::StagesOutbox for PgStore {}
 
-sql_backend!(Postgres, sqlx::PgConnection, stage_outbox);
+sql_backend!(Postgres, sqlx::PgConnection, stage_outbox, commit);
 
 impl crate::janitor::PurgeExpired for PgStore {
     /// Expired markers, then dispatched outgoing messages past the

@@ -49,12 +49,26 @@ pub trait SqlBackend: sqlx::Database {
         table: &'a str,
         rows: Vec<StagedRow>,
     ) -> impl Future<Output = Result<(), sqlx::Error>> + Send + 'a;
+
+    /// Commits a claim's transaction (alone or a batch's), durably: after it
+    /// returns `Ok` the message may be acknowledged.
+    /// [`Error::TransactionAborted`] when a statement of the body had
+    /// aborted the transaction (nothing was committed).
+    fn commit(tx: Transaction<'static, Self>) -> impl Future<Output = Result<(), Error>> + Send;
+}
+
+/// [`SqlBackend::commit`] where a failed statement leaves the transaction
+/// usable (MySQL/MariaDB, SQLite roll back the statement alone), so
+/// `COMMIT` commits whatever the body did and reports any failure.
+#[cfg(any(feature = "mysql", feature = "sqlite"))]
+pub(crate) async fn plain_commit<DB: sqlx::Database>(tx: Transaction<'static, DB>) -> Result<(), Error> {
+    Ok(tx.commit().await?)
 }
 
 /// Implements [`SqlBackend`] for a sqlx database: the statement is the
 /// backend's own (built in its file), the binding the same for all.
 macro_rules! sql_backend {
-    ($db:ty, $conn:ty, $stage:path) => {
+    ($db:ty, $conn:ty, $stage:path, $commit:path) => {
         impl $crate::store::sql::SqlBackend for $db {
             async fn write_result<'a>(
                 conn: &'a mut $conn,
@@ -92,6 +106,12 @@ macro_rules! sql_backend {
                 rows: Vec<$crate::outbox::StagedRow>,
             ) -> impl ::std::future::Future<Output = Result<(), sqlx::Error>> + Send + 'a {
                 $stage(conn, table, rows)
+            }
+
+            fn commit(
+                tx: sqlx::Transaction<'static, $db>,
+            ) -> impl ::std::future::Future<Output = Result<(), $crate::Error>> + Send {
+                $commit(tx)
             }
         }
     };
@@ -381,7 +401,7 @@ impl<DB: SqlBackend> Guard for SqlGuard<DB> {
             )
             .await?;
         }
-        self.tx.commit().await?;
+        DB::commit(self.tx).await?;
         if self.staged {
             self.outbox.waker.notify_one();
         }

@@ -349,7 +349,12 @@ impl crate::batch::BatchStore for SqliteStore {
 
 impl crate::store::StagesOutbox for SqliteStore {}
 
-sql_backend!(Sqlite, sqlx::SqliteConnection, stage_outbox);
+sql_backend!(
+    Sqlite,
+    sqlx::SqliteConnection,
+    stage_outbox,
+    crate::store::sql::plain_commit
+);
 
 /// No janitor lock (the default, [`JanitorLock::unshared`](crate::store::JanitorLock::unshared)):
 /// SQLite runs one write transaction at a time, so janitors of several
