@@ -286,6 +286,129 @@ async fn a_relay_drains_postgres_into_rabbitmq() {
     drop_tables(&tables).await;
 }
 
+/// One round of many rows published at once on the relay's connection,
+/// routable rows (to a queue) and unroutable ones (to no queue) interleaved:
+/// each row is settled by its own outcome. An unroutable row marked
+/// dispatched is lost (never delivered, never retried); a routed row
+/// reported as returned is held back and published a second time later.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_round_settles_each_row_by_its_own_confirm_among_unroutable_ones() {
+    const ROWS: usize = 200;
+    // A transient queue: the broker confirms a routed message at once, so
+    // routed and unroutable messages share the broker's `multiple` acks (a
+    // durable queue confirms after its disk write, later).
+    let conn = Connection::connect(AMQP_URL, ConnectionProperties::default())
+        .await
+        .expect("RabbitMQ at 127.0.0.1:5672");
+    let channel = conn.create_channel().await.unwrap();
+    let queue = common::unique("outbox_mixed");
+    channel
+        .queue_declare(
+            queue.as_str().into(),
+            QueueDeclareOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    let pool = common::pg_pool(8).await;
+    let tables = Tables {
+        pool: pool.clone(),
+        markers: common::unique("markers"),
+        outbox: common::unique("outbox"),
+    };
+    let store = PgStore::builder(pool.clone())
+        .table(&tables.markers)
+        .outbox_table(&tables.outbox)
+        .build()
+        .unwrap();
+    store.migrate().await.unwrap();
+    // A queue name nobody declares: the default exchange routes it nowhere.
+    let nowhere = common::unique("outbox_nowhere");
+    let routed = Payments {
+        store: store.clone(),
+        destination: queue.clone(),
+    };
+    let unroutable = Payments {
+        store: store.clone(),
+        destination: nowhere.clone(),
+    };
+    for i in 0..ROWS {
+        if i % 2 == 0 {
+            routed.charge(&format!("r{i}")).await.unwrap();
+        } else {
+            unroutable.charge(&format!("u{i}")).await.unwrap();
+        }
+    }
+    // One round takes every row; a failed row is not tried again during the
+    // test.
+    let relay = Relay::builder(store.clone(), RabbitPublisher::new(AMQP_URL))
+        .batch_size(ROWS as u32)
+        .poll_interval(Duration::from_millis(50))
+        .retry_backoff(Duration::from_secs(600), Duration::from_secs(600))
+        .spawn();
+    let stats = relay.stats();
+    let started = tokio::time::Instant::now();
+    while stats.published() + stats.retried() < ROWS as u64 {
+        assert!(started.elapsed() < Duration::from_secs(30), "the round did not settle");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let elapsed = started.elapsed();
+    relay.shutdown().await;
+    assert_eq!(stats.rounds(), 1, "one round published every row");
+
+    let outbox = &tables.outbox;
+    let rows: Vec<(String, String, bool)> = sqlx::query_as(AssertSqlSafe(format!(
+        "SELECT message_id, destination, dispatched_at IS NOT NULL FROM {outbox} ORDER BY id"
+    )))
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert_eq!(rows.len(), ROWS);
+    let mut routed_ids: Vec<String> = rows
+        .iter()
+        .filter(|(_, destination, _)| *destination == queue)
+        .map(|(id, _, _)| id.clone())
+        .collect();
+    // Unroutable rows marked dispatched: lost.
+    let lost = rows
+        .iter()
+        .filter(|(_, destination, dispatched)| *destination == nowhere && *dispatched)
+        .count();
+    // Routed rows reported as returned: published again later.
+    let held_back = rows
+        .iter()
+        .filter(|(_, destination, dispatched)| *destination == queue && !*dispatched)
+        .count();
+    let mut delivered: Vec<String> = rabbit_drain(&channel, &queue)
+        .await
+        .iter()
+        .map(|m| m.delivery.properties.message_id().as_ref().unwrap().to_string())
+        .collect();
+    eprintln!(
+        "{ROWS} rows ({} routable, {} unroutable) published in one round in {elapsed:?}: \
+         {lost} unroutable rows marked dispatched, {held_back} routed rows reported returned \
+         ({} wrong outcomes of {ROWS})",
+        routed_ids.len(),
+        ROWS - routed_ids.len(),
+        lost + held_back
+    );
+    channel
+        .queue_delete(queue.as_str().into(), QueueDeleteOptions::default())
+        .await
+        .unwrap();
+    drop_tables(&tables).await;
+    assert_eq!(
+        (lost, held_back),
+        (0, 0),
+        "each row's outcome is its own publish's: unroutable rows failed, routed rows dispatched"
+    );
+    assert_eq!(stats.published(), routed_ids.len() as u64);
+    assert_eq!(stats.retried(), (ROWS - routed_ids.len()) as u64);
+    delivered.sort();
+    routed_ids.sort();
+    assert_eq!(delivered, routed_ids, "every routed row delivered once");
+}
+
 #[tokio::test]
 async fn a_relay_drains_postgres_into_jetstream() {
     let (js, stream, subject) = nats_stream().await;

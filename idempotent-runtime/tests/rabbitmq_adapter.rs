@@ -473,6 +473,267 @@ async fn quorum_queues_count_attempts_and_take_dead_letters() {
     fx.cleanup().await;
 }
 
+/// Many retries and dead letters published at once on one connection, some
+/// dead letters routable and others not: each delivery is settled by its own
+/// publish's outcome.
+///
+/// Three kinds of messages, interleaved, consumed by 48 handlers at once:
+/// `a-*` fail for good and their dead letters route to a queue (through a
+/// headers exchange, by the message's `route: yes` header); `b-*` fail for
+/// good and their dead letters route nowhere (`route: no`), so they must go
+/// back to their queue, again and again, never acknowledged; `c-*` fail once
+/// (retried: a copy to the queue) and succeed on their second attempt. The
+/// queues are transient: the broker confirms routed messages at once, so
+/// they share its `multiple` acks with the unroutable ones.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_retry_and_dead_letter_is_settled_by_its_own_confirm_among_unroutable_ones() {
+    const EACH: usize = 40;
+    let conn = connect().await;
+    let admin = conn.create_channel().await.unwrap();
+    admin.confirm_select(ConfirmSelectOptions::default()).await.unwrap();
+    let queue = unique("mixed");
+    let routed = unique("mixed.dead");
+    for q in [&queue, &routed] {
+        admin
+            .queue_declare(q.as_str().into(), QueueDeclareOptions::default(), FieldTable::default())
+            .await
+            .unwrap();
+    }
+    let exchange = unique("mixed.dlx");
+    admin
+        .exchange_declare(
+            exchange.as_str().into(),
+            ExchangeKind::Headers,
+            ExchangeDeclareOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    let mut binding = FieldTable::default();
+    binding.insert("x-match".into(), AMQPValue::LongString("all".into()));
+    binding.insert("route".into(), AMQPValue::LongString("yes".into()));
+    admin
+        .queue_bind(
+            routed.as_str().into(),
+            exchange.as_str().into(),
+            "".into(),
+            QueueBindOptions::default(),
+            binding,
+        )
+        .await
+        .unwrap();
+
+    let mut ids = Vec::new();
+    for i in 0..EACH {
+        for (kind, route) in [("a", "yes"), ("b", "no"), ("c", "no")] {
+            let id = format!("{kind}-{i}");
+            let mut headers = FieldTable::default();
+            headers.insert("route".into(), AMQPValue::LongString(route.into()));
+            let body = serde_json::to_vec(&Payment {
+                message_id: id.clone(),
+                amount: 1,
+            })
+            .unwrap();
+            let confirm = admin
+                .basic_publish(
+                    "".into(),
+                    queue.as_str().into(),
+                    BasicPublishOptions::default(),
+                    &body,
+                    BasicProperties::default()
+                        .with_message_id(id.as_str().into())
+                        .with_headers(headers),
+                )
+                .await
+                .unwrap()
+                .await
+                .unwrap();
+            assert!(confirm.is_ack());
+            ids.push(id);
+        }
+    }
+
+    // Handler calls: the attempts each message id was called with.
+    let calls: Arc<Mutex<HashMap<String, Vec<u32>>>> = Arc::default();
+    let consumer = RabbitConsumer::builder(AMQP_URL, &queue)
+        .prefetch(200)
+        .concurrency(48)
+        .max_attempts(3)
+        .retry_backoff(fast_retries())
+        .retry_if(|err: &String| err == "retry")
+        .dead_letter_exchange(exchange.as_str(), "failed")
+        .build()
+        .unwrap();
+    let shutdown = CancellationToken::new();
+    let seen = Arc::clone(&calls);
+    let started = tokio::time::Instant::now();
+    let run = tokio::spawn(consumer.run_with_info(
+        move |msg: Payment, info: DeliveryInfo| {
+            seen.lock()
+                .unwrap()
+                .entry(msg.message_id.clone())
+                .or_default()
+                .push(info.attempt);
+            async move {
+                match msg.message_id.split('-').next() {
+                    Some("c") if info.attempt == 1 => Err("retry".to_owned()),
+                    Some("c") => Ok(()),
+                    _ => Err("refused".to_owned()),
+                }
+            }
+        },
+        shutdown.clone(),
+    ));
+    // Until every `c` ran its second attempt, every `b` was handed back and
+    // delivered again twice, and the `a` dead letters are in their queue.
+    let deadline = started + WAIT;
+    loop {
+        let settled = {
+            let calls = calls.lock().unwrap();
+            (0..EACH).all(|i| {
+                calls.get(&format!("c-{i}")).is_some_and(|a| a.contains(&2))
+                    && calls.get(&format!("b-{i}")).is_some_and(|a| a.len() >= 3)
+            })
+        };
+        if settled && fx_ready(&admin, &routed).await >= EACH as u32 {
+            break;
+        }
+        if tokio::time::Instant::now() > deadline {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let elapsed = started.elapsed();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    shutdown.cancel();
+    let stats_end = run.await.unwrap().unwrap();
+
+    // Where each message ended up.
+    let count = |messages: &[BasicGetMessage]| {
+        let mut by_id: HashMap<String, usize> = HashMap::new();
+        for m in messages {
+            let id = m.delivery.properties.message_id().as_ref().unwrap().to_string();
+            *by_id.entry(id).or_default() += 1;
+        }
+        by_id
+    };
+    let dead = count(&drain_queue(&admin, &routed).await);
+    let left = count(&drain_queue(&admin, &queue).await);
+    let calls = calls.lock().unwrap().clone();
+    let (mut lost_b, mut wrong_a, mut wrong_c) = (0usize, 0usize, 0usize);
+    for i in 0..EACH {
+        // A dead letter that was routed: in the dead-letter queue once.
+        let a = format!("a-{i}");
+        wrong_a += dead.get(&a).copied().unwrap_or(0).abs_diff(1) + left.get(&a).copied().unwrap_or(0);
+        // A dead letter that could not be routed: the message is back in
+        // its queue, once, and nowhere else.
+        let b = format!("b-{i}");
+        if left.get(&b).copied().unwrap_or(0) != 1 || dead.contains_key(&b) {
+            lost_b += 1;
+        }
+        // A retried message: one copy, so one second attempt, and nothing
+        // left behind.
+        let c = format!("c-{i}");
+        let second = calls.get(&c).map_or(0, |a| a.iter().filter(|n| **n == 2).count());
+        wrong_c += second.abs_diff(1) + left.get(&c).copied().unwrap_or(0) + dead.get(&c).copied().unwrap_or(0);
+    }
+    let publishes: usize = calls.values().map(Vec::len).sum();
+    eprintln!(
+        "{} messages, {publishes} handler calls (each a retry or dead-letter publish but for the `c` second \
+         attempts) in {elapsed:?}: {lost_b} of {EACH} unroutable dead letters reported stored (message lost), \
+         {wrong_a} wrong routed dead letters of {EACH}, {wrong_c} wrong retries of {EACH}; \
+         dead_lettered = {}, retried = {}",
+        ids.len(),
+        stats_end.dead_lettered,
+        stats_end.retried,
+    );
+
+    for q in [&queue, &routed] {
+        admin
+            .queue_delete(q.as_str().into(), QueueDeleteOptions::default())
+            .await
+            .unwrap();
+    }
+    admin
+        .exchange_delete(exchange.as_str().into(), ExchangeDeleteOptions::default())
+        .await
+        .unwrap();
+    let _ = conn.close(200, "test done".into()).await;
+
+    assert_eq!(
+        (lost_b, wrong_a, wrong_c),
+        (0, 0, 0),
+        "each delivery settled by its own publish's outcome"
+    );
+    assert_eq!(stats_end.dead_lettered, EACH as u64);
+    assert_eq!(stats_end.retried, EACH as u64);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_letter_exchange_deleted_while_consuming_stops_the_consumer_and_keeps_the_message() {
+    let fx = Fixture::new("dlx-gone").await;
+    let bound = unique("dlx-gone.dead");
+    let exchange = fx.exchange(ExchangeKind::Direct, &[(&bound, "failed")]).await;
+    let consumer = RabbitConsumer::builder(AMQP_URL, &fx.queue)
+        .retry_if(|_: &String| false)
+        .dead_letter_exchange(exchange.as_str(), "failed")
+        .build()
+        .unwrap();
+    let stats = consumer.stats();
+    let run = tokio::spawn(consumer.run(
+        |msg: Payment| async move {
+            if msg.message_id.starts_with("ok") {
+                Ok(())
+            } else {
+                Err("refused".to_owned())
+            }
+        },
+        CancellationToken::new(),
+    ));
+    fx.publish_payment("ok-1", 1).await;
+    wait_until("the ack", || stats.snapshot().acked == 1).await;
+    // The exchange goes away under the running consumer: publishing the
+    // dead letter fails, the consumer connects again and its topology check
+    // finds the exchange missing; the message stays in its queue.
+    fx.delete_exchange(&exchange, &[&bound]).await;
+    fx.publish_payment("fail-1", 1).await;
+    let err = tokio::time::timeout(WAIT, run)
+        .await
+        .expect("the consumer stops")
+        .unwrap()
+        .unwrap_err();
+    assert!(err.to_string().contains("dead-letter exchange"), "{err}");
+    assert_eq!(stats.snapshot().dead_lettered, 0);
+    assert_eq!(fx.ready(&fx.queue).await, 1, "the message is kept");
+    fx.cleanup().await;
+}
+
+/// Ready messages in `queue`.
+async fn fx_ready(admin: &Channel, queue: &str) -> u32 {
+    let options = QueueDeclareOptions {
+        passive: true,
+        ..QueueDeclareOptions::default()
+    };
+    admin
+        .queue_declare(queue.into(), options, FieldTable::default())
+        .await
+        .unwrap()
+        .message_count()
+}
+
+/// Takes every message of `queue`.
+async fn drain_queue(admin: &Channel, queue: &str) -> Vec<BasicGetMessage> {
+    let mut out = Vec::new();
+    while let Some(msg) = admin
+        .basic_get(queue.into(), BasicGetOptions { no_ack: true })
+        .await
+        .unwrap()
+    {
+        out.push(msg);
+    }
+    out
+}
+
 /// Whether `queue` exists (a passive declare on a channel of its own).
 async fn exists(conn: &Connection, queue: &str) -> bool {
     let channel = conn.create_channel().await.unwrap();

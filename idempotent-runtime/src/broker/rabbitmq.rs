@@ -21,7 +21,10 @@
 //! idempotent handler absorbs that, as it absorbs every other redelivery.
 //! Nothing is ever dropped: when a copy or a dead letter cannot be published
 //! (unroutable, refused by the broker), the original is handed back with
-//! `basic.nack(requeue)` instead.
+//! `basic.nack(requeue)` instead. Copies and dead letters are published on
+//! channels of their own, one publish in flight on each, so that the
+//! broker's answer (confirmed, returned as unroutable, refused) is that of
+//! the very message, however many handlers publish at once.
 //!
 //! A delivery redelivered by the broker after a crash (the consumer died
 //! before its ack) keeps its attempt number on classic queues; on quorum
@@ -80,13 +83,14 @@ use std::time::Duration;
 use futures_util::StreamExt;
 use lapin::message::Delivery as AmqpDelivery;
 use lapin::options::{
-    BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicNackOptions, BasicPublishOptions, BasicQosOptions,
-    ConfirmSelectOptions, ExchangeDeclareOptions, QueueDeclareOptions,
+    BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicNackOptions, BasicQosOptions,
+    ExchangeDeclareOptions, QueueDeclareOptions,
 };
 use lapin::tcp::OwnedTLSConfig;
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
-use lapin::{BasicProperties, Channel, Confirmation, Connection, ConnectionProperties, ExchangeKind};
+use lapin::{BasicProperties, Channel, Connection, ConnectionProperties, ExchangeKind};
 
+use self::confirm::{ConfirmedPublisher, Unconfirmed};
 use super::pipeline::{self, Broker, Connect, Letter, Meta, Next, Settle};
 pub use super::{
     Backoff, CancellationToken, Classify, ConsumerError, ConsumerOptions, ConsumerStats, Decoder, DeliveryInfo,
@@ -94,6 +98,8 @@ pub use super::{
     RunStats, Verdict, shutdown_on_signal,
 };
 use super::{Consumer, ConsumerBuilder, TRACING_TARGET, sleep_unless_cancelled};
+
+pub(crate) mod confirm;
 
 /// Header RabbitMQ quorum queues set to the number of earlier deliveries.
 const DELIVERY_COUNT: &str = "x-delivery-count";
@@ -315,11 +321,9 @@ impl Broker for Rabbit {
             .map_err(|err| Connect::Failed(format!("cannot connect to RabbitMQ: {err}")))?;
         let result = async {
             self.ensure_topology(&conn, &ready).await?;
+            // Retries and dead letters are published on channels of their
+            // own (see `confirm`), not on this one.
             let channel = conn.create_channel().await.map_err(lost)?;
-            channel
-                .confirm_select(ConfirmSelectOptions::default())
-                .await
-                .map_err(lost)?;
             channel
                 .basic_qos(self.prefetch, BasicQosOptions::default())
                 .await
@@ -348,10 +352,10 @@ impl Broker for Rabbit {
         Ok(Session {
             shared: Arc::new(Shared {
                 channel,
+                publisher: ConfirmedPublisher::new(conn),
                 queue: ready.queue,
                 dead_letter: ready.dead_letter,
             }),
-            conn,
             tag: consumer.tag(),
             consumer,
         })
@@ -454,7 +458,11 @@ impl Rabbit {
 
 /// What the deliveries of one connection share.
 struct Shared {
+    /// The consuming channel.
     channel: Channel,
+    /// The connection, and the channels retries and dead letters are
+    /// published on.
+    publisher: ConfirmedPublisher,
     queue: ShortString,
     dead_letter: DeadLetter,
 }
@@ -462,7 +470,6 @@ struct Shared {
 /// A connection consuming the queue.
 pub struct Session {
     shared: Arc<Shared>,
-    conn: Connection,
     tag: ShortString,
     consumer: lapin::Consumer,
 }
@@ -494,11 +501,9 @@ impl pipeline::Session for Session {
     }
 
     async fn close(self) {
-        if self.conn.status().connected()
-            && let Err(err) = self
-                .conn
-                .close(200, ShortString::from("idempotent consumer stopped"))
-                .await
+        let conn = self.shared.publisher.connection();
+        if conn.status().connected()
+            && let Err(err) = conn.close(200, ShortString::from("idempotent consumer stopped")).await
         {
             tracing::debug!(target: TRACING_TARGET, error = %err, "closing the connection failed");
         }
@@ -546,40 +551,46 @@ impl Delivery {
         Delivery { shared, delivery, meta }
     }
 
-    /// Publishes with `mandatory` and waits for the broker's confirm.
+    /// Publishes the delivery's body with `mandatory` and waits for the
+    /// broker's confirmation of this very message ([`confirm`]): `Ok` only
+    /// once the broker stored it in a queue.
     async fn publish(
         &self,
         exchange: &ShortString,
         routing_key: &ShortString,
         props: BasicProperties,
     ) -> Result<(), Settle> {
-        let options = BasicPublishOptions {
-            mandatory: true,
-            immediate: false,
-        };
-        let confirm = self
+        let published = self
             .shared
-            .channel
-            .basic_publish(
-                exchange.clone(),
-                routing_key.clone(),
-                options,
-                &self.delivery.data,
-                props,
-            )
-            .await
-            .map_err(lost_settle)?
-            .await
-            .map_err(lost_settle)?;
-        match confirm {
-            Confirmation::Ack(None) | Confirmation::NotRequested => Ok(()),
-            Confirmation::Ack(Some(returned)) => Err(Settle::Refused(format!(
-                "unroutable to exchange `{exchange}` with routing key `{routing_key}`: {} {}",
-                returned.reply_code, returned.reply_text
+            .publisher
+            .publish(exchange.clone(), routing_key.clone(), &self.delivery.data, props)
+            .await;
+        match published {
+            Ok(()) => Ok(()),
+            Err(Unconfirmed::Returned { reply_code, reply_text }) => Err(Settle::Refused(format!(
+                "unroutable to exchange `{exchange}` with routing key `{routing_key}`: {reply_code} {reply_text}"
             ))),
-            Confirmation::Nack(_) => Err(Settle::Refused(format!(
+            Err(Unconfirmed::Nacked) => Err(Settle::Refused(format!(
                 "the broker refused the message for `{routing_key}` (nack)"
             ))),
+            Err(unconfirmed @ Unconfirmed::NotConfirmed) => Err(Settle::Refused(unconfirmed.to_string())),
+            Err(Unconfirmed::Failed(why)) => {
+                // The publishing channel failed (an exchange deleted since
+                // the consumer connected closes it). Start over on a new
+                // connection, as when the publish shared the consuming
+                // channel: its topology check reports what is missing, and
+                // the broker redelivers the message.
+                if self.shared.channel.status().connected()
+                    && let Err(err) = self
+                        .shared
+                        .channel
+                        .close(200, ShortString::from("a publish failed: reconnecting"))
+                        .await
+                {
+                    tracing::debug!(target: TRACING_TARGET, error = %err, "closing the consuming channel failed");
+                }
+                Err(Settle::Lost(why))
+            }
         }
     }
 }

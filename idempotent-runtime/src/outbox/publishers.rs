@@ -10,13 +10,14 @@ pub use self::redis_streams::StreamPublisher;
 
 #[cfg(feature = "rabbitmq")]
 mod rabbitmq {
-    use lapin::Confirmation;
-    use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
+    use std::sync::Arc;
+
     use lapin::tcp::OwnedTLSConfig;
     use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
-    use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
+    use lapin::{BasicProperties, Connection, ConnectionProperties};
     use tokio::sync::Mutex;
 
+    use crate::broker::rabbitmq::confirm::{ConfirmedPublisher, Unconfirmed};
     use crate::outbox::{OutboxRow, PublishError, Publisher};
 
     /// Publishes outbox rows to RabbitMQ: on an exchange (the default
@@ -25,6 +26,9 @@ mod rabbitmq {
     /// `message_id`, and `mandatory`: a row is dispatched only once the
     /// broker confirmed it *and* routed it to a queue (an unroutable
     /// message is returned and the row retried, not silently dropped).
+    /// Each row's outcome is its own, however many rows are in flight:
+    /// every publish has a channel of the connection to itself until the
+    /// broker confirmed it.
     ///
     /// It connects on the first publish and again after a lost connection.
     ///
@@ -41,7 +45,7 @@ mod rabbitmq {
         exchange: String,
         properties: ConnectionProperties,
         tls: OwnedTLSConfig,
-        link: Mutex<Option<(Connection, Channel)>>,
+        link: Mutex<Option<Arc<ConfirmedPublisher>>>,
     }
 
     impl std::fmt::Debug for RabbitPublisher {
@@ -78,32 +82,32 @@ mod rabbitmq {
             self
         }
 
-        /// The open channel, connecting first if there is none.
-        async fn channel(&self) -> Result<Channel, PublishError> {
+        /// The open connection, connecting first if there is none.
+        async fn link(&self) -> Result<Arc<ConfirmedPublisher>, PublishError> {
             let mut link = self.link.lock().await;
-            if let Some((conn, channel)) = link.as_ref()
-                && conn.status().connected()
-                && channel.status().connected()
+            if let Some(publisher) = link.as_ref()
+                && publisher.connection().status().connected()
             {
-                return Ok(channel.clone());
+                return Ok(Arc::clone(publisher));
             }
-            let failed = |err: lapin::Error| PublishError(format!("cannot connect to RabbitMQ: {err}"));
             let runtime = lapin::runtime::default_runtime()
                 .map_err(|err| PublishError(format!("no runtime for lapin: {err}")))?;
             let conn = Connection::connect_with_config(&self.uri, self.properties.clone(), self.tls.clone(), runtime)
                 .await
-                .map_err(failed)?;
-            let channel = conn.create_channel().await.map_err(failed)?;
-            channel
-                .confirm_select(ConfirmSelectOptions::default())
-                .await
-                .map_err(failed)?;
-            *link = Some((conn, channel.clone()));
-            Ok(channel)
+                .map_err(|err| PublishError(format!("cannot connect to RabbitMQ: {err}")))?;
+            let publisher = Arc::new(ConfirmedPublisher::new(conn));
+            *link = Some(Arc::clone(&publisher));
+            Ok(publisher)
         }
 
-        async fn forget(&self) {
-            self.link.lock().await.take();
+        /// Forgets `stale`'s connection once it is lost (not a newer one).
+        async fn forget(&self, stale: &Arc<ConfirmedPublisher>) {
+            let mut link = self.link.lock().await;
+            if link.as_ref().is_some_and(|current| Arc::ptr_eq(current, stale))
+                && !stale.connection().status().connected()
+            {
+                link.take();
+            }
         }
     }
 
@@ -125,7 +129,7 @@ mod rabbitmq {
         }
 
         async fn publish(&self, row: &OutboxRow) -> Result<(), PublishError> {
-            let channel = self.channel().await?;
+            let publisher = self.link().await?;
             let mut headers = FieldTable::default();
             for (name, value) in &row.headers {
                 headers.insert(
@@ -137,34 +141,25 @@ mod rabbitmq {
                 .with_message_id(row.message_id.as_str().into())
                 .with_delivery_mode(2)
                 .with_headers(headers);
-            let options = BasicPublishOptions {
-                mandatory: true,
-                ..BasicPublishOptions::default()
-            };
-            let confirmed = async {
-                channel
-                    .basic_publish(
-                        self.exchange.as_str().into(),
-                        row.destination.as_str().into(),
-                        options,
-                        &row.payload,
-                        properties,
-                    )
-                    .await?
-                    .await
-            }
-            .await;
-            match confirmed {
-                Ok(Confirmation::Ack(None)) => Ok(()),
-                Ok(Confirmation::Ack(Some(_))) => Err(PublishError(format!(
+            let published = publisher
+                .publish(
+                    self.exchange.as_str().into(),
+                    row.destination.as_str().into(),
+                    &row.payload,
+                    properties,
+                )
+                .await;
+            match published {
+                Ok(()) => Ok(()),
+                Err(Unconfirmed::Returned { .. }) => Err(PublishError(format!(
                     "no queue is bound to routing key `{}` on exchange `{}`: the message was returned",
                     row.destination, self.exchange
                 ))),
-                Ok(Confirmation::Nack(_)) => Err(PublishError("RabbitMQ refused the message (nack)".into())),
-                Ok(Confirmation::NotRequested) => Err(PublishError("RabbitMQ did not confirm the message".into())),
-                Err(err) => {
-                    self.forget().await;
-                    Err(PublishError(format!("publishing to RabbitMQ failed: {err}")))
+                Err(Unconfirmed::Nacked) => Err(PublishError("RabbitMQ refused the message (nack)".into())),
+                Err(Unconfirmed::NotConfirmed) => Err(PublishError("RabbitMQ did not confirm the message".into())),
+                Err(Unconfirmed::Failed(why)) => {
+                    self.forget(&publisher).await;
+                    Err(PublishError(why))
                 }
             }
         }
