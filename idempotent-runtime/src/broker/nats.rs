@@ -37,9 +37,10 @@
 //! twice (the first `+TERM` lost) is stored once. The dead-letter subject may
 //! be captured by the consumed stream itself, as long as the consumer's
 //! filter excludes it: `run` refuses a consumer that would read its own dead
-//! letters. While a handler runs longer than half the consumer's `ack_wait`,
-//! the adapter sends "in progress" (`+WPI`) so the server does not redeliver
-//! it meanwhile.
+//! letters. While a message is held longer than half the consumer's
+//! `ack_wait` (its handler runs, its outage retries wait, its batch runs,
+//! commits and settles the others), the adapter sends "in progress"
+//! (`+WPI`) so the server does not redeliver it meanwhile.
 //!
 //! # Connection loss
 //!
