@@ -2,12 +2,16 @@
 //! real NATS JetStream and Redis Streams servers, with an `#[idempotent]`
 //! handler whose effect is a PostgreSQL row in the marker's transaction.
 //!
-//! Batches keep every delivery alive until it is settled: a member that
-//! finished while a slower one runs, and the members whose settlement waits
-//! for an earlier member's (its outage retries, its retry backoff), are not
-//! redelivered meanwhile. Their redelivery would be the last one the broker
-//! allows (JetStream `max_deliver`, Redis Streams attempts), dead-lettered
-//! without running while the batch then commits its effect.
+//! - Batches keep every delivery alive until it is settled: a member that
+//!   finished while a slower one runs, and the members whose settlement
+//!   waits for an earlier member's (its outage retries, its retry backoff),
+//!   are not redelivered meanwhile. Their redelivery would be the last one
+//!   the broker allows (JetStream `max_deliver`, Redis Streams attempts),
+//!   dead-lettered without running while the batch then commits its effect.
+//! - On the last delivery, the handler only checks whether the message's
+//!   effect is committed: a message processed before (its consumer died
+//!   between the commit and the ack) is acknowledged, not dead-lettered; one
+//!   never processed is dead-lettered without running its body.
 
 mod common;
 
@@ -16,7 +20,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use idempotent_runtime::broker::{
-    Backoff, CancellationToken, Consumer, ConsumerBuilder, RetryPolicy, RunStats, Verdict, pipeline::Broker,
+    Backoff, CancellationToken, Consumer, ConsumerBuilder, HEADER_KIND, HEADER_REASON, RetryPolicy, RunStats, Verdict,
+    pipeline::Broker,
 };
 use idempotent_runtime::sqlx::{self, PgConnection};
 use idempotent_runtime::{Error, PgStore, idempotent};
@@ -145,6 +150,15 @@ impl Ledger {
             .unwrap()
             .into_iter()
             .collect()
+    }
+
+    /// Markers in the store.
+    async fn markers(&self) -> i64 {
+        let sql = format!("SELECT COUNT(*) FROM {}", self.store.table());
+        sqlx::query_scalar(sqlx::AssertSqlSafe(sql))
+            .fetch_one(self.store.pool())
+            .await
+            .unwrap()
     }
 
     async fn teardown(&self) {
@@ -286,6 +300,22 @@ mod nats {
                 .unwrap()
                 .await
                 .unwrap();
+        }
+
+        /// Takes one delivery of the next message and never settles it (a
+        /// consumer that died holding it).
+        pub async fn lose_one_delivery(&self) {
+            use futures_util::StreamExt;
+            let mut messages = self
+                .consumer
+                .fetch()
+                .max_messages(1)
+                .expires(Duration::from_secs(2))
+                .messages()
+                .await
+                .unwrap();
+            let msg = messages.next().await.expect("a message").unwrap();
+            drop(msg);
         }
 
         /// The dead letters' headers.
@@ -575,6 +605,103 @@ async fn redis_later_batch_members_are_kept_alive_while_an_earlier_one_waits_out
         "the two entries and first-1's retry copy: {stats:?}"
     );
     assert!(fx.dead_letters().await.is_empty());
+    assert_eq!(fx.backlog().await, 0);
+    ledger.teardown().await;
+    fx.teardown().await;
+}
+
+// ---- the last delivery checks what is committed ------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nats_a_message_whose_effect_is_committed_is_acked_on_its_last_delivery() {
+    // max_deliver 2. The message was processed (effect and marker
+    // committed) by a consumer that died before its ack: the server's next
+    // delivery is its last.
+    let fx = nats::Fixture::setup("done", Duration::from_secs(1), 2).await;
+    let ledger = Ledger::new("last_done_nats").await;
+    ledger
+        .pay(&Payment {
+            message_id: "done-1".into(),
+        })
+        .await
+        .unwrap();
+    fx.publish("done-1").await;
+    fx.lose_one_delivery().await;
+    let stats = run_until(fx.builder().build().unwrap(), &ledger, "the settlement", |s| {
+        s.acked + s.dead_lettered >= 1
+    })
+    .await;
+    assert_each_applied_once(&ledger, &["done-1"], &stats).await;
+    assert_eq!(stats.acked, 1, "{stats:?}");
+    assert!(fx.dead_letters().await.is_empty());
+    assert_eq!(fx.backlog().await, (0, 0));
+    ledger.teardown().await;
+    fx.teardown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nats_a_message_never_processed_is_dead_lettered_on_its_last_delivery_without_running_its_body() {
+    let fx = nats::Fixture::setup("never", Duration::from_secs(1), 2).await;
+    let ledger = Ledger::new("last_never_nats").await;
+    fx.publish("never-1").await;
+    fx.lose_one_delivery().await;
+    let stats = run_until(fx.builder().build().unwrap(), &ledger, "the settlement", |s| {
+        s.acked + s.dead_lettered >= 1
+    })
+    .await;
+    assert_eq!((stats.acked, stats.dead_lettered), (0, 1), "{stats:?}");
+    assert_eq!(ledger.bodies("never-1"), 0, "the body never ran");
+    assert!(ledger.effects().await.is_empty());
+    assert_eq!(ledger.markers().await, 0, "the check left no marker");
+    let dead = fx.dead_letters().await;
+    assert_eq!(dead.len(), 1);
+    assert_eq!(dead[0][HEADER_KIND], "exhausted");
+    assert!(dead[0][HEADER_REASON].contains("without being settled"), "{dead:?}");
+    assert_eq!(fx.backlog().await, (0, 0));
+    ledger.teardown().await;
+    fx.teardown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_a_message_whose_effect_is_committed_is_acked_on_its_last_delivery() {
+    // max_attempts 2: an entry delivered twice already (its consumers died,
+    // one of them after the commit) is reclaimed on its last delivery.
+    let fx = streams::Fixture::setup("done").await;
+    let ledger = Ledger::new("last_done_redis").await;
+    ledger
+        .pay(&Payment {
+            message_id: "done-1".into(),
+        })
+        .await
+        .unwrap();
+    let entry = fx.publish("done-1").await;
+    fx.held_by_a_dead_consumer(&[(&entry, 2)]).await;
+    let consumer = fx.builder(ms(400)).max_attempts(2).build().unwrap();
+    let stats = run_until(consumer, &ledger, "the settlement", |s| s.acked + s.dead_lettered >= 1).await;
+    assert_each_applied_once(&ledger, &["done-1"], &stats).await;
+    assert_eq!(stats.acked, 1, "{stats:?}");
+    assert!(fx.dead_letters().await.is_empty());
+    assert_eq!(fx.backlog().await, 0);
+    ledger.teardown().await;
+    fx.teardown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_a_message_never_processed_is_dead_lettered_on_its_last_delivery_without_running_its_body() {
+    let fx = streams::Fixture::setup("never").await;
+    let ledger = Ledger::new("last_never_redis").await;
+    let entry = fx.publish("never-1").await;
+    fx.held_by_a_dead_consumer(&[(&entry, 2)]).await;
+    let consumer = fx.builder(ms(400)).max_attempts(2).build().unwrap();
+    let stats = run_until(consumer, &ledger, "the settlement", |s| s.acked + s.dead_lettered >= 1).await;
+    assert_eq!((stats.acked, stats.dead_lettered), (0, 1), "{stats:?}");
+    assert_eq!(ledger.bodies("never-1"), 0, "the body never ran");
+    assert!(ledger.effects().await.is_empty());
+    assert_eq!(ledger.markers().await, 0, "the check left no marker");
+    let dead = fx.dead_letters().await;
+    assert_eq!(dead.len(), 1);
+    assert_eq!(dead[0][HEADER_KIND], "exhausted");
+    assert!(dead[0][HEADER_REASON].contains("without being settled"), "{dead:?}");
     assert_eq!(fx.backlog().await, 0);
     ledger.teardown().await;
     fx.teardown().await;

@@ -3,11 +3,14 @@
 //! `run` keeps a [`Session`] (a live connection and subscription),
 //! making it again with backoff when it is lost, and takes deliveries while
 //! handler slots are free. Each delivery goes through `process`: its span,
-//! the last-delivery rule, decoding (a body that does not decode is
-//! dead-lettered as poison), the handler call (panics caught), the verdict
-//! on a failure (outage: run again in place; retry: hand it to the broker
-//! with a delay; otherwise dead-letter), and the settlement, never on a
-//! connection other than the one it came on. A delivery's progress is sent at its heartbeat
+//! decoding (a body that does not decode is dead-lettered as poison), the
+//! handler call (panics caught; on the last delivery the broker allows,
+//! only a check of whether the message was processed: its `#[idempotent]`
+//! calls claim without running their bodies, and a message processed before
+//! is acknowledged, one that was not dead-lettered), the verdict on a
+//! failure (outage: run again in place; retry: hand it to the broker with a
+//! delay; otherwise dead-letter), and the settlement, never on a connection
+//! other than the one it came on. A delivery's progress is sent at its heartbeat
 //! until it is settled, across the handler's runs and the waits between
 //! them; in a batch, from the moment it is gathered, while the others run,
 //! commit and settle. On shutdown, `drain` gives the handlers in flight
@@ -698,7 +701,7 @@ async fn run_batch<Dl, M, D, R, H, Fut, T, E>(
         .zip(&spans)
         .map(|((&(_, delivery), message), span)| {
             worker
-                .unless_abandoned(worker.call(delivery.meta(), message))
+                .unless_abandoned(worker.call(delivery.meta(), message, false))
                 .instrument(span.clone())
         })
         .collect();
@@ -857,6 +860,16 @@ impl<D, R, H> Worker<D, R, H> {
     /// Handles a delivery from its handler's run: `ran` when the handler
     /// already ran (in a committed batch), otherwise from the checks that
     /// come before it.
+    ///
+    /// On the last delivery the broker allows (its earlier ones ended
+    /// unsettled: a crash, a shutdown timeout, a dead letter refused), the
+    /// handler is called only to check whether the message was processed
+    /// ([`signal::checking`](crate::signal::checking)): each
+    /// `#[idempotent]` call claims its key without running its body. A
+    /// message whose effect is committed (its keys replay) is acknowledged;
+    /// one whose key was not processed is dead-lettered (`exhausted`); one
+    /// whose check cannot tell yet (the store down, the key held by a
+    /// transaction that may still commit) waits, in progress, as an outage.
     async fn handle_from<Dl, M, Fut, T, E>(&self, delivery: &Dl, mut ran: Option<(Called<E>, Noted)>)
     where
         Dl: Delivery,
@@ -868,36 +881,24 @@ impl<D, R, H> Worker<D, R, H> {
     {
         let meta = delivery.meta();
         let attempt = meta.attempt;
-        if ran.is_none() && meta.last {
-            // Its earlier deliveries ended unsettled (crash, shutdown
-            // timeout, a dead letter refused): settle it now, on the
-            // delivery the broker will not repeat.
-            let reason = format!(
-                "delivered {attempt} times (as often as the broker allows) without being settled: the consumer \
-                 crashed or stopped while handling it, or its dead letter could not be published; the last \
-                 delivery is kept for dead-lettering it"
-            );
-            tracing::error!(target: TRACING_TARGET, attempt, "last allowed delivery: dead-lettering the message");
-            trace_failure("exhausted");
-            self.dead_letter(
-                delivery,
-                DeadKind::Exhausted,
-                &reason,
-                attempt.saturating_sub(1),
-                Outcome::DeadLettered,
-            )
-            .await;
-            return;
-        }
         // Its progress, across the handler's runs and the waits between
         // them.
         let mut beat = Beat::new(delivery.heartbeat());
+        let check_only = ran.is_none() && meta.last;
         if let Some(reason) = delivery.malformed().filter(|_| ran.is_none()) {
             tracing::error!(target: TRACING_TARGET, %reason, "malformed (poison) message: dead-lettering it");
             trace_failure("poison");
             self.dead_letter(delivery, DeadKind::Poison, &reason, 0, Outcome::Poison)
                 .await;
             return;
+        }
+        if check_only {
+            tracing::warn!(
+                target: TRACING_TARGET,
+                attempt,
+                "last allowed delivery: checking whether the message was processed, without running its handler's \
+                 bodies"
+            );
         }
         let mut outages = 0u32;
         let (reason, verdict, error_type) = loop {
@@ -914,7 +915,7 @@ impl<D, R, H> Worker<D, R, H> {
                             return;
                         }
                     };
-                    let call = self.call(meta, decoded);
+                    let call = self.call(meta, decoded, check_only);
                     let Some(outcome) = self.watched(delivery, &mut beat, call).await else {
                         self.let_go(delivery).await;
                         return;
@@ -924,6 +925,30 @@ impl<D, R, H> Worker<D, R, H> {
             };
             if let Some(outcome) = noted.outcome {
                 Span::current().record("idempotency.outcome", outcome.as_str());
+            }
+            if check_only && noted.not_processed {
+                // Not processed, and the broker will not deliver it again:
+                // settle it now, without its effect.
+                let reason = format!(
+                    "delivered {attempt} times (as often as the broker allows) without being settled, and not \
+                     processed: the consumer crashed or stopped while handling it, or its dead letter could not \
+                     be published; the last delivery is kept for dead-lettering it"
+                );
+                tracing::error!(
+                    target: TRACING_TARGET,
+                    attempt,
+                    "last allowed delivery of a message not processed: dead-lettering it"
+                );
+                trace_failure("exhausted");
+                self.dead_letter(
+                    delivery,
+                    DeadKind::Exhausted,
+                    &reason,
+                    attempt.saturating_sub(1),
+                    Outcome::DeadLettered,
+                )
+                .await;
+                return;
             }
             // A handler that failed because an `#[idempotent]` call did is
             // named by that call's outcome.
@@ -1020,7 +1045,9 @@ impl<D, R, H> Worker<D, R, H> {
 
     /// The handler's call on the decoded `message` of the delivery `meta`
     /// describes: its outcome and what its `#[idempotent]` calls noted.
-    fn call<M, Fut, T, E>(&self, meta: &Meta, message: M) -> impl Future<Output = (Called<E>, Noted)>
+    /// With `check_only`, the calls only check whether their key is
+    /// processed (see [`handle_from`](Self::handle_from)).
+    fn call<M, Fut, T, E>(&self, meta: &Meta, message: M, check_only: bool) -> impl Future<Output = (Called<E>, Noted)>
     where
         H: Fn(M, DeliveryInfo) -> Fut,
         Fut: Future<Output = Result<T, E>>,
@@ -1030,7 +1057,10 @@ impl<D, R, H> Worker<D, R, H> {
             attempt: meta.attempt,
             redelivered: meta.redelivered,
         };
-        super::call((self.handler)(message, info), &self.recorder)
+        super::call(
+            crate::signal::checking(check_only, (self.handler)(message, info)),
+            &self.recorder,
+        )
     }
 
     /// Runs `fut` while sending the delivery's progress at each `beat`;

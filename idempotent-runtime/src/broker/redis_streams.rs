@@ -35,7 +35,10 @@
 //! runs, commits and settles the others), its idle time is reset every
 //! third of `claim_idle`, so a live consumer's work is not taken from it.
 //! An entry delivered more than `max_attempts` times (its consumers kept
-//! crashing on it) is dead-lettered without running the handler again.
+//! crashing on it) is not processed again: its handler is called only to
+//! check whether it was processed (each `#[idempotent]` call claims its key
+//! without running its body); it is acknowledged when its effect is
+//! committed, dead-lettered otherwise.
 //!
 //! Every settlement is a script that first checks the entry is still
 //! pending for this consumer: a consumer that lost its entry to another
