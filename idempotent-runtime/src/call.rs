@@ -131,6 +131,7 @@ fn error_type(error: &Error) -> &'static str {
         Error::Config(_) => "config",
         Error::BatchAborted => "batch_aborted",
         Error::TransactionAborted => "transaction_aborted",
+        Error::NotProcessed { .. } => "not_processed",
     }
 }
 
@@ -276,8 +277,32 @@ pub async fn claim<S: AnyStore + ?Sized>(
         Ok(()) => store.claim_key(req).await,
         Err(error) => Err(error),
     };
+    let claim = check_only(claim, req).await;
     log_claim(&claim, caller.scope, req.key(), span);
     claim
+}
+
+/// A claim of a call that only checks whether its key is processed (on a
+/// broker's last delivery of the message, see [`crate::signal::checking`]):
+/// a fresh claim is given up at once, before the body, and the call fails
+/// with [`Error::NotProcessed`]; anything else is left as it is (a key
+/// already processed replays).
+#[inline]
+async fn check_only<G: Guard>(claim: Result<Claim<G>, Error>, req: &Request<'_>) -> Result<Claim<G>, Error> {
+    match claim {
+        Ok(Claim::Fresh(guard)) if crate::signal::check_only() => not_processed(guard, req).await,
+        claim => claim,
+    }
+}
+
+#[cold]
+async fn not_processed<G: Guard>(guard: G, req: &Request<'_>) -> Result<Claim<G>, Error> {
+    guard.abort().await;
+    crate::signal::not_processed();
+    Err(Error::NotProcessed {
+        scope: req.scope().to_owned(),
+        key: crate::error::DisplayKey::new(req.key()),
+    })
 }
 
 /// The type of the `store = ..` expression of a handler that takes a

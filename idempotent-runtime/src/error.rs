@@ -106,6 +106,24 @@ pub enum Error {
          was committed (return the statement's error, or run a statement that may fail under a savepoint)"
     )]
     TransactionAborted,
+
+    /// The call only checked whether its key was processed, and it was not:
+    /// its claim was given up at once and the body was not run. A broker
+    /// consumer checks so on the last delivery the broker allows for a
+    /// message (JetStream `max_deliver`, Redis Streams attempts): a message
+    /// processed before (its consumer died between the commit and the ack)
+    /// is acknowledged; one that was not is dead-lettered, never run on a
+    /// delivery that could not be retried.
+    #[error(
+        "idempotency key {key} of `{scope}` was not processed before, and this call only checked it (the \
+         broker's last delivery of the message, which is dead-lettered): the body was not run"
+    )]
+    NotProcessed {
+        /// The handler's scope.
+        scope: String,
+        /// The key, shortened for display.
+        key: DisplayKey,
+    },
 }
 
 impl Error {

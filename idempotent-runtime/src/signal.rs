@@ -7,7 +7,18 @@
 //!   without spending the message's attempts;
 //! - the idempotency [`Outcome`], which the adapter records on the
 //!   delivery's span (`idempotency.outcome`), so that a trace shows at the
-//!   delivery whether the message was processed or skipped as a duplicate.
+//!   delivery whether the message was processed or skipped as a duplicate;
+//! - that a call made only to check (see [`checking`]) found its key not
+//!   processed.
+//!
+//! And one thing goes the other way, from the adapter to the calls: that
+//! they only check ([`checking`]). On the broker's last delivery of a
+//! message, the adapter calls the handler so: each `#[idempotent]` call
+//! claims its key; a key already processed replays as usual (the message's
+//! effect is committed: it is acknowledged), a key that would be claimed
+//! fresh is given up at once without running the body (the call fails with
+//! [`Error::NotProcessed`](crate::Error::NotProcessed), and the adapter
+//! dead-letters the message).
 
 use std::cell::Cell;
 use std::future::Future;
@@ -73,10 +84,16 @@ pub(crate) struct Noted {
     /// The outcome of its `#[idempotent]` calls: when there were several,
     /// the first failure, else `processed` if any ran, else `duplicate`.
     pub(crate) outcome: Option<Outcome>,
+    /// A call that only checked (see [`checking`]) found its key not
+    /// processed, and gave its claim up without running its body.
+    pub(crate) not_processed: bool,
 }
 
 tokio::task_local! {
     static NOTED: Cell<Noted>;
+    /// The calls only check whether their key is processed (see
+    /// [`checking`]).
+    static CHECK_ONLY: bool;
 }
 
 /// Runs `call`, telling what was noted during it.
@@ -114,5 +131,36 @@ pub(crate) fn outcome(outcome: Outcome) {
             now.outcome = Some(outcome);
             noted.set(now);
         }
+    });
+}
+
+/// Runs `call` with its `#[idempotent]` calls only checking whether their
+/// key is processed, when `check_only`: a key already processed replays as
+/// usual, a key that would be claimed fresh is given up without running the
+/// body (see [`crate::call::claim`]). Reaches the calls made in the task
+/// polling `call` (not those of tasks it spawns).
+#[cfg_attr(
+    not(any(feature = "rabbitmq", feature = "nats", feature = "redis-streams")),
+    allow(dead_code)
+)]
+pub(crate) fn checking<F: Future>(check_only: bool, call: F) -> impl Future<Output = F::Output> {
+    // Not an `async fn`: that would hold `call` twice (its argument and the
+    // scope's), and handler futures are large.
+    CHECK_ONLY.scope(check_only, call)
+}
+
+/// Whether the current call only checks (inside [`checking`]).
+pub(crate) fn check_only() -> bool {
+    CHECK_ONLY.try_with(|check_only| *check_only).unwrap_or(false)
+}
+
+/// Notes that a call that only checked found its key not processed;
+/// nothing outside [`watch`].
+pub(crate) fn not_processed() {
+    let _ = NOTED.try_with(|noted| {
+        noted.set(Noted {
+            not_processed: true,
+            ..noted.get()
+        })
     });
 }

@@ -22,10 +22,15 @@
 //! consumer's `max_deliver` minus one when it has one: the server's **last
 //! delivery is kept for settling**. A message that reaches it (its earlier
 //! deliveries were lost to crashes, shutdown timeouts or dead letters that
-//! could not be published) is dead-lettered without running the handler
-//! again, and on that delivery a dead-letter publish that fails is retried
-//! (with in-progress acks) instead of handed back, since the server would
-//! not deliver it again. A message is never released on its last delivery.
+//! could not be published) is not processed again: its handler is called
+//! only to check whether it was processed (each `#[idempotent]` call claims
+//! its key without running its body). A message whose effect is committed
+//! (its consumer died between the commit and the ack) is acknowledged; one
+//! that was not processed is dead-lettered, and on that delivery a
+//! dead-letter publish that fails is retried (with in-progress acks)
+//! instead of handed back, since the server would not deliver it again.
+//! Code of the handler outside its `#[idempotent]` calls runs as on any
+//! delivery (a handler with none runs entirely).
 //!
 //! The dead-letter subject must be captured by a stream: the dead letter is
 //! published with a JetStream acknowledgement, and when that fails the
@@ -37,9 +42,10 @@
 //! twice (the first `+TERM` lost) is stored once. The dead-letter subject may
 //! be captured by the consumed stream itself, as long as the consumer's
 //! filter excludes it: `run` refuses a consumer that would read its own dead
-//! letters. While a handler runs longer than half the consumer's `ack_wait`,
-//! the adapter sends "in progress" (`+WPI`) so the server does not redeliver
-//! it meanwhile.
+//! letters. While a message is held longer than half the consumer's
+//! `ack_wait` (its handler runs, its outage retries wait, its batch runs,
+//! commits and settles the others), the adapter sends "in progress"
+//! (`+WPI`) so the server does not redeliver it meanwhile.
 //!
 //! # Connection loss
 //!

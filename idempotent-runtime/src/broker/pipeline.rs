@@ -3,13 +3,18 @@
 //! `run` keeps a [`Session`] (a live connection and subscription),
 //! making it again with backoff when it is lost, and takes deliveries while
 //! handler slots are free. Each delivery goes through `process`: its span,
-//! the last-delivery rule, decoding (a body that does not decode is
-//! dead-lettered as poison), the handler call (panics caught, progress sent
-//! while it runs), the verdict on a failure (outage: run again in place;
-//! retry: hand it to the broker with a delay; otherwise dead-letter), and
-//! the settlement, never on a connection other than the one it came on.
-//! On shutdown, `drain` gives the handlers in flight their time, then
-//! asks them to let go.
+//! decoding (a body that does not decode is dead-lettered as poison), the
+//! handler call (panics caught; on the last delivery the broker allows,
+//! only a check of whether the message was processed: its `#[idempotent]`
+//! calls claim without running their bodies, and a message processed before
+//! is acknowledged, one that was not dead-lettered), the verdict on a
+//! failure (outage: run again in place; retry: hand it to the broker with a
+//! delay; otherwise dead-letter), and the settlement, never on a connection
+//! other than the one it came on. A delivery's progress is sent at its heartbeat
+//! until it is settled, across the handler's runs and the waits between
+//! them; in a batch, from the moment it is gathered, while the others run,
+//! commit and settle. On shutdown, `drain` gives the handlers in flight
+//! their time, then asks them to let go.
 //!
 //! The span of a delivery follows the OpenTelemetry messaging conventions
 //! for a `process` operation (through `tracing-opentelemetry`, which reads
@@ -222,8 +227,10 @@ pub trait Delivery: Send + Sync + 'static {
     /// allowed.
     fn is_current(&self) -> bool;
 
-    /// How often to send [`progress`](Self::progress) while its handler
-    /// runs (brokers that redeliver what looks stuck).
+    /// How often to send [`progress`](Self::progress) while the consumer
+    /// holds it unsettled: its handler runs, its outage retries wait, or
+    /// its batch runs, commits and settles the others (brokers that
+    /// redeliver what looks stuck).
     fn heartbeat(&self) -> Option<Duration> {
         None
     }
@@ -525,8 +532,7 @@ where
     Fut: Future<Output = Result<T, E>>,
     E: fmt::Display,
 {
-    let span = delivery_span(&worker, &delivery);
-    worker.handle(&delivery).instrument(span).await;
+    worker.handle_alone(&delivery).await;
 }
 
 /// The span of one delivery (see the module's documentation).
@@ -596,6 +602,15 @@ async fn gather<S: Session>(
 /// delivery is settled on its handler's outcome, as alone. A batch that cannot begin or commit ran for nothing (its
 /// transaction rolled back): its deliveries then run again, one per
 /// transaction.
+///
+/// Every delivery of the batch is kept alive (its
+/// [`progress`](Delivery::progress) sent at its heartbeat) from the moment
+/// it is gathered until its settlement begins, whatever runs meanwhile: the
+/// other members' handlers after its own returned, the commit, the
+/// settlement of the members before it (a retry's backoff, outage retries,
+/// a dead letter's publish). A delivery the broker took for stuck would be
+/// redelivered, possibly on its last allowed delivery, while the batch
+/// commits its effect.
 #[cfg(feature = "sqlx")]
 async fn process_batch<Dl, M, D, R, H, Fut, T, E>(worker: Arc<Worker<D, R, H>>, deliveries: Vec<Dl>)
 where
@@ -612,17 +627,47 @@ where
         }
         return;
     };
+    let kept = Kept::new(deliveries.len());
+    // On the heap: the batch's work holds every handler's future.
+    let work = Box::pin(run_batch(&worker, mode, &deliveries, &kept));
+    tokio::select! {
+        biased;
+        () = work => {}
+        () = keep_alive(&deliveries, &kept) => {}
+    }
+}
+
+/// [`process_batch`]'s work; each delivery is taken from the
+/// [`keep_alive`] of the batch ([`Kept::take`]) when its settlement
+/// begins.
+#[cfg(feature = "sqlx")]
+async fn run_batch<Dl, M, D, R, H, Fut, T, E>(
+    worker: &Worker<D, R, H>,
+    mode: &super::options::BatchMode,
+    deliveries: &[Dl],
+    kept: &Kept,
+) where
+    Dl: Delivery,
+    D: Decoder<M>,
+    R: RetryPolicy<E>,
+    H: Fn(M, DeliveryInfo) -> Fut,
+    Fut: Future<Output = Result<T, E>>,
+    E: fmt::Display,
+{
     // The last delivery of a message, and what is poison, are settled
     // alone, as without batches.
     let mut ready = Vec::with_capacity(deliveries.len());
-    for delivery in deliveries {
+    for (index, delivery) in deliveries.iter().enumerate() {
         let decoded = match (delivery.meta().last, delivery.malformed()) {
             (false, None) => worker.decoder.decode(delivery.body()).ok(),
             _ => None,
         };
         match decoded {
-            Some(message) => ready.push((delivery, message)),
-            None => process(Arc::clone(&worker), delivery).await,
+            Some(message) => ready.push(((index, delivery), message)),
+            None => {
+                kept.take(index).await;
+                worker.handle_alone(delivery).await;
+            }
         }
     }
     if ready.is_empty() {
@@ -637,40 +682,43 @@ where
                 deliveries = ready.len(),
                 "cannot begin a batch: running its deliveries one by one"
             );
-            for (delivery, _) in ready {
-                process(Arc::clone(&worker), delivery).await;
+            for ((index, delivery), _) in ready {
+                kept.take(index).await;
+                worker.handle_alone(delivery).await;
             }
             return;
         }
     };
-    let (deliveries, messages): (Vec<Dl>, Vec<M>) = ready.into_iter().unzip();
-    let spans: Vec<Span> = deliveries
+    let (members, messages): (Vec<(usize, &Dl)>, Vec<M>) = ready.into_iter().unzip();
+    let spans: Vec<Span> = members
         .iter()
-        .map(|delivery| delivery_span(&worker, delivery))
+        .map(|(_, delivery)| delivery_span(worker, *delivery))
         .collect();
-    let calls = deliveries
+    // Their progress is the batch's keep-alive's.
+    let calls = members
         .iter()
         .zip(messages)
         .zip(&spans)
-        .map(|((delivery, message), span)| {
+        .map(|((&(_, delivery), message), span)| {
             worker
-                .watched(delivery, worker.call(delivery.meta(), message))
+                .unless_abandoned(worker.call(delivery.meta(), message, false))
                 .instrument(span.clone())
         })
         .collect();
     let outcomes = batch.run_all(calls).await;
-    let deliveries = deliveries.into_iter().zip(spans);
+    let members = members.into_iter().zip(spans);
     if outcomes.iter().any(Option::is_none) {
         // Shutdown timeout: nothing of the batch commits.
         batch.rollback().await;
-        for (delivery, span) in deliveries {
-            worker.let_go(&delivery).instrument(span).await;
+        for ((index, delivery), span) in members {
+            kept.take(index).await;
+            worker.let_go(delivery).instrument(span).await;
         }
         return;
     }
-    let ran: Vec<_> = deliveries
+    let ran: Vec<_> = members
         .zip(outcomes)
-        .filter_map(|((delivery, span), outcome)| outcome.map(|outcome| (delivery, span, outcome)))
+        .filter_map(|((member, span), outcome)| outcome.map(|outcome| (member, span, outcome)))
         .collect();
     let size = ran.len();
     let fresh = batch.fresh_claims();
@@ -678,8 +726,9 @@ where
         Ok(()) => {
             worker.recorder.batch(size);
             tracing::debug!(target: TRACING_TARGET, deliveries = size, fresh, "batch committed");
-            for (delivery, span, outcome) in ran {
-                worker.handle_from(&delivery, Some(outcome)).instrument(span).await;
+            for ((index, delivery), span, outcome) in ran {
+                kept.take(index).await;
+                worker.handle_from(delivery, Some(outcome)).instrument(span).await;
             }
         }
         Err(error) => {
@@ -690,9 +739,77 @@ where
                 deliveries = size,
                 "batch not committed (nothing of it took effect): running its deliveries one by one"
             );
-            for (delivery, span, _) in ran {
-                worker.handle(&delivery).instrument(span).await;
+            for ((index, delivery), span, _) in ran {
+                kept.take(index).await;
+                worker.handle(delivery).instrument(span).await;
             }
+        }
+    }
+}
+
+/// Which deliveries of a batch its [`keep_alive`] still sends progress
+/// for: each until its settlement begins (from then on, the settlement
+/// keeps it alive, as a delivery alone).
+#[cfg(feature = "sqlx")]
+struct Kept(tokio::sync::Mutex<Vec<bool>>);
+
+#[cfg(feature = "sqlx")]
+impl Kept {
+    fn new(deliveries: usize) -> Kept {
+        Kept(tokio::sync::Mutex::new(vec![true; deliveries]))
+    }
+
+    /// Takes delivery `index` out of the keep-alive, once the progress
+    /// being sent (if any) has been: none of its progress follows its
+    /// settlement (a JetStream "in progress" after a delayed `nak` would
+    /// cut the delay short).
+    async fn take(&self, index: usize) {
+        if let Some(kept) = self.0.lock().await.get_mut(index) {
+            *kept = false;
+        }
+    }
+}
+
+/// Sends the progress of every delivery of a batch still [`Kept`], at the
+/// shortest of their heartbeats; never returns (pending for ever when they
+/// have no heartbeat).
+#[cfg(feature = "sqlx")]
+async fn keep_alive<Dl: Delivery>(deliveries: &[Dl], kept: &Kept) {
+    let mut beat = Beat::new(deliveries.iter().filter_map(Delivery::heartbeat).min());
+    loop {
+        beat.tick().await;
+        let kept = kept.0.lock().await;
+        let alive = deliveries
+            .iter()
+            .zip(kept.iter())
+            .filter(|(_, kept)| **kept)
+            .map(|(delivery, _)| delivery.progress());
+        futures_util::future::join_all(alive).await;
+    }
+}
+
+/// The clock of a delivery's progress: ticks every heartbeat period from
+/// its start, across whatever its holder awaits in between (handler runs,
+/// the waits between them); never ticks without a heartbeat.
+struct Beat(Option<tokio::time::Interval>);
+
+impl Beat {
+    fn new(period: Option<Duration>) -> Beat {
+        Beat(period.map(|period| {
+            let period = period.max(Duration::from_millis(1));
+            let mut ticker = tokio::time::interval_at(Instant::now() + period, period);
+            ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            ticker
+        }))
+    }
+
+    /// The next tick (cancel-safe).
+    async fn tick(&mut self) {
+        match &mut self.0 {
+            Some(ticker) => {
+                ticker.tick().await;
+            }
+            None => std::future::pending().await,
         }
     }
 }
@@ -714,6 +831,20 @@ fn trace_failure(error_type: &str) {
 }
 
 impl<D, R, H> Worker<D, R, H> {
+    /// One delivery, in its span.
+    async fn handle_alone<Dl, M, Fut, T, E>(&self, delivery: &Dl)
+    where
+        Dl: Delivery,
+        D: Decoder<M>,
+        R: RetryPolicy<E>,
+        H: Fn(M, DeliveryInfo) -> Fut,
+        Fut: Future<Output = Result<T, E>>,
+        E: fmt::Display,
+    {
+        let span = delivery_span(self, delivery);
+        self.handle(delivery).instrument(span).await;
+    }
+
     async fn handle<Dl, M, Fut, T, E>(&self, delivery: &Dl)
     where
         Dl: Delivery,
@@ -729,6 +860,16 @@ impl<D, R, H> Worker<D, R, H> {
     /// Handles a delivery from its handler's run: `ran` when the handler
     /// already ran (in a committed batch), otherwise from the checks that
     /// come before it.
+    ///
+    /// On the last delivery the broker allows (its earlier ones ended
+    /// unsettled: a crash, a shutdown timeout, a dead letter refused), the
+    /// handler is called only to check whether the message was processed
+    /// ([`signal::checking`](crate::signal::checking)): each
+    /// `#[idempotent]` call claims its key without running its body. A
+    /// message whose effect is committed (its keys replay) is acknowledged;
+    /// one whose key was not processed is dead-lettered (`exhausted`); one
+    /// whose check cannot tell yet (the store down, the key held by a
+    /// transaction that may still commit) waits, in progress, as an outage.
     async fn handle_from<Dl, M, Fut, T, E>(&self, delivery: &Dl, mut ran: Option<(Called<E>, Noted)>)
     where
         Dl: Delivery,
@@ -740,33 +881,24 @@ impl<D, R, H> Worker<D, R, H> {
     {
         let meta = delivery.meta();
         let attempt = meta.attempt;
-        if ran.is_none() && meta.last {
-            // Its earlier deliveries ended unsettled (crash, shutdown
-            // timeout, a dead letter refused): settle it now, on the
-            // delivery the broker will not repeat.
-            let reason = format!(
-                "delivered {attempt} times (as often as the broker allows) without being settled: the consumer \
-                 crashed or stopped while handling it, or its dead letter could not be published; the last \
-                 delivery is kept for dead-lettering it"
-            );
-            tracing::error!(target: TRACING_TARGET, attempt, "last allowed delivery: dead-lettering the message");
-            trace_failure("exhausted");
-            self.dead_letter(
-                delivery,
-                DeadKind::Exhausted,
-                &reason,
-                attempt.saturating_sub(1),
-                Outcome::DeadLettered,
-            )
-            .await;
-            return;
-        }
+        // Its progress, across the handler's runs and the waits between
+        // them.
+        let mut beat = Beat::new(delivery.heartbeat());
+        let check_only = ran.is_none() && meta.last;
         if let Some(reason) = delivery.malformed().filter(|_| ran.is_none()) {
             tracing::error!(target: TRACING_TARGET, %reason, "malformed (poison) message: dead-lettering it");
             trace_failure("poison");
             self.dead_letter(delivery, DeadKind::Poison, &reason, 0, Outcome::Poison)
                 .await;
             return;
+        }
+        if check_only {
+            tracing::warn!(
+                target: TRACING_TARGET,
+                attempt,
+                "last allowed delivery: checking whether the message was processed, without running its handler's \
+                 bodies"
+            );
         }
         let mut outages = 0u32;
         let (reason, verdict, error_type) = loop {
@@ -783,7 +915,8 @@ impl<D, R, H> Worker<D, R, H> {
                             return;
                         }
                     };
-                    let Some(outcome) = self.watched(delivery, self.call(meta, decoded)).await else {
+                    let call = self.call(meta, decoded, check_only);
+                    let Some(outcome) = self.watched(delivery, &mut beat, call).await else {
                         self.let_go(delivery).await;
                         return;
                     };
@@ -792,6 +925,30 @@ impl<D, R, H> Worker<D, R, H> {
             };
             if let Some(outcome) = noted.outcome {
                 Span::current().record("idempotency.outcome", outcome.as_str());
+            }
+            if check_only && noted.not_processed {
+                // Not processed, and the broker will not deliver it again:
+                // settle it now, without its effect.
+                let reason = format!(
+                    "delivered {attempt} times (as often as the broker allows) without being settled, and not \
+                     processed: the consumer crashed or stopped while handling it, or its dead letter could not \
+                     be published; the last delivery is kept for dead-lettering it"
+                );
+                tracing::error!(
+                    target: TRACING_TARGET,
+                    attempt,
+                    "last allowed delivery of a message not processed: dead-lettering it"
+                );
+                trace_failure("exhausted");
+                self.dead_letter(
+                    delivery,
+                    DeadKind::Exhausted,
+                    &reason,
+                    attempt.saturating_sub(1),
+                    Outcome::DeadLettered,
+                )
+                .await;
+                return;
             }
             // A handler that failed because an `#[idempotent]` call did is
             // named by that call's outcome.
@@ -830,7 +987,7 @@ impl<D, R, H> Worker<D, R, H> {
                 "a dependency is down: keeping the message and running it again"
             );
             if self
-                .watched(delivery, sleep_unless_cancelled(delay, &self.shutdown))
+                .watched(delivery, &mut beat, sleep_unless_cancelled(delay, &self.shutdown))
                 .await
                 .is_none()
                 || self.shutdown.is_cancelled()
@@ -888,7 +1045,9 @@ impl<D, R, H> Worker<D, R, H> {
 
     /// The handler's call on the decoded `message` of the delivery `meta`
     /// describes: its outcome and what its `#[idempotent]` calls noted.
-    fn call<M, Fut, T, E>(&self, meta: &Meta, message: M) -> impl Future<Output = (Called<E>, Noted)>
+    /// With `check_only`, the calls only check whether their key is
+    /// processed (see [`handle_from`](Self::handle_from)).
+    fn call<M, Fut, T, E>(&self, meta: &Meta, message: M, check_only: bool) -> impl Future<Output = (Called<E>, Noted)>
     where
         H: Fn(M, DeliveryInfo) -> Fut,
         Fut: Future<Output = Result<T, E>>,
@@ -898,30 +1057,35 @@ impl<D, R, H> Worker<D, R, H> {
             attempt: meta.attempt,
             redelivered: meta.redelivered,
         };
-        super::call((self.handler)(message, info), &self.recorder)
+        super::call(
+            crate::signal::checking(check_only, (self.handler)(message, info)),
+            &self.recorder,
+        )
     }
 
-    /// Runs `fut` while sending the delivery's progress; `None` when the
-    /// consumer asks in-flight handlers to let go (shutdown timeout).
-    async fn watched<Dl: Delivery, F: Future>(&self, delivery: &Dl, fut: F) -> Option<F::Output> {
+    /// Runs `fut` while sending the delivery's progress at each `beat`;
+    /// `None` when the consumer asks in-flight handlers to let go (shutdown
+    /// timeout).
+    async fn watched<Dl: Delivery, F: Future>(&self, delivery: &Dl, beat: &mut Beat, fut: F) -> Option<F::Output> {
         tokio::pin!(fut);
-        let Some(period) = delivery.heartbeat() else {
-            return tokio::select! {
-                biased;
-                out = &mut fut => Some(out),
-                _ = self.abandon.cancelled() => None,
-            };
-        };
-        let period = period.max(Duration::from_millis(1));
-        let mut ticker = tokio::time::interval_at(Instant::now() + period, period);
-        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tokio::select! {
                 biased;
                 out = &mut fut => return Some(out),
                 _ = self.abandon.cancelled() => return None,
-                _ = ticker.tick() => delivery.progress().await,
+                _ = beat.tick() => delivery.progress().await,
             }
+        }
+    }
+
+    /// Runs `fut`; `None` when the consumer asks in-flight handlers to let
+    /// go (shutdown timeout).
+    #[cfg(feature = "sqlx")]
+    async fn unless_abandoned<F: Future>(&self, fut: F) -> Option<F::Output> {
+        tokio::select! {
+            biased;
+            out = fut => Some(out),
+            _ = self.abandon.cancelled() => None,
         }
     }
 

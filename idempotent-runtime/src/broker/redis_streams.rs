@@ -30,11 +30,15 @@
 //! Entries a consumer read and never acknowledged stay pending in the
 //! group. Every consumer reclaims (`XAUTOCLAIM`) entries pending longer than
 //! [`claim_idle`](ConsumerBuilder::claim_idle) (default 30 s): those of a
-//! consumer that died, and its own that it handed back. While a handler
-//! runs, its entry's idle time is reset every third of `claim_idle`, so a
-//! live consumer's work is not taken from it. An entry delivered more than
-//! `max_attempts` times (its consumers kept crashing on it) is
-//! dead-lettered without running the handler again.
+//! consumer that died, and its own that it handed back. While an entry is
+//! held (its handler runs, its retry or outage backoff waits, its batch
+//! runs, commits and settles the others), its idle time is reset every
+//! third of `claim_idle`, so a live consumer's work is not taken from it.
+//! An entry delivered more than `max_attempts` times (its consumers kept
+//! crashing on it) is not processed again: its handler is called only to
+//! check whether it was processed (each `#[idempotent]` call claims its key
+//! without running its body); it is acknowledged when its effect is
+//! committed, dead-lettered otherwise.
 //!
 //! Every settlement is a script that first checks the entry is still
 //! pending for this consumer: a consumer that lost its entry to another
