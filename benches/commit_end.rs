@@ -1,0 +1,133 @@
+//! What the end of a `PgStore` claim's transaction costs since every commit
+//! forces `synchronous_commit` back on and checks that the body left the
+//! transaction usable (issue 27, holes 3 and 5), side by side with the plain
+//! `COMMIT` it replaced, in one run:
+//!
+//! - (p) `BEGIN`, one marker `INSERT`, `COMMIT` (sqlx's `Transaction::commit`);
+//! - (p2) the same again: the A/A control, for the run's noise;
+//! - (n) `BEGIN`, the same `INSERT`, then the store's end: one simple query
+//!   `SELECT set_config('synchronous_commit', 'on', true) WHERE
+//!   current_setting('synchronous_commit') = 'off'; COMMIT; BEGIN`, and the
+//!   transaction dropped (its `ROLLBACK` goes out with the connection's
+//!   release).
+//!
+//! The rest of the claim's path did not change, so (n)/(p) is the change's
+//! whole cost. Interleaved repetitions at concurrency 1 and 8; the median
+//! of each variant's rate and the ratio of medians are printed.
+//!
+//! `cargo bench --bench commit_end -- [reps] [seconds per run]`
+//! (defaults 9 and 1.0).
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use idempotent_runtime::sqlx::postgres::PgPoolOptions;
+use idempotent_runtime::sqlx::{self, AssertSqlSafe, PgPool};
+
+const PG_URL: &str = "postgres://postgres@127.0.0.1:5432/test";
+
+/// The store's end of a claim (`COMMIT_DURABLE` in
+/// `idempotent-runtime/src/store/postgres.rs`).
+const COMMIT_DURABLE: &str = "SELECT set_config('synchronous_commit', 'on', true) \
+     WHERE current_setting('synchronous_commit') = 'off'; COMMIT; BEGIN";
+
+#[derive(Clone, Copy, PartialEq)]
+enum End {
+    Plain,
+    Durable,
+}
+
+async fn one(pool: &PgPool, table: &str, key: &str, end: End) -> Result<(), sqlx::Error> {
+    let mut tx = pool.begin_with("BEGIN ISOLATION LEVEL READ COMMITTED").await?;
+    sqlx::query(AssertSqlSafe(format!(
+        "INSERT INTO {table} (scope, message_id, expires_at) VALUES ($1, $2, now() + interval '1 day')"
+    )))
+    .bind("bench")
+    .bind(key)
+    .execute(&mut *tx)
+    .await?;
+    match end {
+        End::Plain => tx.commit().await,
+        End::Durable => {
+            sqlx::raw_sql(AssertSqlSafe(COMMIT_DURABLE)).execute(&mut *tx).await?;
+            drop(tx);
+            Ok(())
+        }
+    }
+}
+
+/// Transactions per second of `end` at `concurrency`, for `secs`.
+async fn rate(pool: &PgPool, table: &Arc<str>, end: End, concurrency: usize, secs: f64) -> f64 {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let deadline = Instant::now() + Duration::from_secs_f64(secs);
+    let done = Arc::new(AtomicU64::new(0));
+    let start = Instant::now();
+    let tasks: Vec<_> = (0..concurrency)
+        .map(|_| {
+            let (pool, table, done) = (pool.clone(), Arc::clone(table), Arc::clone(&done));
+            tokio::spawn(async move {
+                while Instant::now() < deadline {
+                    let key = NEXT.fetch_add(1, Ordering::Relaxed).to_string();
+                    one(&pool, &table, &key, end).await.expect("transaction");
+                    done.fetch_add(1, Ordering::Relaxed);
+                }
+            })
+        })
+        .collect();
+    for task in tasks {
+        task.await.expect("task");
+    }
+    done.load(Ordering::Relaxed) as f64 / start.elapsed().as_secs_f64()
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+#[tokio::main]
+async fn main() {
+    let mut args = std::env::args().skip(1).filter(|a| !a.starts_with('-'));
+    let reps: usize = args.next().and_then(|a| a.parse().ok()).unwrap_or(9);
+    let secs: f64 = args.next().and_then(|a| a.parse().ok()).unwrap_or(1.0);
+    let pool = PgPoolOptions::new()
+        .max_connections(8)
+        .connect(PG_URL)
+        .await
+        .expect("PostgreSQL at 127.0.0.1:5432");
+    let table: Arc<str> = format!("bench_commit_end_{}", std::process::id()).into();
+    sqlx::query(AssertSqlSafe(format!(
+        "CREATE TABLE {table} (scope TEXT NOT NULL, message_id TEXT NOT NULL, \
+         processed_at TIMESTAMPTZ NOT NULL DEFAULT now(), expires_at TIMESTAMPTZ NOT NULL, \
+         PRIMARY KEY (scope, message_id))"
+    )))
+    .execute(&pool)
+    .await
+    .expect("table");
+    let version: String = sqlx::query_scalar("SHOW server_version")
+        .fetch_one(&pool)
+        .await
+        .expect("version");
+    println!("PostgreSQL {version}; {reps} interleaved repetitions of {secs} s per variant and concurrency");
+    println!("| concurrency | (p) plain COMMIT /s | (p2) A/A /s | (n) durable, checked /s | p2/p | n/p |");
+    println!("| --- | --- | --- | --- | --- | --- |");
+    for concurrency in [1, 8] {
+        let (mut p, mut p2, mut n) = (Vec::new(), Vec::new(), Vec::new());
+        for _ in 0..reps {
+            p.push(rate(&pool, &table, End::Plain, concurrency, secs).await);
+            n.push(rate(&pool, &table, End::Durable, concurrency, secs).await);
+            p2.push(rate(&pool, &table, End::Plain, concurrency, secs).await);
+        }
+        let (p, p2, n) = (median(p), median(p2), median(n));
+        println!(
+            "| {concurrency} | {p:.0} | {p2:.0} | {n:.0} | {:.3} | {:.3} |",
+            p2 / p,
+            n / p
+        );
+    }
+    sqlx::query(AssertSqlSafe(format!("DROP TABLE {table}")))
+        .execute(&pool)
+        .await
+        .expect("drop");
+}
