@@ -1,12 +1,14 @@
 //! Stage 1: the attribute's arguments, `key = .., store = .., ...`.
 
 use proc_macro2::{Span, TokenStream};
+use quote::ToTokens;
 use syn::ext::IdentExt;
 use syn::parse::{ParseStream, Parser};
 use syn::{Expr, ExprLit, Ident, Lit, LitStr, Token};
 
 use crate::ctxt::Ctxt;
 use crate::duration::parse_millis;
+use crate::expand::respan;
 use crate::suggest::closest;
 
 const NAMES: &[&str] = &[
@@ -30,7 +32,7 @@ const DEFAULT_LEASE_MS: u64 = 30_000;
 /// The parsed attribute.
 pub struct Args {
     /// `key = ..`: the expression identifying a message.
-    pub key: Option<Expr>,
+    pub key: Option<Expression>,
     /// `store = ..`: the expression giving the store.
     pub store: Option<Expr>,
     /// `scope = ".."`: namespace of the markers.
@@ -42,13 +44,34 @@ pub struct Args {
     /// `lease = ".."` in milliseconds.
     pub lease_ms: u64,
     /// `fingerprint = ..`.
-    pub fingerprint: Option<Expr>,
+    pub fingerprint: Option<Expression>,
     /// `tx = ..`: the name of the transaction parameter.
     pub tx: Option<Ident>,
     /// `outbox = ..`: the name of the outbox parameter.
     pub outbox: Option<Ident>,
     /// `crate = ".."`: path to the runtime.
     pub krate: syn::Path,
+}
+
+/// A `key` or `fingerprint`: the expression the expansion evaluates and
+/// where the user wrote it.
+pub struct Expression {
+    /// The expression, parsed from the string when it is one.
+    pub expr: Expr,
+    /// The string literal it was written as (`key = "msg.message_id"`), or
+    /// `None` for a bare expression (`key = msg.message_id`).
+    pub string: Option<LitStr>,
+}
+
+impl Expression {
+    /// The tokens the user wrote: where an error about the whole
+    /// expression points (the string, or the bare expression).
+    pub fn written(&self) -> TokenStream {
+        match &self.string {
+            Some(lit) => lit.to_token_stream(),
+            None => self.expr.to_token_stream(),
+        }
+    }
 }
 
 /// Parses the attribute, recording every problem in `cx`.
@@ -208,12 +231,32 @@ fn parameter_name(cx: &Ctxt, what: &str, value: &Expr, example: &str) -> Option<
 }
 
 /// A key or fingerprint: a string holding an expression, or a bare expression.
-fn expression(cx: &Ctxt, what: &str, value: Expr) -> Option<Expr> {
+///
+/// The tokens parsed from a string are all located at the string, so
+/// rustc reports a mistake in them (`"msg.mesage_id"`) on the whole string,
+/// and a suggestion of rustc replaces the span of the token it fixes, which
+/// is the whole string: `key = message_id`, which does not compile. The
+/// tokens get the call site's hygiene (the same name resolution as the
+/// user's code) located at the string: rustc then takes them for tokens the
+/// macro wrote and offers no suggestion on them, while its errors still
+/// point at the string. A bare expression keeps the user's spans, and
+/// rustc's suggestions on it are right.
+fn expression(cx: &Ctxt, what: &str, value: Expr) -> Option<Expression> {
     let Expr::Lit(ExprLit { lit: Lit::Str(lit), .. }) = &value else {
-        return Some(value);
+        return Some(Expression {
+            expr: value,
+            string: None,
+        });
     };
-    match lit.parse::<Expr>() {
-        Ok(expr) => Some(expr),
+    let located = Span::call_site().located_at(lit.span());
+    match lit
+        .parse::<TokenStream>()
+        .and_then(|tokens| syn::parse2::<Expr>(respan(&tokens, located)))
+    {
+        Ok(expr) => Some(Expression {
+            expr,
+            string: Some(lit.clone()),
+        }),
         Err(error) => {
             cx.error_spanned_by(
                 lit,

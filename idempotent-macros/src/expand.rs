@@ -13,7 +13,7 @@ use syn::punctuated::Punctuated;
 use syn::spanned::Spanned;
 use syn::{Block, FnArg, ItemFn, ReturnType};
 
-use crate::args::{self, Args};
+use crate::args::{self, Args, Expression};
 use crate::ctxt::Ctxt;
 use crate::handler::{self, Handler};
 
@@ -44,7 +44,7 @@ pub fn idempotent(attr: TokenStream, item: TokenStream) -> TokenStream {
     }
 }
 
-fn expand(handler: &Handler, args: &Args, key: &syn::Expr, store: &syn::Expr) -> TokenStream {
+fn expand(handler: &Handler, args: &Args, key: &Expression, store: &syn::Expr) -> TokenStream {
     let krate = &args.krate;
     let rt = quote!(#krate::__private);
     let func = &handler.func;
@@ -54,11 +54,14 @@ fn expand(handler: &Handler, args: &Args, key: &syn::Expr, store: &syn::Expr) ->
     let mixed = Span::mixed_site();
     // These two are spanned on the user's `store` and `key` tokens: rustc
     // points at the argument that fails a bound, and these are the
-    // arguments of the store and key checks.
+    // arguments of the store and key checks. A key written as a string is
+    // pointed at as written (the string), not at the tokens parsed from it.
+    let key_written = key.written();
+    let key_expr = &key.expr;
     let store_ref = format_ident!("__idem_store", span = ends(&store.to_token_stream()).1);
-    let key_source = format_ident!("__idem_key_source", span = ends(&key.to_token_stream()).1);
+    let key_source = format_ident!("__idem_key_source", span = ends(&key_written).1);
     let store_arg = borrowed(&store_ref, store);
-    let key_arg = borrowed(&key_source, key);
+    let key_arg = borrowed(&key_source, &key_written);
     let key_text = format_ident!("__idem_key", span = mixed);
     let request = format_ident!("__idem_request", span = mixed);
     let span = format_ident!("__idem_span", span = mixed);
@@ -121,16 +124,27 @@ fn expand(handler: &Handler, args: &Args, key: &syn::Expr, store: &syn::Expr) ->
     let unit_result = handler.ok_type.as_ref().is_some_and(is_unit);
     let codec_of = qualified(&rt, &ok_type, "StoredResult", "codec", &ok_at);
     let from_store = qualified(&rt, &err_type, "HandlerError", "from_store", &err_at);
-    let key_call = call(&rt, "key", quote!(#scope, #key_arg), key);
+    let key_call = call(&rt, "key", quote!(#scope, #key_arg), &key_written);
 
-    let fingerprint = match &args.fingerprint {
-        Some(expr) => {
-            let first = ends(&expr.to_token_stream()).0;
-            let mut value = Group::new(Delimiter::Parenthesis, expr.to_token_stream());
-            value.set_span(first);
-            call(&rt, "fingerprint", quote_spanned!(first=> &#value), expr)
+    // The fingerprint is bound like the key, to a variable spanned on what
+    // the user wrote: rustc points a failed bound at the innermost
+    // expression it can, and the tokens parsed from a string are located
+    // at the macro's call (the whole attribute) for that purpose.
+    let (fingerprint_let, fingerprint) = match &args.fingerprint {
+        Some(expression) => {
+            let written = expression.written();
+            let expr = &expression.expr;
+            let source = format_ident!("__idem_fingerprint_source", span = ends(&written).1);
+            let source_arg = borrowed(&source, &written);
+            (
+                Some(quote! {
+                    #[allow(unused_parens, clippy::needless_borrow)]
+                    let #source = &(#expr);
+                }),
+                call(&rt, "fingerprint", source_arg, &written),
+            )
         }
-        None => quote!(::core::result::Result::Ok(::core::option::Option::None)),
+        None => (None, quote!(::core::result::Result::Ok(::core::option::Option::None))),
     };
     let bail = quote! {
         ::core::result::Result::Err(#error) => return ::core::result::Result::Err(#into_error(#error)),
@@ -223,11 +237,12 @@ fn expand(handler: &Handler, args: &Args, key: &syn::Expr, store: &syn::Expr) ->
             #stager_let
             #binder_let
             #[allow(unused_parens, clippy::needless_borrow)]
-            let #key_source = &(#key);
+            let #key_source = &(#key_expr);
             let #key_text = match #key_call {
                 ::core::result::Result::Ok(key) => key,
                 #bail
             };
+            #fingerprint_let
             let #request = match #rt::request(#scope, &#key_text, #ttl, #lease, #fingerprint, #unit_result) {
                 ::core::result::Result::Ok(request) => request,
                 #bail
@@ -377,7 +392,7 @@ fn ends(tokens: &TokenStream) -> (Span, Span) {
 }
 
 /// `tokens` with every span set to `span`.
-fn respan(tokens: &TokenStream, span: Span) -> TokenStream {
+pub(crate) fn respan(tokens: &TokenStream, span: Span) -> TokenStream {
     tokens
         .clone()
         .into_iter()

@@ -7,7 +7,7 @@ use quote::ToTokens;
 use syn::visit::Visit;
 use syn::{Expr, FnArg, GenericArgument, Ident, ItemFn, Pat, PathArguments, ReturnType, Type};
 
-use crate::args::Args;
+use crate::args::{Args, Expression};
 use crate::ctxt::Ctxt;
 
 /// The function under the attribute, understood.
@@ -308,22 +308,35 @@ fn collect_bindings(pat: &Pat, names: &mut Vec<Ident>) {
 
 /// Every variable a key or fingerprint expression reads must be a parameter
 /// (other than the transaction).
-fn check_over_parameters(cx: &Ctxt, what: &str, expr: &Expr, params: &[Ident], bound: &[(Ident, &str)], func: &Ident) {
+fn check_over_parameters(
+    cx: &Ctxt,
+    what: &str,
+    expression: &Expression,
+    params: &[Ident],
+    bound: &[(Ident, &str)],
+    func: &Ident,
+) {
     let mut finder = Variables {
         found: Vec::new(),
         locals: Vec::new(),
         opaque: false,
     };
-    finder.visit_expr(expr);
+    finder.visit_expr(&expression.expr);
     for variable in &finder.found {
+        // A variable of a string points at the string (where its tokens
+        // are located anyway), a variable of a bare expression at itself.
+        let at = match &expression.string {
+            Some(lit) => lit.to_token_stream(),
+            None => variable.to_token_stream(),
+        };
         if let Some((_, kind)) = bound.iter().find(|(name, _)| name == variable) {
             cx.error_spanned_by(
-                variable,
+                &at,
                 format!("the {what} cannot use the {kind} parameter `{variable}`: it is bound after the key is read"),
             );
         } else if !params.contains(variable) {
             cx.error_spanned_by(
-                variable,
+                &at,
                 format!(
                     "the {what} must be computed from the parameters of `{func}`, but `{variable}` is not one of them; parameters: {}",
                     list(params)
@@ -333,7 +346,7 @@ fn check_over_parameters(cx: &Ctxt, what: &str, expr: &Expr, params: &[Ident], b
     }
     if finder.found.is_empty() && !finder.opaque {
         cx.error_spanned_by(
-            expr,
+            expression.written(),
             format!(
                 "the {what} must be computed from the parameters of `{func}` (a constant {what} would make every message a duplicate); parameters: {}",
                 list(params)

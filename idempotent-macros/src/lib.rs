@@ -27,6 +27,14 @@ use proc_macro::TokenStream;
 /// async fn process(&self, msg: &Payment, tx: &mut PgConnection) -> Result<(), AppError> { .. }
 /// ```
 ///
+/// `key` is an expression over the handler's parameters, written as a
+/// string (`key = "msg.message_id"`) or bare (`key = msg.message_id`);
+/// `fingerprint` likewise. rustc reports a mistake inside a string
+/// (`"msg.mesage_id"`) on the whole string and without its "a field with a
+/// similar name exists" help, which would replace the whole string with the
+/// field's name and not compile; written bare, the key gets rustc's help
+/// on the token it fixes.
+///
 /// Arguments: `key` (required), `store` (required), `scope`, `ttl`,
 /// `fingerprint`, `lease`, `tx`, `outbox`, `crate`. See the `idempotent-runtime`
 /// documentation for the full contract.
