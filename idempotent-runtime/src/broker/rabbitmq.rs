@@ -33,15 +33,27 @@
 //!
 //! # Topology
 //!
-//! On each connection, before consuming, the consumer checks what it
-//! needs: the queue, the dead-letter queue or exchange. It declares the
-//! queues that are missing (durable, no arguments) unless told not to
+//! On each connection, before consuming, the consumer makes sure of what
+//! it needs: the queue, the dead-letter queue or exchange. It declares the
+//! queues (durable, no arguments) unless told not to
 //! ([`declare_queue(false)`](ConsumerBuilder::declare_queue),
-//! [`declare_dead_letter_queue(false)`](ConsumerBuilder::declare_dead_letter_queue));
-//! it never declares an exchange. Everything is checked before anything is
-//! declared, so a refusal (a missing exchange, a queue that must exist)
-//! leaves nothing half-declared. Existing queues are used as they are, so
-//! quorum queues and queues with arguments work.
+//! [`declare_dead_letter_queue(false)`](ConsumerBuilder::declare_dead_letter_queue)),
+//! then it only checks that they exist; it never declares an exchange. What
+//! must already exist is checked before anything is declared, so a refusal
+//! (a missing exchange, a queue that must exist) leaves nothing
+//! half-declared. Existing queues are used as they are, so quorum queues
+//! and queues with arguments work.
+//!
+//! A declare is not preceded by a check: a passive declare of a missing
+//! queue makes the broker close the channel, which lapin logs at ERROR on
+//! every first start. Declaring a queue that exists durable without
+//! arguments changes nothing and logs nothing. A queue that exists with
+//! other properties (a quorum queue, arguments), or one the user may not
+//! configure, is refused (`PRECONDITION_FAILED`, `ACCESS_REFUSED`): the
+//! consumer then checks that it exists and uses it, and lapin logs the
+//! refused declare once per connection at ERROR
+//! (`lapin::channel: Channel closed .. PRECONDITION_FAILED`). To start
+//! without it, turn declaring off for such queues.
 //!
 //! # Connection loss
 //!
@@ -222,16 +234,20 @@ impl<D, R> ConsumerBuilder<Rabbit, D, R> {
         self
     }
 
-    /// Whether to declare the queue when it does not exist (durable, no
-    /// arguments; default `true`). With `false` a missing queue is an error.
+    /// Whether to declare the queue (durable, no arguments; default
+    /// `true`): nothing changes when it exists so. With `false` the queue is
+    /// only checked, and a missing queue is an error: turn it off for a
+    /// queue declared with other properties (a quorum queue, arguments),
+    /// whose refused declare lapin logs at ERROR on each connection (see
+    /// the [module documentation](crate::rabbitmq#topology)).
     pub fn declare_queue(mut self, declare: bool) -> Self {
         self.broker.declare_queue = declare;
         self
     }
 
-    /// Whether to declare the dead-letter queue when it does not exist
-    /// (durable, no arguments; default `true`). With `false` a missing
-    /// dead-letter queue is an error.
+    /// Whether to declare the dead-letter queue (durable, no arguments;
+    /// default `true`), as [`declare_queue`](Self::declare_queue) does the
+    /// queue. With `false` a missing dead-letter queue is an error.
     pub fn declare_dead_letter_queue(mut self, declare: bool) -> Self {
         self.broker.declare_dead_letter_queue = declare;
         self
@@ -367,32 +383,50 @@ fn lost(err: lapin::Error) -> Connect {
 }
 
 fn is_not_found(err: &lapin::Error) -> bool {
-    matches!(err.kind(), lapin::ErrorKind::ProtocolError(e) if e.get_id() == 404)
+    reply_code(err) == Some(404)
 }
 
+/// The AMQP reply code of a channel or connection closed by the broker.
+fn reply_code(err: &lapin::Error) -> Option<u16> {
+    match err.kind() {
+        lapin::ErrorKind::ProtocolError(e) => Some(e.get_id()),
+        _ => None,
+    }
+}
+
+/// `ACCESS_REFUSED`: the user may not configure (declare) the queue.
+const ACCESS_REFUSED: u16 = 403;
+/// `PRECONDITION_FAILED`: the queue exists with other properties.
+const PRECONDITION_FAILED: u16 = 406;
+
 impl Rabbit {
-    /// Checks the queue, the dead-letter queue and exchange, then declares
-    /// the missing queues it may declare. A refusal declares nothing.
+    /// Checks what must exist already (a queue or dead-letter queue it may
+    /// not declare, the dead-letter exchange), then declares the queues it
+    /// may declare. A refusal declares nothing.
+    ///
+    /// A queue it may declare is declared straight away, not checked first:
+    /// a passive declare of a missing queue makes the broker close the
+    /// channel, which lapin logs at ERROR on every first start. Declaring a
+    /// queue that exists with the same properties (durable, no arguments)
+    /// changes nothing; see [`declare`](Self::declare) for one with others.
     async fn ensure_topology(&self, conn: &Connection, ready: &Ready) -> Result<(), Connect> {
         let mut declare: Vec<&ShortString> = Vec::new();
-        if !self.queue_exists(conn, &ready.queue).await? {
-            if !self.declare_queue {
-                return Err(Connect::Fatal(ConsumerError::Config(format!(
-                    "queue `{}` does not exist (and declare_queue is off)",
-                    ready.queue
-                ))));
-            }
+        if self.declare_queue {
             declare.push(&ready.queue);
+        } else if !self.queue_exists(conn, &ready.queue).await? {
+            return Err(Connect::Fatal(ConsumerError::Config(format!(
+                "queue `{}` does not exist (and declare_queue is off)",
+                ready.queue
+            ))));
         }
         match &ready.dead_letter {
             DeadLetter::Queue(dlq) => {
-                if !self.queue_exists(conn, dlq).await? {
-                    if !self.declare_dead_letter_queue {
-                        return Err(Connect::Fatal(ConsumerError::Config(format!(
-                            "dead-letter queue `{dlq}` does not exist (and declare_dead_letter_queue is off)"
-                        ))));
-                    }
+                if self.declare_dead_letter_queue {
                     declare.push(dlq);
+                } else if !self.queue_exists(conn, dlq).await? {
+                    return Err(Connect::Fatal(ConsumerError::Config(format!(
+                        "dead-letter queue `{dlq}` does not exist (and declare_dead_letter_queue is off)"
+                    ))));
                 }
             }
             DeadLetter::Exchange { exchange, .. } => {
@@ -417,21 +451,50 @@ impl Rabbit {
                 }
             }
         }
-        if declare.is_empty() {
-            return Ok(());
-        }
-        let channel = conn.create_channel().await.map_err(lost)?;
         for queue in declare {
-            tracing::info!(target: TRACING_TARGET, queue = %queue, "declaring the missing queue (durable)");
-            channel
-                .queue_declare(queue.clone(), QueueDeclareOptions::durable(), FieldTable::default())
-                .await
-                .map_err(|err| {
-                    Connect::Fatal(ConsumerError::Config(format!("cannot declare queue `{queue}`: {err}")))
-                })?;
+            self.declare(conn, queue).await?;
         }
-        let _ = channel.close(200, ShortString::from("declared")).await;
         Ok(())
+    }
+
+    /// Declares `queue` durable without arguments, on a channel of its own.
+    ///
+    /// A queue that exists with other properties (a quorum queue, arguments,
+    /// not durable) is refused with `PRECONDITION_FAILED`, and a user who
+    /// may not configure the queue with `ACCESS_REFUSED`; the broker then
+    /// closes the channel (lapin logs it at ERROR) and the queue is checked
+    /// passively on a fresh channel: it is used as it is when it exists.
+    async fn declare(&self, conn: &Connection, queue: &ShortString) -> Result<(), Connect> {
+        let channel = conn.create_channel().await.map_err(lost)?;
+        match channel
+            .queue_declare(queue.clone(), QueueDeclareOptions::durable(), FieldTable::default())
+            .await
+        {
+            Ok(_) => {
+                let _ = channel.close(200, ShortString::from("declared")).await;
+                tracing::debug!(target: TRACING_TARGET, queue = %queue, "queue declared (durable; unchanged when it existed)");
+                Ok(())
+            }
+            Err(err) if matches!(reply_code(&err), Some(PRECONDITION_FAILED | ACCESS_REFUSED)) => {
+                if self.queue_exists(conn, queue).await? {
+                    tracing::debug!(
+                        target: TRACING_TARGET,
+                        queue = %queue,
+                        refusal = %err,
+                        "the queue exists and is used as it is"
+                    );
+                    Ok(())
+                } else {
+                    Err(Connect::Fatal(ConsumerError::Config(format!(
+                        "cannot declare queue `{queue}`: {err}"
+                    ))))
+                }
+            }
+            Err(err) if reply_code(&err).is_some() => Err(Connect::Fatal(ConsumerError::Config(format!(
+                "cannot declare queue `{queue}`: {err}"
+            )))),
+            Err(err) => Err(lost(err)),
+        }
     }
 
     /// Whether `queue` exists (a passive declare, on a channel of its own:

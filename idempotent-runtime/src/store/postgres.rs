@@ -348,6 +348,11 @@ impl PgStore {
     /// partitions from now to the horizon. Either fails with
     /// [`Error::Config`] when the table exists in the other layout (or
     /// partitioned with another period).
+    ///
+    /// Objects that exist are skipped without a word: the statements run
+    /// with `client_min_messages = warning` (for this transaction only), so
+    /// PostgreSQL sends no "already exists, skipping" notices, which sqlx
+    /// would log at INFO on every start.
     pub async fn migrate(&self) -> Result<(), Error> {
         // Read Committed whatever the sessions' default, so that the
         // catalog queries after the lock see what a concurrent migration
@@ -356,6 +361,9 @@ impl PgStore {
         // Concurrent CREATE TABLE IF NOT EXISTS can still collide in the
         // catalog; serialize migrations with a transaction-scoped lock.
         sqlx::query("SELECT pg_advisory_xact_lock(7306369421585737536)")
+            .execute(&mut *tx)
+            .await?;
+        sqlx::query("SET LOCAL client_min_messages = warning")
             .execute(&mut *tx)
             .await?;
         if self.sql.partitions.is_none() {
