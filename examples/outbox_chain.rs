@@ -450,6 +450,9 @@ fn payments_consumer(
     let consumer = RabbitConsumer::builder(amqp_url, &names.payments_queue)
         .prefetch(8)
         .concurrency(4)
+        // Declared by `setup` (with `x-expires`): only checked.
+        .declare_queue(false)
+        .declare_dead_letter_queue(false)
         .build()?;
     let stats = consumer.stats();
     let task: Arc<OnceLock<AbortHandle>> = Arc::new(OnceLock::new());
@@ -498,6 +501,9 @@ fn notifications_consumer(
     let consumer = RabbitConsumer::builder(amqp_url, &names.charged_queue)
         .prefetch(8)
         .concurrency(4)
+        // Declared by `setup` (with `x-expires`): only checked.
+        .declare_queue(false)
+        .declare_dead_letter_queue(false)
         .build()?;
     let stats = consumer.stats();
     let (service, tally) = (Arc::clone(service), Arc::clone(tally));

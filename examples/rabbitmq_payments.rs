@@ -97,6 +97,9 @@ impl Demo for RabbitMq {
         RabbitConsumer::builder(&self.url, &self.queue)
             .prefetch(8)
             .dead_letter_queue(&self.dead_letters)
+            // `setup` declared both (with `x-expires`): only check them.
+            .declare_queue(false)
+            .declare_dead_letter_queue(false)
     }
 
     /// Ready in either queue: unacked messages are held by a live consumer
