@@ -41,6 +41,9 @@ async fn charge(store: &MemoryStore, msg: &Payment) -> Result<(), AppError> {
     }
 }
 
+/// A sample the scrape must show: name, some of its labels, value.
+type Expected<'a> = (&'a str, Vec<(&'a str, &'a str)>, f64);
+
 async fn scrape(addr: SocketAddr) -> String {
     let mut stream = tokio::net::TcpStream::connect(addr)
         .await
@@ -155,7 +158,7 @@ async fn counters_and_histograms_are_served_with_their_labels() {
         labels.push(extra);
         labels
     };
-    let expected: Vec<(&str, Vec<(&str, &str)>, f64)> = vec![
+    let expected: Vec<Expected<'_>> = vec![
         (
             "idempotent_outcomes_total",
             vec![("scope", "prom.payments"), ("outcome", "processed")],
