@@ -373,6 +373,10 @@ async fn migrating_a_migrated_database_logs_nothing_per_object() {
     // Nothing at all per existing object: the second migration is silent
     // at INFO.
     assert!(second_pg.trim().is_empty(), "second PostgreSQL migrate: {second_pg}");
+    assert!(
+        second_others.trim().is_empty(),
+        "second MariaDB and SQLite migrate: {second_others}"
+    );
 }
 
 /// The capture itself sees what it must flag: a notice PostgreSQL sends
