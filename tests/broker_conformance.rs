@@ -5,7 +5,7 @@
 //! Streams on the real servers: ack after commit, a crash between commit and
 //! ack redelivered and recognised by the marker, bounded retries then the
 //! dead-letter destination with the body intact, permanent errors and poison
-//! dead-lettered at once, a graceful shutdown that loses nothing, "consume
+//! (undecodable, or longer than the body size limit) dead-lettered at once, a graceful shutdown that loses nothing, "consume
 //! until drained", and a store outage that is retried in place without
 //! spending attempts or dead-lettering. Broker-specific behaviour
 //! (topologies, JetStream's delivery counts, RabbitMQ exchanges, Redis
@@ -311,6 +311,70 @@ pub async fn permanent_errors_and_poison_are_dead_lettered_at_once<F: Fixture>()
         .collect();
     assert!(poison.contains(&&b"{not json".to_vec()) && poison.contains(&&br#"{"amount":5}"#.to_vec()));
     assert_eq!(fx.backlog().await, 0);
+    fx.teardown().await;
+}
+
+pub async fn a_body_over_the_size_limit_is_poison<F: Fixture>() {
+    // `max_body_bytes`: one byte over is dead-lettered before decoding,
+    // with its size and the limit as the reason; at the limit it passes.
+    let fx = F::setup("oversized").await;
+    let fits = payment("size-1");
+    let limit = fits.len();
+    let over = payment("size-10");
+    assert_eq!(over.len(), limit + 1);
+    let reason = format!("body of {} bytes exceeds the limit of {limit}", limit + 1);
+    fx.publish(&over, "size-10").await;
+    fx.publish(&fits, "size-1").await;
+    let ledger = Ledger::new(MemoryStore::new());
+    let consumer = fx.builder().max_body_bytes(limit).build().unwrap();
+    let stats = run_until(consumer, &ledger, "1 poison, 1 ack", |s| s.poison == 1 && s.acked == 1).await;
+    assert_eq!((stats.poison, stats.acked, stats.failed), (1, 1, 0), "{stats:?}");
+    assert_eq!(
+        ledger.calls("size-10"),
+        0,
+        "an oversized body never reaches the handler"
+    );
+    assert_eq!(ledger.calls("size-1"), 1);
+    let dead = fx.dead_letters().await;
+    assert_eq!(dead.len(), 1);
+    let (body, headers) = &dead[0];
+    assert_eq!(body, &over, "body intact");
+    assert_eq!(headers[HEADER_KIND], "poison");
+    assert_eq!(headers[HEADER_ATTEMPTS], "0");
+    assert_eq!(headers[HEADER_REASON], reason);
+
+    // In batch mode too: the oversized delivery is settled alone, the
+    // others commit in the batch.
+    let db = DbLedger::new("oversized").await;
+    for id in ["size-20", "size-2", "size-3"] {
+        fx.publish(&payment(id), id).await;
+    }
+    let consumer = fx
+        .builder()
+        .concurrency(1)
+        .max_body_bytes(limit)
+        .batch(db.store.clone(), 4)
+        .batch_wait(Duration::from_millis(50))
+        .stop_when_idle(Duration::from_millis(1500))
+        .build()
+        .unwrap();
+    let stats = run_batches(consumer, &db).await;
+    assert_eq!((stats.poison, stats.acked), (1, 2), "{stats:?}");
+    let effects = db.effects().await;
+    assert_eq!(effects.keys().count(), 2, "{effects:?}");
+    assert!(
+        effects.contains_key("size-2") && effects.contains_key("size-3"),
+        "{effects:?}"
+    );
+    let dead = fx.dead_letters().await;
+    assert_eq!(dead.len(), 2);
+    assert!(
+        dead.iter()
+            .any(|(body, h)| body == &payment("size-20") && h[HEADER_KIND] == "poison" && h[HEADER_REASON] == reason),
+        "{dead:?}"
+    );
+    assert_eq!(fx.backlog().await, 0);
+    db.teardown().await;
     fx.teardown().await;
 }
 
@@ -623,6 +687,22 @@ pub async fn a_batch_that_cannot_commit_runs_its_deliveries_alone<F: Fixture>() 
 }
 
 #[test]
+fn the_body_size_limit_is_1_mib_by_default_and_at_least_1() {
+    use idempotent_runtime::broker::DEFAULT_MAX_BODY_BYTES;
+    use idempotent_runtime::rabbitmq::RabbitConsumer;
+    assert_eq!(DEFAULT_MAX_BODY_BYTES, 1_048_576);
+    let builder = RabbitConsumer::builder("amqp://x", "q");
+    assert_eq!(builder.options().max_body_bytes, DEFAULT_MAX_BODY_BYTES);
+    let zero = RabbitConsumer::builder("amqp://x", "q")
+        .max_body_bytes(0)
+        .build()
+        .map(|_| ())
+        .unwrap_err()
+        .to_string();
+    assert!(zero.contains("max_body_bytes must be at least 1"), "{zero}");
+}
+
+#[test]
 fn batch_settings_are_checked_at_build() {
     use idempotent_runtime::rabbitmq::RabbitConsumer;
     let store = || PgStore::new(idempotent_runtime::sqlx::PgPool::connect_lazy(common::PG_URL).unwrap());
@@ -660,6 +740,10 @@ macro_rules! conformance {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn permanent_errors_and_poison_are_dead_lettered_at_once() {
                 super::permanent_errors_and_poison_are_dead_lettered_at_once::<$fixture>().await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_body_over_the_size_limit_is_poison() {
+                super::a_body_over_the_size_limit_is_poison::<$fixture>().await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn a_panicking_handler_is_a_failed_attempt() {

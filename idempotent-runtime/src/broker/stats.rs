@@ -212,6 +212,11 @@ impl Recorder {
         .increment(1);
     }
 
+    /// Deliveries acknowledged so far.
+    pub(crate) fn acked(&self) -> u64 {
+        self.stats.inner.acked.load(Ordering::Relaxed)
+    }
+
     pub(crate) fn handler_failed(&self) {
         self.stats.inner.failed.fetch_add(1, Ordering::Relaxed);
         #[cfg(feature = "metrics")]
