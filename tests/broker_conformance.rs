@@ -6,8 +6,9 @@
 //! ack redelivered and recognised by the marker, bounded retries then the
 //! dead-letter destination with the body intact, permanent errors and poison
 //! (undecodable, or longer than the body size limit) dead-lettered at once, a graceful shutdown that loses nothing, "consume
-//! until drained", and a store outage that is retried in place without
-//! spending attempts or dead-lettering. Broker-specific behaviour
+//! until drained", a store outage that is retried in place without
+//! spending attempts or dead-lettering, and an outage of one message while
+//! others are processed that spends its attempts. Broker-specific behaviour
 //! (topologies, JetStream's delivery counts, RabbitMQ exchanges, Redis
 //! claims) is tested in `idempotent-runtime/tests/*_adapter.rs`.
 
@@ -538,6 +539,82 @@ pub async fn a_store_outage_is_retried_without_spending_attempts<F: Fixture>() {
     fx.teardown().await;
 }
 
+pub async fn an_outage_of_one_message_spends_attempts_once_others_are_processed<F: Fixture>() {
+    // The handler calls "stuck"'s error an outage. While the consumer only
+    // replays duplicates (a cache could answer them with the database
+    // down), that proves nothing: the outage stays free. Once other
+    // messages are processed, it is the message's own: it spends its
+    // attempts and is dead-lettered.
+    let fx = F::setup("own-outage").await;
+    let ledger = Ledger::new(MemoryStore::new());
+    let dup = Payment {
+        message_id: "own-dup".into(),
+        amount: 1,
+    };
+    ledger.pay(&dup).await.unwrap();
+    fx.publish(&payment("stuck"), "stuck").await;
+    let consumer = fx
+        .builder()
+        .max_attempts(2)
+        .outage_backoff(Backoff::new(Duration::from_millis(20), Duration::from_millis(40)))
+        .classify(|err: &AppError| match err {
+            AppError::Failed(_) => idempotent_runtime::broker::Verdict::Outage,
+            _ => idempotent_runtime::broker::Verdict::Retry,
+        })
+        .build()
+        .unwrap();
+    let stats = consumer.stats();
+    let shutdown = CancellationToken::new();
+    let handler_ledger = Arc::clone(&ledger);
+    let run = tokio::spawn(consumer.run(
+        move |msg: Payment| {
+            let ledger = Arc::clone(&handler_ledger);
+            async move {
+                if msg.message_id == "stuck" {
+                    return Err(AppError::Failed("stuck: invalid data".into()));
+                }
+                ledger.handle(&msg).await
+            }
+        },
+        shutdown.clone(),
+    ));
+    // Distinct broker-level ids: JetStream would drop a republished id.
+    for i in 0..10 {
+        fx.publish(&payment("own-dup"), &format!("own-dup-{i}")).await;
+        tokio::time::sleep(Duration::from_millis(60)).await;
+    }
+    wait_until("the duplicates", || stats.snapshot().acked >= 10).await;
+    let before = stats.snapshot();
+    assert!(before.outage_retries >= 5, "{before:?}");
+    assert_eq!(
+        (before.retried, before.dead_lettered),
+        (0, 0),
+        "duplicates alone spend no attempt"
+    );
+    let deadline = tokio::time::Instant::now() + WAIT;
+    let mut fresh = 0;
+    while stats.snapshot().dead_lettered == 0 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "never dead-lettered: {:?}",
+            stats.snapshot()
+        );
+        let id = format!("own-fresh-{fresh}");
+        fx.publish(&payment(&id), &id).await;
+        fresh += 1;
+        tokio::time::sleep(Duration::from_millis(30)).await;
+    }
+    shutdown.cancel();
+    let stats = tokio::time::timeout(WAIT, run).await.unwrap().unwrap().unwrap();
+    assert_eq!((stats.retried, stats.dead_lettered), (1, 1), "{stats:?}");
+    let dead = fx.dead_letters().await;
+    assert_eq!(dead.len(), 1);
+    assert_eq!(dead[0].1[HEADER_KIND], "exhausted");
+    assert_eq!(dead[0].1[HEADER_ATTEMPTS], "2");
+    assert_eq!(dead[0].1[HEADER_REASON], "stuck: invalid data");
+    fx.teardown().await;
+}
+
 /// A service whose effect is a row in PostgreSQL, in the marker's
 /// transaction: what batch mode needs (an in-memory effect would survive a
 /// batch's rollback).
@@ -760,6 +837,10 @@ macro_rules! conformance {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn a_store_outage_is_retried_without_spending_attempts() {
                 super::a_store_outage_is_retried_without_spending_attempts::<$fixture>().await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn an_outage_of_one_message_spends_attempts_once_others_are_processed() {
+                super::an_outage_of_one_message_spends_attempts_once_others_are_processed::<$fixture>().await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn batches_apply_each_message_once_and_settle_after_the_commit() {

@@ -205,9 +205,10 @@ impl<B, D, R> ConsumerBuilder<B, D, R> {
     /// Default: no bound of its own.
     ///
     /// Without it, a delivery's outages are bounded only by the rest of
-    /// the consumer: an outage after other deliveries of the consumer were
-    /// acknowledged since this one's first outage (so what it calls down
-    /// is evidently up) already spends an attempt. Neither applies to a
+    /// the consumer: an outage after the consumer processed other messages
+    /// since this one's first outage (handlers returned `Ok` having done
+    /// more than replay duplicates: what it calls down is evidently up)
+    /// already spends an attempt. Neither applies to a
     /// key another consumer holds (`Error::InProgress`) nor to a message's
     /// last delivery, whose check waits for the store.
     pub fn max_outage_retries(mut self, retries: u32) -> Self {
@@ -324,7 +325,7 @@ impl<B, D, R> ConsumerBuilder<B, D, R> {
     /// Decides what each handler error means, [`Verdict::Retry`],
     /// [`Verdict::Reject`] or [`Verdict::Outage`] (a dependency down: the
     /// message is kept and the handler run again without spending an
-    /// attempt, until other deliveries are acknowledged meanwhile or
+    /// attempt, until other messages are processed meanwhile or
     /// [`max_outage_retries`](Self::max_outage_retries) runs out). Classify
     /// the library's errors with `Error::verdict` and the database's with
     /// [`Verdict::of_sqlx`] (features `postgres`, `mysql`, `sqlite`).

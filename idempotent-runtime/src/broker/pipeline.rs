@@ -9,8 +9,8 @@
 //! only a check of whether the message was processed: its `#[idempotent]`
 //! calls claim without running their bodies, and a message processed before
 //! is acknowledged, one that was not dead-lettered), the verdict on a
-//! failure (outage: run again in place, unless other deliveries were
-//! acknowledged meanwhile or the retries in place ran out, which spends an
+//! failure (outage: run again in place, unless other messages were
+//! processed meanwhile or the retries in place ran out, which spends an
 //! attempt; retry: hand it to the broker with a delay; otherwise
 //! dead-letter), and the settlement, never on a connection
 //! other than the one it came on. A delivery's progress is sent at its heartbeat
@@ -889,7 +889,7 @@ impl<D, R, H> Worker<D, R, H> {
         let mut beat = Beat::new(delivery.heartbeat());
         let check_only = ran.is_none() && meta.last;
         if let Some(reason) = self.refused_body(delivery).filter(|_| ran.is_none()) {
-            tracing::error!(target: TRACING_TARGET, %reason, "malformed (poison) message: dead-lettering it");
+            tracing::error!(target: TRACING_TARGET, %reason, "malformed or oversized (poison) message: dead-lettering it");
             trace_failure("poison");
             self.dead_letter(delivery, DeadKind::Poison, &reason, 0, Outcome::Poison)
                 .await;
@@ -904,10 +904,11 @@ impl<D, R, H> Worker<D, R, H> {
             );
         }
         let mut outages = 0u32;
-        // Deliveries acknowledged by the consumer when this one's first
-        // outage was seen, and when its latest run started.
+        // Deliveries the consumer processed and acknowledged (see
+        // `Recorder::processed`) when this one's first outage was seen, and
+        // when its latest run started.
         let mut acked_at_first_outage: Option<u64> = None;
-        let mut acked_at_start = self.recorder.acked();
+        let mut acked_at_start = self.recorder.processed();
         let (reason, verdict, error_type) = loop {
             let (called, noted) = match ran.take() {
                 Some(ran) => ran,
@@ -922,7 +923,7 @@ impl<D, R, H> Worker<D, R, H> {
                             return;
                         }
                     };
-                    acked_at_start = self.recorder.acked();
+                    acked_at_start = self.recorder.processed();
                     let call = self.call(meta, decoded, check_only);
                     let Some(outcome) = self.watched(delivery, &mut beat, call).await else {
                         self.let_go(delivery).await;
@@ -971,7 +972,11 @@ impl<D, R, H> Worker<D, R, H> {
             };
             let (reason, verdict, error_type) = match called {
                 Called::Ok => {
-                    self.ack(delivery).await;
+                    // Evidence that the consumer's dependencies are up,
+                    // unless every call only replayed (a cache can answer
+                    // duplicates while the database is down).
+                    let processed = noted.outcome != Some(Idempotency::Duplicate);
+                    self.ack(delivery, processed).await;
                     return;
                 }
                 Called::Err(err) if noted.store_failed => (err.to_string(), Verdict::Outage, handler_error),
@@ -985,8 +990,8 @@ impl<D, R, H> Worker<D, R, H> {
             if verdict != Verdict::Outage {
                 break (reason, verdict, error_type);
             }
-            // An outage that is this message's own (the consumer's other
-            // deliveries are acknowledged meanwhile), or that outlived the
+            // An outage that is this message's own (the consumer processes
+            // other messages meanwhile), or that outlived the
             // retries in place allowed, spends an attempt. A key another
             // consumer holds waits for it, and the last delivery's check
             // for the store.
@@ -996,7 +1001,7 @@ impl<D, R, H> Worker<D, R, H> {
             } else if self.options.max_outage_retries.is_some_and(|max| outages >= max) {
                 Some("its outage retries in place ran out (max_outage_retries)")
             } else if acked_at_first_outage.is_some_and(|first| acked_at_start > first) {
-                Some("other messages were acknowledged since its first outage")
+                Some("other messages were processed since its first outage")
             } else {
                 None
             };
@@ -1009,7 +1014,7 @@ impl<D, R, H> Worker<D, R, H> {
                 );
                 break (reason, Verdict::Retry, error_type);
             }
-            acked_at_first_outage.get_or_insert_with(|| self.recorder.acked());
+            acked_at_first_outage.get_or_insert_with(|| self.recorder.processed());
             // A dependency is down: keep the message, run it again later,
             // without spending an attempt.
             outages = outages.saturating_add(1);
@@ -1137,7 +1142,11 @@ impl<D, R, H> Worker<D, R, H> {
     }
 
     /// Acknowledges a processed delivery, on its own connection only.
-    async fn ack<Dl: Delivery>(&self, delivery: &Dl) {
+    /// `processed`: the handler ran for real (see [`Recorder::processed`]).
+    async fn ack<Dl: Delivery>(&self, delivery: &Dl, processed: bool) {
+        if processed {
+            self.recorder.note_processed();
+        }
         let acked = if delivery.is_current() {
             delivery.ack().await
         } else {

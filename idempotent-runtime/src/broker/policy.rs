@@ -62,8 +62,8 @@ pub enum Verdict {
     ///
     /// An outage is for what is down for every message, never for an error
     /// of this message's own data: a delivery whose outage persists while
-    /// other deliveries of the consumer are acknowledged (since its first
-    /// outage) spends an attempt after all, as [`Verdict::Retry`], so it is
+    /// the consumer processes other messages (since its first outage)
+    /// spends an attempt after all, as [`Verdict::Retry`], so it is
     /// dead-lettered once its attempts run out instead of looping for ever;
     /// `max_outage_retries(n)` on the builder bounds the retries in place
     /// outright.
