@@ -615,6 +615,121 @@ pub async fn an_outage_of_one_message_spends_attempts_once_others_are_processed<
     fx.teardown().await;
 }
 
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub struct Order {
+    pub message_id: String,
+    pub note: String,
+}
+
+/// The README's consumer: an order's note inserted in the marker's
+/// transaction, its errors classified as the README does.
+struct Orders {
+    store: PgStore,
+    table: String,
+}
+
+impl Orders {
+    #[idempotent(key = "msg.message_id", store = self.store, scope = "conformance.orders")]
+    async fn place(&self, msg: &Order, tx: &mut idempotent_runtime::sqlx::PgConnection) -> Result<(), AppError> {
+        let insert = format!("INSERT INTO {} (message_id, note) VALUES ($1, $2)", self.table);
+        idempotent_runtime::sqlx::query(idempotent_runtime::sqlx::AssertSqlSafe(insert))
+            .bind(&msg.message_id)
+            .bind(&msg.note)
+            .execute(&mut *tx)
+            .await?;
+        Ok(())
+    }
+}
+
+fn classify_as_the_readme(err: &AppError) -> idempotent_runtime::broker::Verdict {
+    use idempotent_runtime::broker::Verdict;
+    match err {
+        AppError::Idem(e) => e.verdict(),
+        AppError::Db(e) => Verdict::of_sqlx(e),
+        AppError::Failed(_) => Verdict::Retry,
+    }
+}
+
+pub async fn a_database_data_error_is_rejected_at_once<F: Fixture>() {
+    // The order: a note holding a NUL byte, which PostgreSQL
+    // refuses (22021) on every attempt. Classified as the README does, it
+    // is dead-lettered at once (`rejected`), with no effect, while the
+    // other order is processed.
+    let fx = F::setup("nul").await;
+    let pool = common::pg_pool(4).await;
+    let table = common::unique("orders");
+    let store = PgStore::builder(pool.clone())
+        .table(&common::unique("orders_m"))
+        .build()
+        .unwrap();
+    store.migrate().await.unwrap();
+    let ddl = format!("CREATE TABLE {table} (message_id TEXT PRIMARY KEY, note TEXT NOT NULL)");
+    idempotent_runtime::sqlx::query(idempotent_runtime::sqlx::AssertSqlSafe(ddl))
+        .execute(&pool)
+        .await
+        .unwrap();
+    let orders = Arc::new(Orders {
+        store: store.clone(),
+        table: table.clone(),
+    });
+    let order = |id: &str, note: &str| {
+        serde_json::to_vec(&Order {
+            message_id: id.into(),
+            note: note.into(),
+        })
+        .unwrap()
+    };
+    let bad = order("nul-1", "gift\u{0}wrap");
+    fx.publish(&bad, "nul-1").await;
+    fx.publish(&order("nul-2", "gift wrap"), "nul-2").await;
+    let consumer = fx
+        .builder()
+        .max_attempts(5)
+        .classify(classify_as_the_readme)
+        .build()
+        .unwrap();
+    let stats = consumer.stats();
+    let shutdown = CancellationToken::new();
+    let handler_orders = Arc::clone(&orders);
+    let run = tokio::spawn(consumer.run(
+        move |msg: Order| {
+            let orders = Arc::clone(&handler_orders);
+            async move { orders.place(&msg).await }
+        },
+        shutdown.clone(),
+    ));
+    wait_until("1 rejected, 1 ack", || {
+        let s = stats.snapshot();
+        s.dead_lettered == 1 && s.acked == 1
+    })
+    .await;
+    shutdown.cancel();
+    let stats = run.await.unwrap().unwrap();
+    assert_eq!(
+        (stats.failed, stats.retried, stats.outage_retries),
+        (1, 0, 0),
+        "one run, no retry: {stats:?}"
+    );
+    let dead = fx.dead_letters().await;
+    assert_eq!(dead.len(), 1);
+    let (body, headers) = &dead[0];
+    assert_eq!(body, &bad);
+    assert_eq!(headers[HEADER_KIND], "rejected");
+    assert_eq!(headers[HEADER_ATTEMPTS], "1");
+    assert!(headers[HEADER_REASON].contains("0x00"), "{}", headers[HEADER_REASON]);
+    let notes: Vec<String> = idempotent_runtime::sqlx::query_scalar(idempotent_runtime::sqlx::AssertSqlSafe(format!(
+        "SELECT message_id FROM {table} ORDER BY message_id"
+    )))
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert_eq!(notes, ["nul-2"]);
+    assert_eq!(fx.backlog().await, 0);
+    common::drop_pg_table(&pool, &table).await;
+    common::drop_pg_table(&pool, &store.table().to_string()).await;
+    fx.teardown().await;
+}
+
 /// A service whose effect is a row in PostgreSQL, in the marker's
 /// transaction: what batch mode needs (an in-memory effect would survive a
 /// batch's rollback).
@@ -841,6 +956,10 @@ macro_rules! conformance {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn an_outage_of_one_message_spends_attempts_once_others_are_processed() {
                 super::an_outage_of_one_message_spends_attempts_once_others_are_processed::<$fixture>().await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_database_data_error_is_rejected_at_once() {
+                super::a_database_data_error_is_rejected_at_once::<$fixture>().await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn batches_apply_each_message_once_and_settle_after_the_commit() {
