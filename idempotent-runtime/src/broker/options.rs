@@ -208,9 +208,11 @@ impl<B, D, R> ConsumerBuilder<B, D, R> {
     /// the consumer: an outage after the consumer processed other messages
     /// since this one's first outage (handlers returned `Ok` having done
     /// more than replay duplicates: what it calls down is evidently up)
-    /// already spends an attempt. Neither applies to a
-    /// key another consumer holds (`Error::InProgress`) nor to a message's
-    /// last delivery, whose check waits for the store.
+    /// already spends an attempt; on a quiet queue nothing else is
+    /// processed, and this is the bound that does not depend on traffic.
+    /// Neither applies to a key another consumer holds
+    /// (`Error::InProgress`) nor to a message's last delivery, whose check
+    /// waits for the store.
     pub fn max_outage_retries(mut self, retries: u32) -> Self {
         self.options.max_outage_retries = Some(retries);
         self

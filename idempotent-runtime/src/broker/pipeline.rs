@@ -1044,6 +1044,7 @@ impl<D, R, H> Worker<D, R, H> {
             tracing::warn!(
                 target: TRACING_TARGET,
                 error = %reason,
+                error_type,
                 attempt,
                 max_attempts = self.options.max_attempts,
                 delay_ms = millis(delay),
@@ -1075,6 +1076,7 @@ impl<D, R, H> Worker<D, R, H> {
         tracing::error!(
             target: TRACING_TARGET,
             error = %reason,
+            error_type,
             attempt,
             max_attempts = self.options.max_attempts,
             kind = kind.as_str(),
