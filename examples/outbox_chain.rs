@@ -32,7 +32,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use idempotent_runtime::broker::{CancellationToken, ConsumerError, ConsumerStats, DeliveryInfo, RunStats};
+use idempotent_runtime::broker::{CancellationToken, ConsumerError, ConsumerStats, DeliveryInfo, RunStats, Verdict};
 use idempotent_runtime::lapin::options::{
     BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions, ExchangeDeleteOptions, QueueBindOptions,
     QueueDeclareOptions, QueueDeleteOptions,
@@ -86,6 +86,19 @@ enum AppError {
     Database(#[from] sqlx::Error),
     #[error("a payment.charged message without a message id")]
     NoMessageId,
+}
+
+impl AppError {
+    /// What a failure means for its message: an outage only when the
+    /// database (or the marker store) is unreachable, never for what the
+    /// message's own data did.
+    fn verdict(&self) -> Verdict {
+        match self {
+            AppError::Idempotency(e) => e.verdict(),
+            AppError::Database(e) => Verdict::of_sqlx(e),
+            AppError::NoMessageId => Verdict::Reject,
+        }
+    }
 }
 
 struct PaymentService {
@@ -453,6 +466,7 @@ fn payments_consumer(
         // Declared by `setup` (with `x-expires`): only checked.
         .declare_queue(false)
         .declare_dead_letter_queue(false)
+        .classify(AppError::verdict)
         .build()?;
     let stats = consumer.stats();
     let task: Arc<OnceLock<AbortHandle>> = Arc::new(OnceLock::new());
@@ -504,6 +518,7 @@ fn notifications_consumer(
         // Declared by `setup` (with `x-expires`): only checked.
         .declare_queue(false)
         .declare_dead_letter_queue(false)
+        .classify(AppError::verdict)
         .build()?;
     let stats = consumer.stats();
     let (service, tally) = (Arc::clone(service), Arc::clone(tally));

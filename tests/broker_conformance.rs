@@ -5,9 +5,10 @@
 //! Streams on the real servers: ack after commit, a crash between commit and
 //! ack redelivered and recognised by the marker, bounded retries then the
 //! dead-letter destination with the body intact, permanent errors and poison
-//! dead-lettered at once, a graceful shutdown that loses nothing, "consume
-//! until drained", and a store outage that is retried in place without
-//! spending attempts or dead-lettering. Broker-specific behaviour
+//! (undecodable, or longer than the body size limit) dead-lettered at once, a graceful shutdown that loses nothing, "consume
+//! until drained", a store outage that is retried in place without
+//! spending attempts or dead-lettering, and an outage of one message while
+//! others are processed that spends its attempts. Broker-specific behaviour
 //! (topologies, JetStream's delivery counts, RabbitMQ exchanges, Redis
 //! claims) is tested in `idempotent-runtime/tests/*_adapter.rs`.
 
@@ -314,6 +315,70 @@ pub async fn permanent_errors_and_poison_are_dead_lettered_at_once<F: Fixture>()
     fx.teardown().await;
 }
 
+pub async fn a_body_over_the_size_limit_is_poison<F: Fixture>() {
+    // `max_body_bytes`: one byte over is dead-lettered before decoding,
+    // with its size and the limit as the reason; at the limit it passes.
+    let fx = F::setup("oversized").await;
+    let fits = payment("size-1");
+    let limit = fits.len();
+    let over = payment("size-10");
+    assert_eq!(over.len(), limit + 1);
+    let reason = format!("body of {} bytes exceeds the limit of {limit}", limit + 1);
+    fx.publish(&over, "size-10").await;
+    fx.publish(&fits, "size-1").await;
+    let ledger = Ledger::new(MemoryStore::new());
+    let consumer = fx.builder().max_body_bytes(limit).build().unwrap();
+    let stats = run_until(consumer, &ledger, "1 poison, 1 ack", |s| s.poison == 1 && s.acked == 1).await;
+    assert_eq!((stats.poison, stats.acked, stats.failed), (1, 1, 0), "{stats:?}");
+    assert_eq!(
+        ledger.calls("size-10"),
+        0,
+        "an oversized body never reaches the handler"
+    );
+    assert_eq!(ledger.calls("size-1"), 1);
+    let dead = fx.dead_letters().await;
+    assert_eq!(dead.len(), 1);
+    let (body, headers) = &dead[0];
+    assert_eq!(body, &over, "body intact");
+    assert_eq!(headers[HEADER_KIND], "poison");
+    assert_eq!(headers[HEADER_ATTEMPTS], "0");
+    assert_eq!(headers[HEADER_REASON], reason);
+
+    // In batch mode too: the oversized delivery is settled alone, the
+    // others commit in the batch.
+    let db = DbLedger::new("oversized").await;
+    for id in ["size-20", "size-2", "size-3"] {
+        fx.publish(&payment(id), id).await;
+    }
+    let consumer = fx
+        .builder()
+        .concurrency(1)
+        .max_body_bytes(limit)
+        .batch(db.store.clone(), 4)
+        .batch_wait(Duration::from_millis(50))
+        .stop_when_idle(Duration::from_millis(1500))
+        .build()
+        .unwrap();
+    let stats = run_batches(consumer, &db).await;
+    assert_eq!((stats.poison, stats.acked), (1, 2), "{stats:?}");
+    let effects = db.effects().await;
+    assert_eq!(effects.keys().count(), 2, "{effects:?}");
+    assert!(
+        effects.contains_key("size-2") && effects.contains_key("size-3"),
+        "{effects:?}"
+    );
+    let dead = fx.dead_letters().await;
+    assert_eq!(dead.len(), 2);
+    assert!(
+        dead.iter()
+            .any(|(body, h)| body == &payment("size-20") && h[HEADER_KIND] == "poison" && h[HEADER_REASON] == reason),
+        "{dead:?}"
+    );
+    assert_eq!(fx.backlog().await, 0);
+    db.teardown().await;
+    fx.teardown().await;
+}
+
 pub async fn a_panicking_handler_is_a_failed_attempt<F: Fixture>() {
     let fx = F::setup("panic").await;
     fx.publish(&payment("panic-1"), "panic-1").await;
@@ -474,6 +539,197 @@ pub async fn a_store_outage_is_retried_without_spending_attempts<F: Fixture>() {
     fx.teardown().await;
 }
 
+pub async fn an_outage_of_one_message_spends_attempts_once_others_are_processed<F: Fixture>() {
+    // The handler calls "stuck"'s error an outage. While the consumer only
+    // replays duplicates (a cache could answer them with the database
+    // down), that proves nothing: the outage stays free. Once other
+    // messages are processed, it is the message's own: it spends its
+    // attempts and is dead-lettered.
+    let fx = F::setup("own-outage").await;
+    let ledger = Ledger::new(MemoryStore::new());
+    let dup = Payment {
+        message_id: "own-dup".into(),
+        amount: 1,
+    };
+    ledger.pay(&dup).await.unwrap();
+    fx.publish(&payment("stuck"), "stuck").await;
+    let consumer = fx
+        .builder()
+        .max_attempts(2)
+        .outage_backoff(Backoff::new(Duration::from_millis(20), Duration::from_millis(40)))
+        .classify(|err: &AppError| match err {
+            AppError::Failed(_) => idempotent_runtime::broker::Verdict::Outage,
+            _ => idempotent_runtime::broker::Verdict::Retry,
+        })
+        .build()
+        .unwrap();
+    let stats = consumer.stats();
+    let shutdown = CancellationToken::new();
+    let handler_ledger = Arc::clone(&ledger);
+    let run = tokio::spawn(consumer.run(
+        move |msg: Payment| {
+            let ledger = Arc::clone(&handler_ledger);
+            async move {
+                if msg.message_id == "stuck" {
+                    return Err(AppError::Failed("stuck: invalid data".into()));
+                }
+                ledger.handle(&msg).await
+            }
+        },
+        shutdown.clone(),
+    ));
+    // Distinct broker-level ids: JetStream would drop a republished id.
+    for i in 0..10 {
+        fx.publish(&payment("own-dup"), &format!("own-dup-{i}")).await;
+        tokio::time::sleep(Duration::from_millis(60)).await;
+    }
+    wait_until("the duplicates", || stats.snapshot().acked >= 10).await;
+    let before = stats.snapshot();
+    assert!(before.outage_retries >= 5, "{before:?}");
+    assert_eq!(
+        (before.retried, before.dead_lettered),
+        (0, 0),
+        "duplicates alone spend no attempt"
+    );
+    let deadline = tokio::time::Instant::now() + WAIT;
+    let mut fresh = 0;
+    while stats.snapshot().dead_lettered == 0 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "never dead-lettered: {:?}",
+            stats.snapshot()
+        );
+        let id = format!("own-fresh-{fresh}");
+        fx.publish(&payment(&id), &id).await;
+        fresh += 1;
+        tokio::time::sleep(Duration::from_millis(30)).await;
+    }
+    shutdown.cancel();
+    let stats = tokio::time::timeout(WAIT, run).await.unwrap().unwrap().unwrap();
+    assert_eq!((stats.retried, stats.dead_lettered), (1, 1), "{stats:?}");
+    let dead = fx.dead_letters().await;
+    assert_eq!(dead.len(), 1);
+    assert_eq!(dead[0].1[HEADER_KIND], "exhausted");
+    assert_eq!(dead[0].1[HEADER_ATTEMPTS], "2");
+    assert_eq!(dead[0].1[HEADER_REASON], "stuck: invalid data");
+    fx.teardown().await;
+}
+
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub struct Order {
+    pub message_id: String,
+    pub note: String,
+}
+
+/// The README's consumer: an order's note inserted in the marker's
+/// transaction, its errors classified as the README does.
+struct Orders {
+    store: PgStore,
+    table: String,
+}
+
+impl Orders {
+    #[idempotent(key = "msg.message_id", store = self.store, scope = "conformance.orders")]
+    async fn place(&self, msg: &Order, tx: &mut idempotent_runtime::sqlx::PgConnection) -> Result<(), AppError> {
+        let insert = format!("INSERT INTO {} (message_id, note) VALUES ($1, $2)", self.table);
+        idempotent_runtime::sqlx::query(idempotent_runtime::sqlx::AssertSqlSafe(insert))
+            .bind(&msg.message_id)
+            .bind(&msg.note)
+            .execute(&mut *tx)
+            .await?;
+        Ok(())
+    }
+}
+
+fn classify_as_the_readme(err: &AppError) -> idempotent_runtime::broker::Verdict {
+    use idempotent_runtime::broker::Verdict;
+    match err {
+        AppError::Idem(e) => e.verdict(),
+        AppError::Db(e) => Verdict::of_sqlx(e),
+        AppError::Failed(_) => Verdict::Retry,
+    }
+}
+
+pub async fn a_database_data_error_is_rejected_at_once<F: Fixture>() {
+    // The issue's order: a note holding a NUL byte, which PostgreSQL
+    // refuses (22021) on every attempt. Classified as the README does, it
+    // is dead-lettered at once (`rejected`), with no effect, while the
+    // other order is processed.
+    let fx = F::setup("nul").await;
+    let pool = common::pg_pool(4).await;
+    let table = common::unique("orders");
+    let store = PgStore::builder(pool.clone())
+        .table(&common::unique("orders_m"))
+        .build()
+        .unwrap();
+    store.migrate().await.unwrap();
+    let ddl = format!("CREATE TABLE {table} (message_id TEXT PRIMARY KEY, note TEXT NOT NULL)");
+    idempotent_runtime::sqlx::query(idempotent_runtime::sqlx::AssertSqlSafe(ddl))
+        .execute(&pool)
+        .await
+        .unwrap();
+    let orders = Arc::new(Orders {
+        store: store.clone(),
+        table: table.clone(),
+    });
+    let order = |id: &str, note: &str| {
+        serde_json::to_vec(&Order {
+            message_id: id.into(),
+            note: note.into(),
+        })
+        .unwrap()
+    };
+    let bad = order("nul-1", "gift\u{0}wrap");
+    fx.publish(&bad, "nul-1").await;
+    fx.publish(&order("nul-2", "gift wrap"), "nul-2").await;
+    let consumer = fx
+        .builder()
+        .max_attempts(5)
+        .classify(classify_as_the_readme)
+        .build()
+        .unwrap();
+    let stats = consumer.stats();
+    let shutdown = CancellationToken::new();
+    let handler_orders = Arc::clone(&orders);
+    let run = tokio::spawn(consumer.run(
+        move |msg: Order| {
+            let orders = Arc::clone(&handler_orders);
+            async move { orders.place(&msg).await }
+        },
+        shutdown.clone(),
+    ));
+    wait_until("1 rejected, 1 ack", || {
+        let s = stats.snapshot();
+        s.dead_lettered == 1 && s.acked == 1
+    })
+    .await;
+    shutdown.cancel();
+    let stats = run.await.unwrap().unwrap();
+    assert_eq!(
+        (stats.failed, stats.retried, stats.outage_retries),
+        (1, 0, 0),
+        "one run, no retry: {stats:?}"
+    );
+    let dead = fx.dead_letters().await;
+    assert_eq!(dead.len(), 1);
+    let (body, headers) = &dead[0];
+    assert_eq!(body, &bad);
+    assert_eq!(headers[HEADER_KIND], "rejected");
+    assert_eq!(headers[HEADER_ATTEMPTS], "1");
+    assert!(headers[HEADER_REASON].contains("0x00"), "{}", headers[HEADER_REASON]);
+    let notes: Vec<String> = idempotent_runtime::sqlx::query_scalar(idempotent_runtime::sqlx::AssertSqlSafe(format!(
+        "SELECT message_id FROM {table} ORDER BY message_id"
+    )))
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert_eq!(notes, ["nul-2"]);
+    assert_eq!(fx.backlog().await, 0);
+    common::drop_pg_table(&pool, &table).await;
+    common::drop_pg_table(&pool, &store.table().to_string()).await;
+    fx.teardown().await;
+}
+
 /// A service whose effect is a row in PostgreSQL, in the marker's
 /// transaction: what batch mode needs (an in-memory effect would survive a
 /// batch's rollback).
@@ -623,6 +879,22 @@ pub async fn a_batch_that_cannot_commit_runs_its_deliveries_alone<F: Fixture>() 
 }
 
 #[test]
+fn the_body_size_limit_is_1_mib_by_default_and_at_least_1() {
+    use idempotent_runtime::broker::DEFAULT_MAX_BODY_BYTES;
+    use idempotent_runtime::rabbitmq::RabbitConsumer;
+    assert_eq!(DEFAULT_MAX_BODY_BYTES, 1_048_576);
+    let builder = RabbitConsumer::builder("amqp://x", "q");
+    assert_eq!(builder.options().max_body_bytes, DEFAULT_MAX_BODY_BYTES);
+    let zero = RabbitConsumer::builder("amqp://x", "q")
+        .max_body_bytes(0)
+        .build()
+        .map(|_| ())
+        .unwrap_err()
+        .to_string();
+    assert!(zero.contains("max_body_bytes must be at least 1"), "{zero}");
+}
+
+#[test]
 fn batch_settings_are_checked_at_build() {
     use idempotent_runtime::rabbitmq::RabbitConsumer;
     let store = || PgStore::new(idempotent_runtime::sqlx::PgPool::connect_lazy(common::PG_URL).unwrap());
@@ -662,6 +934,10 @@ macro_rules! conformance {
                 super::permanent_errors_and_poison_are_dead_lettered_at_once::<$fixture>().await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_body_over_the_size_limit_is_poison() {
+                super::a_body_over_the_size_limit_is_poison::<$fixture>().await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn a_panicking_handler_is_a_failed_attempt() {
                 super::a_panicking_handler_is_a_failed_attempt::<$fixture>().await
             }
@@ -676,6 +952,14 @@ macro_rules! conformance {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn a_store_outage_is_retried_without_spending_attempts() {
                 super::a_store_outage_is_retried_without_spending_attempts::<$fixture>().await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn an_outage_of_one_message_spends_attempts_once_others_are_processed() {
+                super::an_outage_of_one_message_spends_attempts_once_others_are_processed::<$fixture>().await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_database_data_error_is_rejected_at_once() {
+                super::a_database_data_error_is_rejected_at_once::<$fixture>().await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn batches_apply_each_message_once_and_settle_after_the_commit() {

@@ -91,6 +91,61 @@ fn outcomes_are_counted_through_the_metrics_facade() {
     assert_eq!((count("processed"), count("duplicate"), count("failed")), (1, 2, 1));
 }
 
+#[idempotent(key = "id", store = store, scope = "claimed", fingerprint = amount)]
+async fn charge(store: &MemoryStore, id: &str, amount: i64) -> Result<i64, AppError> {
+    Ok(amount)
+}
+
+/// A claim that does not run the body is counted under its own outcome, the
+/// span's `idempotency.outcome`: a reused key is `key_reused`, a key another
+/// consumer holds `in_progress`, a key that cannot be stored `error`; none
+/// of them is a handler that `failed`.
+#[test]
+fn claims_that_do_not_run_the_body_are_counted_under_their_own_outcome() {
+    use idempotent_runtime::store::{Claim, Request, Store};
+
+    let counters = recorder::Counters::default();
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    metrics::with_local_recorder(&counters, || {
+        runtime.block_on(async {
+            let store = MemoryStore::new();
+            assert_eq!(charge(&store, "r-1", 5).await.unwrap(), 5);
+            assert_eq!(charge(&store, "r-1", 5).await.unwrap(), 5);
+            let reused = charge(&store, "r-1", 6).await.unwrap_err();
+            assert!(
+                matches!(reused, AppError::Idem(idempotent_runtime::Error::KeyReused { .. })),
+                "{reused:?}"
+            );
+            // Another consumer holds the key's lease.
+            let req = Request::new("claimed", "r-2").unwrap();
+            let Claim::Fresh(_held) = store.claim(&req).await.unwrap() else {
+                panic!("fresh");
+            };
+            let busy = charge(&store, "r-2", 1).await.unwrap_err();
+            assert!(
+                matches!(busy, AppError::Idem(idempotent_runtime::Error::InProgress { .. })),
+                "{busy:?}"
+            );
+            charge(&store, "", 1).await.unwrap_err();
+        })
+    });
+    let count = |outcome: &str| counters.get(&format!("idempotent_outcomes_total{{outcome={outcome},scope=claimed}}"));
+    assert_eq!(
+        [
+            count("processed"),
+            count("duplicate"),
+            count("key_reused"),
+            count("in_progress"),
+            count("error"),
+            count("failed")
+        ],
+        [1, 1, 1, 1, 1, 0]
+    );
+}
+
 /// In a batch, outcomes are counted when they are final: after the batch's
 /// commit, once per message. An aborted batch's members count nothing;
 /// their rerun alone counts them then.

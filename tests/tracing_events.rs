@@ -53,6 +53,34 @@ async fn outcomes_are_traced_with_scope_and_key() {
     );
 }
 
+#[idempotent(key = "id", store = store, scope = "fingerprinted", fingerprint = amount)]
+async fn charge(store: &MemoryStore, id: &str, amount: i64) -> Result<(), AppError> {
+    Ok(())
+}
+
+/// A reused key is logged as what it is, `outcome = "key_reused"`, not as
+/// a handler that failed nor as a claim (a store) that failed.
+#[tokio::test]
+async fn a_reused_key_is_logged_under_its_own_outcome() {
+    let captured = common::Captured::default();
+    let _guard = tracing::subscriber::set_default(captured.subscriber(tracing::Level::DEBUG));
+    let store = MemoryStore::new();
+    charge(&store, "k-1", 5).await.unwrap();
+    charge(&store, "k-1", 6).await.unwrap_err();
+    let out = captured.text();
+    let line = out
+        .lines()
+        .find(|l| l.contains("outcome=\"key_reused\""))
+        .unwrap_or_else(|| panic!("no key_reused event: {out}"));
+    assert!(line.contains("WARN"), "{line}");
+    assert!(
+        line.contains("scope=\"fingerprinted\"") && line.contains("key=\"k-1\""),
+        "{line}"
+    );
+    assert!(!out.contains("outcome=\"failed\""), "{out}");
+    assert!(!out.contains("claim failed"), "{out}");
+}
+
 #[tokio::test]
 async fn at_the_default_level_a_skipped_duplicate_names_its_handler_and_key() {
     // The span carrying scope and key is at debug level: at `info`, the

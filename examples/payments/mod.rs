@@ -19,7 +19,7 @@ use std::time::Duration;
 
 use idempotent_runtime::broker::pipeline::Broker;
 use idempotent_runtime::broker::{
-    CancellationToken, ConsumerBuilder, ConsumerError, ConsumerStats, DeliveryInfo, RunStats,
+    CancellationToken, ConsumerBuilder, ConsumerError, ConsumerStats, DeliveryInfo, RunStats, Verdict,
 };
 use idempotent_runtime::sqlx::postgres::PgPoolOptions;
 use idempotent_runtime::sqlx::{self, AssertSqlSafe, PgConnection, PgPool};
@@ -52,6 +52,21 @@ pub enum AppError {
     Idempotency(#[from] idempotent_runtime::Error),
     #[error(transparent)]
     Database(#[from] sqlx::Error),
+}
+
+impl AppError {
+    /// What a failed payment means for its message: the library's errors
+    /// classify themselves (a store that is down is an outage, a missing or
+    /// reused key is rejected); a database error is an outage only when the
+    /// database is unreachable, not when the payment's data was refused (a
+    /// constraint violation, a NUL byte in a text), which would otherwise be
+    /// retried in place for ever.
+    pub fn verdict(&self) -> Verdict {
+        match self {
+            AppError::Idempotency(e) => e.verdict(),
+            AppError::Database(e) => Verdict::of_sqlx(e),
+        }
+    }
 }
 
 /// The broker's part of a demo.
@@ -365,7 +380,12 @@ fn spawn_consumer<D: Demo>(
     crash: Option<Arc<Crash>>,
     shutdown: &CancellationToken,
 ) -> Result<Running, BoxError> {
-    let consumer = demo.consumer().concurrency(4).max_attempts(3).build()?;
+    let consumer = demo
+        .consumer()
+        .concurrency(4)
+        .max_attempts(3)
+        .classify(AppError::verdict)
+        .build()?;
     let stats = consumer.stats();
     let (service, tally, dying) = (Arc::clone(service), Arc::clone(tally), crash.clone());
     let run = tokio::spawn(consumer.run_with_info(

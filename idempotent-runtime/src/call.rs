@@ -23,8 +23,8 @@ use crate::{Error, IdempotencyKey};
 
 /// The key's text, or `MissingKey`.
 #[inline]
-pub fn key<'k, K: IdempotencyKey + ?Sized>(scope: &str, key: &'k K) -> Result<Cow<'k, str>, Error> {
-    crate::key::require(scope, key.key_text()).inspect_err(note_refused)
+pub fn key<'k, K: IdempotencyKey + ?Sized>(scope: &'static str, key: &'k K) -> Result<Cow<'k, str>, Error> {
+    crate::key::require(scope, key.key_text()).inspect_err(|error| note_refused(scope, error))
 }
 
 /// A value the `fingerprint = ..` expression can give.
@@ -56,7 +56,7 @@ pub fn fingerprint<T: FingerprintSource + ?Sized>(value: &T) -> Result<Option<Fi
 /// without fingerprint needs no read of the stored marker.
 #[inline]
 pub fn request<'a>(
-    scope: &'a str,
+    scope: &'static str,
     key: &'a str,
     ttl_ms: u64,
     lease_ms: u64,
@@ -71,14 +71,18 @@ pub fn request<'a>(
             .with_unit_result(unit_result)),
         (Err(error), _) | (_, Err(error)) => Err(error),
     };
-    request.inspect_err(note_refused)
+    request.inspect_err(|error| note_refused(scope, error))
 }
 
-/// Tells a broker adapter running this call that it was refused before its
-/// span existed (missing or invalid key, fingerprint that cannot be hashed).
+/// Logs and counts a call refused before its span existed (missing or
+/// invalid key, fingerprint that cannot be hashed), and tells a broker
+/// adapter running it.
 #[cold]
-fn note_refused(error: &Error) {
-    crate::signal::outcome(Outcome::of_error(error));
+fn note_refused(scope: &'static str, error: &Error) {
+    let outcome = Outcome::of_error(error);
+    count(scope, outcome.as_str());
+    tracing::warn!(target: "idempotent", scope, outcome = outcome.as_str(), %error, "call refused before its claim");
+    crate::signal::outcome(outcome);
 }
 
 /// The span a call's events and body run in: `idempotent` (target
@@ -87,7 +91,7 @@ fn note_refused(error: &Error) {
 /// OpenTelemetry conventions for attributes of one's own:
 /// `idempotency.scope`, `idempotency.key`, and once the call is decided
 /// `idempotency.outcome` (`processed`, `duplicate`, `failed`, `key_reused`,
-/// `in_progress` or `error`); a call that ends in an error also gets
+/// `in_progress`, `not_processed` or `error`); a call that ends in an error also gets
 /// `error.type` and `otel.status_code = "error"`.
 #[inline]
 pub fn span(req: &Request<'_>) -> Span {
@@ -472,9 +476,9 @@ pub async fn finish_staged<G: Guard, DB: sqlx::Database, T, E>(
             note_outage(&error);
             trace_error(&span, &error);
             span.in_scope(|| {
-                tracing::warn!(target: "idempotent", scope, key, outcome = "failed", messages, %error, "outgoing messages not written; rolled back")
+                tracing::warn!(target: "idempotent", scope, key, outcome = "error", messages, %error, "outgoing messages not written; rolled back")
             });
-            count(scope, "failed");
+            count(scope, Outcome::of_error(&error).as_str());
             return Err(error);
         }
         #[cfg(feature = "metrics")]
@@ -506,11 +510,46 @@ fn log_claim<G>(claim: &Result<Claim<G>, Error>, scope: &'static str, key: &str,
             tracing::info!(target: "idempotent", scope, key, outcome = "duplicate", "duplicate message skipped")
         }),
         Err(error) => span.in_scope(|| {
-            count(scope, "failed");
+            let outcome = Outcome::of_error(error);
+            count(scope, outcome.as_str());
             note_outage(error);
             trace_error(span, error);
-            tracing::warn!(target: "idempotent", scope, key, outcome = "failed", %error, "claim failed")
+            log_refused(outcome, scope, key, error);
         }),
+    }
+}
+
+/// The event of a claim that did not give the body a go, under the claim's
+/// own outcome: a reused key is not a handler that failed, nor a store
+/// that is down.
+#[cold]
+fn log_refused(outcome: Outcome, scope: &'static str, key: &str, error: &Error) {
+    let outcome_name = outcome.as_str();
+    match outcome {
+        Outcome::KeyReused => tracing::warn!(
+            target: "idempotent",
+            scope,
+            key,
+            outcome = outcome_name,
+            %error,
+            "key reused for a different message: refused"
+        ),
+        Outcome::InProgress => tracing::info!(
+            target: "idempotent",
+            scope,
+            key,
+            outcome = outcome_name,
+            %error,
+            "key held by another consumer: not run"
+        ),
+        Outcome::NotProcessed => tracing::info!(
+            target: "idempotent",
+            scope,
+            key,
+            outcome = outcome_name,
+            "key not processed before (checked only): not run"
+        ),
+        _ => tracing::warn!(target: "idempotent", scope, key, outcome = outcome_name, %error, "claim failed"),
     }
 }
 
@@ -523,8 +562,10 @@ fn note_outage(error: &Error) {
     }
 }
 
-/// Counts one outcome (`processed`, `duplicate`, `failed`) of a handler's
-/// scope: `idempotent_outcomes_total{scope, outcome}` through the `metrics`
+/// Counts one outcome (`processed`, `duplicate`, `failed`, `key_reused`,
+/// `in_progress`, `not_processed`, `error`: the values of the span's
+/// `idempotency.outcome`) of a handler's scope:
+/// `idempotent_outcomes_total{scope, outcome}` through the `metrics`
 /// facade (feature `metrics`; without it, nothing). The scope is a
 /// `&'static str`, so the label borrows it rather than copying it.
 ///
@@ -636,9 +677,9 @@ pub async fn finish<G: Guard, T, E>(
                     guard.abort().await;
                     trace_error(&span, &error);
                     span.in_scope(
-                        || tracing::warn!(target: "idempotent", scope, key, outcome = "failed", %error, "result not stored"),
+                        || tracing::warn!(target: "idempotent", scope, key, outcome = "error", %error, "result not stored"),
                     );
-                    count(scope, "failed");
+                    count(scope, Outcome::of_error(&error).as_str());
                     return Err(error);
                 }
             };
@@ -654,7 +695,7 @@ pub async fn finish<G: Guard, T, E>(
                     note_outage(&error);
                     trace_error(&span, &error);
                     span.in_scope(
-                        || tracing::warn!(target: "idempotent", scope, key, outcome = "failed", %error, "commit failed"),
+                        || tracing::warn!(target: "idempotent", scope, key, outcome = "error", %error, "commit failed"),
                     );
                     Err(error)
                 }
@@ -673,10 +714,11 @@ pub async fn finish<G: Guard, T, E>(
     };
     count(
         scope,
-        if matches!(outcome, Ok(Ok(_))) {
-            "processed"
-        } else {
-            "failed"
+        match &outcome {
+            Ok(Ok(_)) => "processed",
+            Ok(Err(_)) => "failed",
+            // The body succeeded; the store could not commit it.
+            Err(error) => Outcome::of_error(error).as_str(),
         },
     );
     outcome

@@ -38,6 +38,9 @@ pub(crate) enum Outcome {
     KeyReused,
     /// Another consumer holds a live lease on the key.
     InProgress,
+    /// The call only checked whether its key was processed (a broker's last
+    /// delivery of the message), and it was not: the body did not run.
+    NotProcessed,
     /// The store or the call failed (store down, missing or invalid key,
     /// scope conflict, result that cannot be stored or replayed).
     Error,
@@ -52,6 +55,7 @@ impl Outcome {
             Outcome::Failed => "failed",
             Outcome::KeyReused => "key_reused",
             Outcome::InProgress => "in_progress",
+            Outcome::NotProcessed => "not_processed",
             Outcome::Error => "error",
         }
     }
@@ -71,6 +75,7 @@ impl Outcome {
         match error {
             crate::Error::KeyReused { .. } => Outcome::KeyReused,
             crate::Error::InProgress { .. } => Outcome::InProgress,
+            crate::Error::NotProcessed { .. } => Outcome::NotProcessed,
             _ => Outcome::Error,
         }
     }

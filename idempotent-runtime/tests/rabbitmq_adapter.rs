@@ -20,7 +20,7 @@ use idempotent_runtime::lapin::options::{
 use idempotent_runtime::lapin::types::{AMQPValue, FieldTable, ShortString};
 use idempotent_runtime::lapin::{BasicProperties, Channel, Connection, ConnectionProperties, ExchangeKind};
 use idempotent_runtime::rabbitmq::{
-    Backoff, CancellationToken, DeliveryInfo, HEADER_ATTEMPTS, HEADER_KIND, RabbitConsumer,
+    Backoff, CancellationToken, DeliveryInfo, HEADER_ATTEMPTS, HEADER_KIND, HEADER_REASON, RabbitConsumer, Verdict,
 };
 use idempotent_runtime::store::{Claim, Guard, Request, Store};
 use serde::{Deserialize, Serialize};
@@ -296,6 +296,114 @@ async fn sigterm_stops_the_consumer_gracefully() {
         .unwrap();
     assert!(shutdown.is_cancelled());
     assert_eq!(stats.acked, 1);
+    fx.cleanup().await;
+}
+
+fn fast_outages() -> Backoff {
+    Backoff::new(Duration::from_millis(20), Duration::from_millis(40))
+}
+
+/// A handler that calls every failure an outage, failing on `bad` alone
+/// (the order whose text the database refuses); handler calls by
+/// message id.
+fn outage_on(
+    bad: &'static str,
+    calls: &Arc<Mutex<HashMap<String, u32>>>,
+) -> impl Fn(Payment) -> std::future::Ready<Result<(), String>> + Send + Sync + 'static {
+    let calls = Arc::clone(calls);
+    move |msg: Payment| {
+        *calls.lock().unwrap().entry(msg.message_id.clone()).or_default() += 1;
+        std::future::ready(if msg.message_id == bad {
+            Err(format!("{bad}: invalid byte sequence for encoding \"UTF8\": 0x00"))
+        } else {
+            Ok(())
+        })
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_outage_of_one_message_while_others_are_acknowledged_spends_its_attempts() {
+    // The handler calls the error an outage, but the consumer's other
+    // messages are processed meanwhile: the outage is this message's own.
+    // It spends an attempt each time, and is dead-lettered after its
+    // attempts instead of being retried in place for ever.
+    let fx = Fixture::new("own-outage").await;
+    fx.publish_payment("stuck", 1).await;
+    let consumer = RabbitConsumer::builder(AMQP_URL, &fx.queue)
+        .retry_backoff(fast_retries())
+        .outage_backoff(fast_outages())
+        .max_attempts(3)
+        .classify(|_: &String| Verdict::Outage)
+        .build()
+        .unwrap();
+    let stats = consumer.stats();
+    let calls = Arc::new(Mutex::new(HashMap::new()));
+    let shutdown = CancellationToken::new();
+    let run = tokio::spawn(consumer.run(outage_on("stuck", &calls), shutdown.clone()));
+    // Other messages keep coming, and are processed.
+    let deadline = tokio::time::Instant::now() + WAIT;
+    let mut published = 0;
+    while stats.snapshot().dead_lettered == 0 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "never dead-lettered: {:?}",
+            stats.snapshot()
+        );
+        fx.publish_payment(&format!("ok-{published}"), 1).await;
+        published += 1;
+        tokio::time::sleep(Duration::from_millis(30)).await;
+    }
+    shutdown.cancel();
+    let stats = run.await.unwrap().unwrap();
+    assert_eq!((stats.retried, stats.dead_lettered), (2, 1), "{stats:?}");
+    assert!(stats.acked >= 1, "{stats:?}");
+    assert!(
+        stats.outage_retries >= 3,
+        "one retry in place per attempt at least: {stats:?}"
+    );
+    let stuck = calls.lock().unwrap()["stuck"];
+    assert!(stuck >= 6, "each attempt ran again in place before spending: {stuck}");
+    let dead = fx.drain(&fx.dlq).await;
+    assert_eq!(dead.len(), 1);
+    assert_eq!(header_text(&dead[0], HEADER_KIND), "exhausted");
+    assert_eq!(header_int(&dead[0], HEADER_ATTEMPTS), 3);
+    assert!(header_text(&dead[0], HEADER_REASON).contains("0x00"));
+    fx.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn max_outage_retries_bounds_the_retries_in_place() {
+    // Nothing else is processed (it could be a real outage): only the
+    // opt-in bound makes the outage spend an attempt.
+    let fx = Fixture::new("outage-bound").await;
+    fx.publish_payment("down", 1).await;
+    let consumer = RabbitConsumer::builder(AMQP_URL, &fx.queue)
+        .retry_backoff(fast_retries())
+        .outage_backoff(fast_outages())
+        .max_attempts(2)
+        .max_outage_retries(2)
+        .classify(|_: &String| Verdict::Outage)
+        .build()
+        .unwrap();
+    let stats = consumer.stats();
+    let calls = Arc::new(Mutex::new(HashMap::new()));
+    let shutdown = CancellationToken::new();
+    let run = tokio::spawn(consumer.run(outage_on("down", &calls), shutdown.clone()));
+    wait_until("the dead letter", || stats.snapshot().dead_lettered == 1).await;
+    shutdown.cancel();
+    let stats = run.await.unwrap().unwrap();
+    // Per attempt: the first run and 2 retries in place; the third outage
+    // spends the attempt.
+    assert_eq!(
+        (stats.outage_retries, stats.retried, stats.dead_lettered, stats.acked),
+        (4, 1, 1, 0),
+        "{stats:?}"
+    );
+    assert_eq!(calls.lock().unwrap()["down"], 6);
+    let dead = fx.drain(&fx.dlq).await;
+    assert_eq!(dead.len(), 1);
+    assert_eq!(header_text(&dead[0], HEADER_KIND), "exhausted");
+    assert_eq!(header_int(&dead[0], HEADER_ATTEMPTS), 2);
     fx.cleanup().await;
 }
 

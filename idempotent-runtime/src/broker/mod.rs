@@ -32,7 +32,7 @@ pub mod rabbitmq;
 #[cfg(feature = "redis-streams")]
 pub mod redis_streams;
 
-pub use options::{BatchMode, Consumer, ConsumerBuilder, ConsumerOptions, MAX_BATCH_WAIT};
+pub use options::{BatchMode, Consumer, ConsumerBuilder, ConsumerOptions, DEFAULT_MAX_BODY_BYTES, MAX_BATCH_WAIT};
 pub use policy::{Backoff, Classify, Decoder, Json, Reconnect, RetryAll, RetryPolicy, Verdict};
 pub use stats::{ConsumerStats, RunStats};
 /// The cancellation token `run` stops on (re-exported from `tokio-util`).

@@ -19,6 +19,8 @@ pub const DEFAULT_CONCURRENCY: usize = 8;
 pub const DEFAULT_MAX_ATTEMPTS: u32 = 5;
 /// Default time in-flight handlers get to finish after shutdown is requested.
 pub const DEFAULT_SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(30);
+/// Default largest message body a consumer hands to its decoder: 1 MiB.
+pub const DEFAULT_MAX_BODY_BYTES: usize = 1_048_576;
 
 /// Settings every consumer has, whatever its broker.
 #[derive(Debug, Clone)]
@@ -32,6 +34,13 @@ pub struct ConsumerOptions {
     pub retry_backoff: Backoff,
     /// Delay before running a handler again after an outage.
     pub outage_backoff: Backoff,
+    /// Outage retries in place per delivery before the next outage spends
+    /// an attempt ([`ConsumerBuilder::max_outage_retries`]); `None`: no
+    /// bound of their own.
+    pub max_outage_retries: Option<u32>,
+    /// Largest body handed to the decoder; a longer one is poison
+    /// ([`ConsumerBuilder::max_body_bytes`]).
+    pub max_body_bytes: usize,
     /// How a lost connection is made again.
     pub reconnect: Reconnect,
     /// How long in-flight handlers get once shutdown is requested.
@@ -81,6 +90,8 @@ impl Default for ConsumerOptions {
             max_attempts: DEFAULT_MAX_ATTEMPTS,
             retry_backoff: Backoff::default(),
             outage_backoff: Backoff::new(Duration::from_millis(200), Duration::from_secs(10)),
+            max_outage_retries: None,
+            max_body_bytes: DEFAULT_MAX_BODY_BYTES,
             reconnect: Reconnect::default(),
             shutdown_timeout: DEFAULT_SHUTDOWN_TIMEOUT,
             stop_when_idle: None,
@@ -97,6 +108,9 @@ impl ConsumerOptions {
         }
         if self.max_attempts == 0 {
             return Err(ConsumerError::Config("max_attempts must be at least 1".into()));
+        }
+        if self.max_body_bytes == 0 {
+            return Err(ConsumerError::Config("max_body_bytes must be at least 1".into()));
         }
         if self.stop_when_idle.is_some_and(|idle| idle.is_zero()) {
             return Err(ConsumerError::Config("stop_when_idle must be longer than zero".into()));
@@ -163,7 +177,9 @@ impl<B, D, R> ConsumerBuilder<B, D, R> {
 
     /// How many times the handler may run on one message before it is
     /// dead-lettered (at least 1). Default [`DEFAULT_MAX_ATTEMPTS`]. Outage
-    /// retries do not count.
+    /// retries in place do not count (see
+    /// [`max_outage_retries`](Self::max_outage_retries) for when an outage
+    /// does).
     pub fn max_attempts(mut self, max_attempts: u32) -> Self {
         self.options.max_attempts = max_attempts;
         self
@@ -180,6 +196,35 @@ impl<B, D, R> ConsumerBuilder<B, D, R> {
     /// message is kept meanwhile. Default 200 ms doubling up to 10 s.
     pub fn outage_backoff(mut self, backoff: Backoff) -> Self {
         self.options.outage_backoff = backoff;
+        self
+    }
+
+    /// At most `retries` outage retries in place per delivery: the outage
+    /// after them spends an attempt, as [`Verdict::Retry`] does (so a
+    /// message is dead-lettered, `exhausted`, once its attempts run out).
+    /// Default: no bound of its own.
+    ///
+    /// Without it, a delivery's outages are bounded only by the rest of
+    /// the consumer: an outage after the consumer processed other messages
+    /// since this one's first outage (handlers returned `Ok` having done
+    /// more than replay duplicates: what it calls down is evidently up)
+    /// already spends an attempt; on a quiet queue nothing else is
+    /// processed, and this is the bound that does not depend on traffic.
+    /// Neither applies to a key another consumer holds
+    /// (`Error::InProgress`) nor to a message's last delivery, whose check
+    /// waits for the store.
+    pub fn max_outage_retries(mut self, retries: u32) -> Self {
+        self.options.max_outage_retries = Some(retries);
+        self
+    }
+
+    /// The largest message body handed to the decoder, in bytes (at least
+    /// 1). A longer one is poison: dead-lettered at once with its size and
+    /// the limit as the reason (`body of 1048577 bytes exceeds the limit of
+    /// 1048576`), never decoded and never given to the handler. Default
+    /// [`DEFAULT_MAX_BODY_BYTES`] (1 MiB).
+    pub fn max_body_bytes(mut self, max: usize) -> Self {
+        self.options.max_body_bytes = max;
         self
     }
 
@@ -282,7 +327,10 @@ impl<B, D, R> ConsumerBuilder<B, D, R> {
     /// Decides what each handler error means, [`Verdict::Retry`],
     /// [`Verdict::Reject`] or [`Verdict::Outage`] (a dependency down: the
     /// message is kept and the handler run again without spending an
-    /// attempt).
+    /// attempt, until other messages are processed meanwhile or
+    /// [`max_outage_retries`](Self::max_outage_retries) runs out). Classify
+    /// the library's errors with `Error::verdict` and the database's with
+    /// [`Verdict::of_sqlx`] (features `postgres`, `mysql`, `sqlite`).
     pub fn classify<F, E>(self, classify: F) -> ConsumerBuilder<B, D, Classify<F>>
     where
         F: Fn(&E) -> Verdict + Send + Sync + 'static,

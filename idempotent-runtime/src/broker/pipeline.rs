@@ -3,13 +3,16 @@
 //! `run` keeps a [`Session`] (a live connection and subscription),
 //! making it again with backoff when it is lost, and takes deliveries while
 //! handler slots are free. Each delivery goes through `process`: its span,
-//! decoding (a body that does not decode is dead-lettered as poison), the
+//! decoding (a body longer than the consumer's limit, or one that does not
+//! decode, is dead-lettered as poison), the
 //! handler call (panics caught; on the last delivery the broker allows,
 //! only a check of whether the message was processed: its `#[idempotent]`
 //! calls claim without running their bodies, and a message processed before
 //! is acknowledged, one that was not dead-lettered), the verdict on a
-//! failure (outage: run again in place; retry: hand it to the broker with a
-//! delay; otherwise dead-letter), and the settlement, never on a connection
+//! failure (outage: run again in place, unless other messages were
+//! processed meanwhile or the retries in place ran out, which spends an
+//! attempt; retry: hand it to the broker with a delay; otherwise
+//! dead-letter), and the settlement, never on a connection
 //! other than the one it came on. A delivery's progress is sent at its heartbeat
 //! until it is settled, across the handler's runs and the waits between
 //! them; in a batch, from the moment it is gathered, while the others run,
@@ -658,7 +661,7 @@ async fn run_batch<Dl, M, D, R, H, Fut, T, E>(
     // alone, as without batches.
     let mut ready = Vec::with_capacity(deliveries.len());
     for (index, delivery) in deliveries.iter().enumerate() {
-        let decoded = match (delivery.meta().last, delivery.malformed()) {
+        let decoded = match (delivery.meta().last, worker.refused_body(delivery)) {
             (false, None) => worker.decoder.decode(delivery.body()).ok(),
             _ => None,
         };
@@ -885,8 +888,8 @@ impl<D, R, H> Worker<D, R, H> {
         // them.
         let mut beat = Beat::new(delivery.heartbeat());
         let check_only = ran.is_none() && meta.last;
-        if let Some(reason) = delivery.malformed().filter(|_| ran.is_none()) {
-            tracing::error!(target: TRACING_TARGET, %reason, "malformed (poison) message: dead-lettering it");
+        if let Some(reason) = self.refused_body(delivery).filter(|_| ran.is_none()) {
+            tracing::error!(target: TRACING_TARGET, %reason, "malformed or oversized (poison) message: dead-lettering it");
             trace_failure("poison");
             self.dead_letter(delivery, DeadKind::Poison, &reason, 0, Outcome::Poison)
                 .await;
@@ -901,6 +904,11 @@ impl<D, R, H> Worker<D, R, H> {
             );
         }
         let mut outages = 0u32;
+        // Deliveries the consumer processed and acknowledged (see
+        // `Recorder::processed`) when this one's first outage was seen, and
+        // when its latest run started.
+        let mut acked_at_first_outage: Option<u64> = None;
+        let mut acked_at_start = self.recorder.processed();
         let (reason, verdict, error_type) = loop {
             let (called, noted) = match ran.take() {
                 Some(ran) => ran,
@@ -915,6 +923,7 @@ impl<D, R, H> Worker<D, R, H> {
                             return;
                         }
                     };
+                    acked_at_start = self.recorder.processed();
                     let call = self.call(meta, decoded, check_only);
                     let Some(outcome) = self.watched(delivery, &mut beat, call).await else {
                         self.let_go(delivery).await;
@@ -953,14 +962,21 @@ impl<D, R, H> Worker<D, R, H> {
             // A handler that failed because an `#[idempotent]` call did is
             // named by that call's outcome.
             let handler_error = match noted.outcome {
-                Some(outcome @ (Idempotency::KeyReused | Idempotency::InProgress | Idempotency::Error)) => {
-                    outcome.as_str()
-                }
+                Some(
+                    outcome @ (Idempotency::KeyReused
+                    | Idempotency::InProgress
+                    | Idempotency::NotProcessed
+                    | Idempotency::Error),
+                ) => outcome.as_str(),
                 _ => "handler_error",
             };
             let (reason, verdict, error_type) = match called {
                 Called::Ok => {
-                    self.ack(delivery).await;
+                    // Evidence that the consumer's dependencies are up,
+                    // unless every call only replayed (a cache can answer
+                    // duplicates while the database is down).
+                    let processed = noted.outcome != Some(Idempotency::Duplicate);
+                    self.ack(delivery, processed).await;
                     return;
                 }
                 Called::Err(err) if noted.store_failed => (err.to_string(), Verdict::Outage, handler_error),
@@ -974,6 +990,31 @@ impl<D, R, H> Worker<D, R, H> {
             if verdict != Verdict::Outage {
                 break (reason, verdict, error_type);
             }
+            // An outage that is this message's own (the consumer processes
+            // other messages meanwhile), or that outlived the
+            // retries in place allowed, spends an attempt. A key another
+            // consumer holds waits for it, and the last delivery's check
+            // for the store.
+            let waits = check_only || noted.outcome == Some(Idempotency::InProgress);
+            let escalated = if waits {
+                None
+            } else if self.options.max_outage_retries.is_some_and(|max| outages >= max) {
+                Some("its outage retries in place ran out (max_outage_retries)")
+            } else if acked_at_first_outage.is_some_and(|first| acked_at_start > first) {
+                Some("other messages were processed since its first outage")
+            } else {
+                None
+            };
+            if let Some(why) = escalated {
+                tracing::warn!(
+                    target: TRACING_TARGET,
+                    error = %reason,
+                    outages,
+                    "outage of this message alone: {why}; spending an attempt"
+                );
+                break (reason, Verdict::Retry, error_type);
+            }
+            acked_at_first_outage.get_or_insert_with(|| self.recorder.processed());
             // A dependency is down: keep the message, run it again later,
             // without spending an attempt.
             outages = outages.saturating_add(1);
@@ -1003,6 +1044,7 @@ impl<D, R, H> Worker<D, R, H> {
             tracing::warn!(
                 target: TRACING_TARGET,
                 error = %reason,
+                error_type,
                 attempt,
                 max_attempts = self.options.max_attempts,
                 delay_ms = millis(delay),
@@ -1034,6 +1076,7 @@ impl<D, R, H> Worker<D, R, H> {
         tracing::error!(
             target: TRACING_TARGET,
             error = %reason,
+            error_type,
             attempt,
             max_attempts = self.options.max_attempts,
             kind = kind.as_str(),
@@ -1041,6 +1084,17 @@ impl<D, R, H> Worker<D, R, H> {
         );
         self.dead_letter(delivery, kind, &reason, attempt, Outcome::DeadLettered)
             .await;
+    }
+
+    /// Why the delivery's body is poison before decoding, if it is: the
+    /// broker says it carries no message, or it is longer than
+    /// [`max_body_bytes`](super::ConsumerBuilder::max_body_bytes).
+    fn refused_body<Dl: Delivery>(&self, delivery: &Dl) -> Option<String> {
+        let size = delivery.body().len();
+        let max = self.options.max_body_bytes;
+        delivery
+            .malformed()
+            .or_else(|| (size > max).then(|| format!("body of {size} bytes exceeds the limit of {max}")))
     }
 
     /// The handler's call on the decoded `message` of the delivery `meta`
@@ -1090,7 +1144,11 @@ impl<D, R, H> Worker<D, R, H> {
     }
 
     /// Acknowledges a processed delivery, on its own connection only.
-    async fn ack<Dl: Delivery>(&self, delivery: &Dl) {
+    /// `processed`: the handler ran for real (see [`Recorder::processed`]).
+    async fn ack<Dl: Delivery>(&self, delivery: &Dl, processed: bool) {
+        if processed {
+            self.recorder.note_processed();
+        }
         let acked = if delivery.is_current() {
             delivery.ack().await
         } else {

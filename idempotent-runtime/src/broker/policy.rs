@@ -59,7 +59,143 @@ pub enum Verdict {
     /// A call whose `#[idempotent]` store failed (`Error::Store`: the
     /// database or Redis unreachable) is an outage whatever the policy
     /// says.
+    ///
+    /// An outage is for what is down for every message, never for an error
+    /// of this message's own data: a delivery whose outage persists while
+    /// the consumer processes other messages (since its first outage)
+    /// spends an attempt after all, as [`Verdict::Retry`], so it is
+    /// dead-lettered once its attempts run out instead of looping for ever;
+    /// `max_outage_retries(n)` on the builder bounds the retries in place
+    /// outright.
     Outage,
+}
+
+#[cfg(feature = "sqlx")]
+impl Verdict {
+    /// The verdict on an error of `sqlx` (a handler's own query failed), for
+    /// `classify`: an outage only when the database cannot be reached or
+    /// is going away, never for what the message's data did.
+    ///
+    /// | error | verdict |
+    /// | --- | --- |
+    /// | I/O, TLS, protocol, configuration, pool timed out or closed, worker crashed | [`Outage`](Verdict::Outage) |
+    /// | SQLSTATE class `08` (connection exception), `53` (insufficient resources), `57P01`–`57P03` (admin or crash shutdown, cannot connect now); MySQL/MariaDB 1040 (too many connections), 1053 (server shutdown), 2006 and 2013 (server gone away, connection lost); SQLite `IOERR`, `FULL`, `CANTOPEN`, `NOMEM` | [`Outage`](Verdict::Outage) |
+    /// | SQLSTATE `40001` (serialization failure), `40P01` (deadlock), `55P03` (lock not available), `57014` (statement cancelled or timed out); MySQL/MariaDB 1213 (deadlock), 1205 (lock wait timeout); SQLite `BUSY`, `LOCKED` | [`Retry`](Verdict::Retry): transient, spends an attempt |
+    /// | a foreign key violation; no row found | [`Retry`](Verdict::Retry): the row it needs may come with a later message |
+    /// | unique, not-null, check and exclusion violations (SQLSTATE class `23`), data exceptions (class `22`: a NUL byte in a text, a value out of range, an invalid date...; MySQL/MariaDB 1366, 1265, 1406, 1264, 1292), a value that cannot be encoded, an invalid argument | [`Reject`](Verdict::Reject): the same message always fails the same way |
+    /// | anything else (a syntax error, a missing table or column, a value that cannot be decoded...) | [`Retry`](Verdict::Retry): attempts are spent, then the message is dead-lettered (`exhausted`) for replay once fixed |
+    ///
+    /// ```
+    /// use idempotent_runtime::broker::Verdict;
+    /// use idempotent_runtime::sqlx;
+    ///
+    /// #[derive(Debug, thiserror::Error)]
+    /// enum AppError {
+    ///     #[error(transparent)] Idempotency(#[from] idempotent_runtime::Error),
+    ///     #[error(transparent)] Database(#[from] sqlx::Error),
+    /// }
+    ///
+    /// fn classify(err: &AppError) -> Verdict {
+    ///     match err {
+    ///         AppError::Idempotency(e) => e.verdict(),
+    ///         AppError::Database(e) => Verdict::of_sqlx(e),
+    ///     }
+    /// }
+    /// assert_eq!(classify(&AppError::Database(sqlx::Error::PoolTimedOut)), Verdict::Outage);
+    /// assert_eq!(classify(&AppError::Database(sqlx::Error::RowNotFound)), Verdict::Retry);
+    /// ```
+    pub fn of_sqlx(error: &sqlx::Error) -> Verdict {
+        use sqlx::Error as E;
+        match error {
+            E::Database(db) => Verdict::of_database(&**db),
+            E::Io(_)
+            | E::Tls(_)
+            | E::Protocol(_)
+            | E::Configuration(_)
+            | E::PoolTimedOut
+            | E::PoolClosed
+            | E::WorkerCrashed
+            | E::BeginFailed => Verdict::Outage,
+            E::Encode(_) | E::InvalidArgument(_) => Verdict::Reject,
+            _ => Verdict::Retry,
+        }
+    }
+
+    /// [`of_sqlx`](Self::of_sqlx) of an error the database returned.
+    fn of_database(error: &(dyn sqlx::error::DatabaseError + 'static)) -> Verdict {
+        use sqlx::error::ErrorKind;
+        #[cfg(feature = "mysql")]
+        if let Some(mysql) = error.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>()
+            && let Some(verdict) = mysql_verdict(mysql.number())
+        {
+            return verdict;
+        }
+        #[cfg(feature = "sqlite")]
+        if let Some(sqlite) = error.try_downcast_ref::<sqlx::sqlite::SqliteError>()
+            && let Some(verdict) = sqlite_verdict(sqlite)
+        {
+            return verdict;
+        }
+        match error.kind() {
+            ErrorKind::ForeignKeyViolation => return Verdict::Retry,
+            ErrorKind::UniqueViolation
+            | ErrorKind::NotNullViolation
+            | ErrorKind::CheckViolation
+            | ErrorKind::ExclusionViolation => return Verdict::Reject,
+            _ => {}
+        }
+        match error.code() {
+            Some(code) => sqlstate_verdict(&code),
+            None => Verdict::Retry,
+        }
+    }
+}
+
+/// The verdict on a SQLSTATE (PostgreSQL's, and MySQL's where it says
+/// more than `HY000`).
+#[cfg(feature = "sqlx")]
+fn sqlstate_verdict(code: &str) -> Verdict {
+    match code {
+        "40001" | "40P01" | "55P03" | "57014" => Verdict::Retry,
+        "57P01" | "57P02" | "57P03" => Verdict::Outage,
+        _ if code.starts_with("08") || code.starts_with("53") => Verdict::Outage,
+        _ if code.starts_with("22") || code.starts_with("23") => Verdict::Reject,
+        _ => Verdict::Retry,
+    }
+}
+
+/// The verdict on a MySQL/MariaDB error number, where it decides.
+#[cfg(feature = "mysql")]
+fn mysql_verdict(number: u16) -> Option<Verdict> {
+    match number {
+        // Deadlock, lock wait timeout.
+        1213 | 1205 => Some(Verdict::Retry),
+        // Too many connections, server shutdown, server gone away, lost
+        // connection.
+        1040 | 1053 | 2006 | 2013 => Some(Verdict::Outage),
+        // Incorrect string value, data truncated, data too long, out of
+        // range, incorrect value: the message's data (SQLSTATE HY000 or
+        // 01000 for some of them).
+        1366 | 1265 | 1406 | 1264 | 1292 => Some(Verdict::Reject),
+        _ => None,
+    }
+}
+
+/// The verdict on a SQLite result code, where it decides.
+#[cfg(feature = "sqlite")]
+fn sqlite_verdict(error: &sqlx::sqlite::SqliteError) -> Option<Verdict> {
+    use sqlx::error::DatabaseError;
+    // The extended result code; its low byte is the primary one.
+    let code: i64 = error.code()?.parse().ok()?;
+    match code & 0xff {
+        // BUSY, LOCKED.
+        5 | 6 => Some(Verdict::Retry),
+        // NOMEM, IOERR, FULL, CANTOPEN.
+        7 | 10 | 13 | 14 => Some(Verdict::Outage),
+        // CONSTRAINT (those `kind` leaves out), MISMATCH, TOOBIG, RANGE.
+        19 | 20 | 18 | 25 => Some(Verdict::Reject),
+        _ => None,
+    }
 }
 
 /// Decides what happens to a message whose handler returned an error.

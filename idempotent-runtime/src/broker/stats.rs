@@ -80,6 +80,8 @@ struct Counters {
     batches_aborted: AtomicU64,
     /// Deliveries whose handling has not ended.
     in_flight: AtomicU64,
+    /// See [`Recorder::processed`].
+    processed: AtomicU64,
 }
 
 impl ConsumerStats {
@@ -210,6 +212,21 @@ impl Recorder {
             "source" => self.source.to_string()
         )
         .increment(1);
+    }
+
+    /// A handler returned `Ok` having done more than replay duplicates (see
+    /// [`processed`](Self::processed)).
+    pub(crate) fn note_processed(&self) {
+        self.stats.inner.processed.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Handler runs so far that returned `Ok` having done more than replay
+    /// duplicates: evidence that what the consumer's handlers depend on is
+    /// up (a duplicate may be answered by a cache while the database is
+    /// down). A delivery whose outage persists while this grows is
+    /// retried with an attempt spent.
+    pub(crate) fn processed(&self) -> u64 {
+        self.stats.inner.processed.load(Ordering::Relaxed)
     }
 
     pub(crate) fn handler_failed(&self) {
