@@ -176,8 +176,23 @@ fn print_report(report: &Report) {
     }
 }
 
+/// `IDEMPOTENT_CHECKER_LOG=warn|info|debug`: the library's events on stderr.
+fn log_if_asked() {
+    let level = match env("IDEMPOTENT_CHECKER_LOG").as_deref() {
+        Some("warn") => tracing::Level::WARN,
+        Some("info") => tracing::Level::INFO,
+        Some("debug") => tracing::Level::DEBUG,
+        _ => return,
+    };
+    let _ = tracing_subscriber::fmt()
+        .with_max_level(level)
+        .with_writer(std::io::stderr)
+        .try_init();
+}
+
 async fn run_seeds(seeds: impl IntoIterator<Item = u64>, table: bool) -> Vec<Report> {
     quiet_injected_panics();
+    log_if_asked();
     let without = without();
     let sabotage = sabotage();
     let mut reports = Vec::new();

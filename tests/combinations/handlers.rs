@@ -78,18 +78,18 @@ impl Ctx {
         }
     }
 
-    /// Whether the next run of `id` hangs (to be cancelled).
-    pub fn next_is_cancel(&self, id: &str) -> bool {
-        let faults = self.faults.lock().unwrap();
-        faults.get(id).and_then(|q| q.front()) == Some(&BodyFault::Cancel)
+    /// The fault of this handler call of `id`, if it has one (taken by the
+    /// call, so that the caller knows whether to cancel it, whether the body
+    /// then runs or not).
+    pub fn take_fault(&self, id: &str) -> Option<BodyFault> {
+        self.faults.lock().unwrap().get_mut(id).and_then(|q| q.pop_front())
     }
 
-    /// The body's fault, if this run of `id` has one.
-    async fn fault(&self, id: &str) -> Result<(), AppError> {
+    /// The body's fault, if this run has one.
+    async fn fault(&self, id: &str, fault: Option<BodyFault>) -> Result<(), AppError> {
         if self.doomed.contains(id) {
             return Err(AppError::Failed(format!("{id} is doomed")));
         }
-        let fault = self.faults.lock().unwrap().get_mut(id).and_then(|q| q.pop_front());
         match fault {
             None => Ok(()),
             Some(BodyFault::Error) => {
@@ -115,9 +115,9 @@ impl Ctx {
     }
 
     /// The lease stores' effect: after the fault.
-    async fn mem_body(&self, msg: &Msg, ran: &AtomicBool) -> Result<(), AppError> {
+    async fn mem_body(&self, msg: &Msg, ran: &AtomicBool, fault: Option<BodyFault>) -> Result<(), AppError> {
         ran.store(true, Ordering::SeqCst);
-        self.fault(&msg.id).await?;
+        self.fault(&msg.id, fault).await?;
         let mut effects = self.mem_effects.lock().unwrap();
         let n = effects.entry(msg.id.clone()).or_default();
         if *n > 0 {
@@ -132,7 +132,12 @@ impl Ctx {
 /// The handler, whatever the store: `Ok(Some(amount))` when the handler
 /// returns a value, `Ok(None)` for `()`. `ran` is set when the body ran.
 pub trait Ledger: Send + Sync + 'static {
-    fn apply<'a>(&'a self, msg: &'a Msg, ran: &'a AtomicBool) -> BoxFut<'a, Result<Option<i64>, AppError>>;
+    fn apply<'a>(
+        &'a self,
+        msg: &'a Msg,
+        ran: &'a AtomicBool,
+        fault: Option<BodyFault>,
+    ) -> BoxFut<'a, Result<Option<i64>, AppError>>;
     fn ctx(&self) -> &Arc<Ctx>;
     /// Entries in the cache, when there is one.
     fn cached(&self) -> Option<usize>;
@@ -159,6 +164,7 @@ macro_rules! tx_ledger {
                 &self,
                 msg: &Msg,
                 ran: &AtomicBool,
+                fault: Option<BodyFault>,
                 tx: &mut $conn,
                 outbox: Option<&mut Outbox>,
             ) -> Result<(), AppError> {
@@ -173,83 +179,120 @@ macro_rules! tx_ledger {
                 if let Some(outbox) = outbox {
                     self.ctx.stage(msg, outbox);
                 }
-                self.ctx.fault(&msg.id).await
+                self.ctx.fault(&msg.id, fault).await
             }
 
             #[idempotent(key = "msg.id", store = self.store, scope = "checker.u")]
-            async fn u(&self, msg: &Msg, ran: &AtomicBool, tx: &mut $conn) -> Result<(), AppError> {
-                self.body(msg, ran, tx, None).await
+            async fn u(
+                &self,
+                msg: &Msg,
+                ran: &AtomicBool,
+                fault: Option<BodyFault>,
+                tx: &mut $conn,
+            ) -> Result<(), AppError> {
+                self.body(msg, ran, fault, tx, None).await
             }
             #[idempotent(key = "msg.id", store = self.store, scope = "checker.uf", fingerprint = "msg")]
-            async fn uf(&self, msg: &Msg, ran: &AtomicBool, tx: &mut $conn) -> Result<(), AppError> {
-                self.body(msg, ran, tx, None).await
+            async fn uf(
+                &self,
+                msg: &Msg,
+                ran: &AtomicBool,
+                fault: Option<BodyFault>,
+                tx: &mut $conn,
+            ) -> Result<(), AppError> {
+                self.body(msg, ran, fault, tx, None).await
             }
             #[idempotent(key = "msg.id", store = self.store, scope = "checker.v")]
-            async fn v(&self, msg: &Msg, ran: &AtomicBool, tx: &mut $conn) -> Result<i64, AppError> {
-                self.body(msg, ran, tx, None).await.map(|()| msg.amount)
+            async fn v(
+                &self,
+                msg: &Msg,
+                ran: &AtomicBool,
+                fault: Option<BodyFault>,
+                tx: &mut $conn,
+            ) -> Result<i64, AppError> {
+                self.body(msg, ran, fault, tx, None).await.map(|()| msg.amount)
             }
             #[idempotent(key = "msg.id", store = self.store, scope = "checker.vf", fingerprint = "msg")]
-            async fn vf(&self, msg: &Msg, ran: &AtomicBool, tx: &mut $conn) -> Result<i64, AppError> {
-                self.body(msg, ran, tx, None).await.map(|()| msg.amount)
+            async fn vf(
+                &self,
+                msg: &Msg,
+                ran: &AtomicBool,
+                fault: Option<BodyFault>,
+                tx: &mut $conn,
+            ) -> Result<i64, AppError> {
+                self.body(msg, ran, fault, tx, None).await.map(|()| msg.amount)
             }
             #[idempotent(key = "msg.id", store = self.store, scope = "checker.uo")]
             async fn uo(
                 &self,
                 msg: &Msg,
                 ran: &AtomicBool,
+                fault: Option<BodyFault>,
                 tx: &mut $conn,
                 outbox: &mut Outbox,
             ) -> Result<(), AppError> {
-                self.body(msg, ran, tx, Some(outbox)).await
+                self.body(msg, ran, fault, tx, Some(outbox)).await
             }
             #[idempotent(key = "msg.id", store = self.store, scope = "checker.ufo", fingerprint = "msg")]
             async fn ufo(
                 &self,
                 msg: &Msg,
                 ran: &AtomicBool,
+                fault: Option<BodyFault>,
                 tx: &mut $conn,
                 outbox: &mut Outbox,
             ) -> Result<(), AppError> {
-                self.body(msg, ran, tx, Some(outbox)).await
+                self.body(msg, ran, fault, tx, Some(outbox)).await
             }
             #[idempotent(key = "msg.id", store = self.store, scope = "checker.vo")]
             async fn vo(
                 &self,
                 msg: &Msg,
                 ran: &AtomicBool,
+                fault: Option<BodyFault>,
                 tx: &mut $conn,
                 outbox: &mut Outbox,
             ) -> Result<i64, AppError> {
-                self.body(msg, ran, tx, Some(outbox)).await.map(|()| msg.amount)
+                self.body(msg, ran, fault, tx, Some(outbox))
+                    .await
+                    .map(|()| msg.amount)
             }
             #[idempotent(key = "msg.id", store = self.store, scope = "checker.vfo", fingerprint = "msg")]
             async fn vfo(
                 &self,
                 msg: &Msg,
                 ran: &AtomicBool,
+                fault: Option<BodyFault>,
                 tx: &mut $conn,
                 outbox: &mut Outbox,
             ) -> Result<i64, AppError> {
-                self.body(msg, ran, tx, Some(outbox)).await.map(|()| msg.amount)
+                self.body(msg, ran, fault, tx, Some(outbox))
+                    .await
+                    .map(|()| msg.amount)
             }
         }
 
         impl Ledger for $name {
-            fn apply<'a>(&'a self, msg: &'a Msg, ran: &'a AtomicBool) -> BoxFut<'a, Result<Option<i64>, AppError>> {
+            fn apply<'a>(
+                &'a self,
+                msg: &'a Msg,
+                ran: &'a AtomicBool,
+                fault: Option<BodyFault>,
+            ) -> BoxFut<'a, Result<Option<i64>, AppError>> {
                 let Variant {
                     fingerprint,
                     value,
                     outbox,
                 } = self.variant;
                 match (value, fingerprint, outbox) {
-                    (false, false, false) => Box::pin(async move { self.u(msg, ran).await.map(|()| None) }),
-                    (false, true, false) => Box::pin(async move { self.uf(msg, ran).await.map(|()| None) }),
-                    (true, false, false) => Box::pin(async move { self.v(msg, ran).await.map(Some) }),
-                    (true, true, false) => Box::pin(async move { self.vf(msg, ran).await.map(Some) }),
-                    (false, false, true) => Box::pin(async move { self.uo(msg, ran).await.map(|()| None) }),
-                    (false, true, true) => Box::pin(async move { self.ufo(msg, ran).await.map(|()| None) }),
-                    (true, false, true) => Box::pin(async move { self.vo(msg, ran).await.map(Some) }),
-                    (true, true, true) => Box::pin(async move { self.vfo(msg, ran).await.map(Some) }),
+                    (false, false, false) => Box::pin(async move { self.u(msg, ran, fault).await.map(|()| None) }),
+                    (false, true, false) => Box::pin(async move { self.uf(msg, ran, fault).await.map(|()| None) }),
+                    (true, false, false) => Box::pin(async move { self.v(msg, ran, fault).await.map(Some) }),
+                    (true, true, false) => Box::pin(async move { self.vf(msg, ran, fault).await.map(Some) }),
+                    (false, false, true) => Box::pin(async move { self.uo(msg, ran, fault).await.map(|()| None) }),
+                    (false, true, true) => Box::pin(async move { self.ufo(msg, ran, fault).await.map(|()| None) }),
+                    (true, false, true) => Box::pin(async move { self.vo(msg, ran, fault).await.map(Some) }),
+                    (true, true, true) => Box::pin(async move { self.vfo(msg, ran, fault).await.map(Some) }),
                 }
             }
             fn ctx(&self) -> &Arc<Ctx> {
@@ -272,30 +315,35 @@ macro_rules! lease_ledger {
 
         impl $name {
             #[idempotent(key = "msg.id", store = self.store, scope = "checker.u", lease = "3s")]
-            async fn u(&self, msg: &Msg, ran: &AtomicBool) -> Result<(), AppError> {
-                self.ctx.mem_body(msg, ran).await
+            async fn u(&self, msg: &Msg, ran: &AtomicBool, fault: Option<BodyFault>) -> Result<(), AppError> {
+                self.ctx.mem_body(msg, ran, fault).await
             }
             #[idempotent(key = "msg.id", store = self.store, scope = "checker.uf", lease = "3s", fingerprint = "msg")]
-            async fn uf(&self, msg: &Msg, ran: &AtomicBool) -> Result<(), AppError> {
-                self.ctx.mem_body(msg, ran).await
+            async fn uf(&self, msg: &Msg, ran: &AtomicBool, fault: Option<BodyFault>) -> Result<(), AppError> {
+                self.ctx.mem_body(msg, ran, fault).await
             }
             #[idempotent(key = "msg.id", store = self.store, scope = "checker.v", lease = "3s")]
-            async fn v(&self, msg: &Msg, ran: &AtomicBool) -> Result<i64, AppError> {
-                self.ctx.mem_body(msg, ran).await.map(|()| msg.amount)
+            async fn v(&self, msg: &Msg, ran: &AtomicBool, fault: Option<BodyFault>) -> Result<i64, AppError> {
+                self.ctx.mem_body(msg, ran, fault).await.map(|()| msg.amount)
             }
             #[idempotent(key = "msg.id", store = self.store, scope = "checker.vf", lease = "3s", fingerprint = "msg")]
-            async fn vf(&self, msg: &Msg, ran: &AtomicBool) -> Result<i64, AppError> {
-                self.ctx.mem_body(msg, ran).await.map(|()| msg.amount)
+            async fn vf(&self, msg: &Msg, ran: &AtomicBool, fault: Option<BodyFault>) -> Result<i64, AppError> {
+                self.ctx.mem_body(msg, ran, fault).await.map(|()| msg.amount)
             }
         }
 
         impl Ledger for $name {
-            fn apply<'a>(&'a self, msg: &'a Msg, ran: &'a AtomicBool) -> BoxFut<'a, Result<Option<i64>, AppError>> {
+            fn apply<'a>(
+                &'a self,
+                msg: &'a Msg,
+                ran: &'a AtomicBool,
+                fault: Option<BodyFault>,
+            ) -> BoxFut<'a, Result<Option<i64>, AppError>> {
                 match (self.variant.value, self.variant.fingerprint) {
-                    (false, false) => Box::pin(async move { self.u(msg, ran).await.map(|()| None) }),
-                    (false, true) => Box::pin(async move { self.uf(msg, ran).await.map(|()| None) }),
-                    (true, false) => Box::pin(async move { self.v(msg, ran).await.map(Some) }),
-                    (true, true) => Box::pin(async move { self.vf(msg, ran).await.map(Some) }),
+                    (false, false) => Box::pin(async move { self.u(msg, ran, fault).await.map(|()| None) }),
+                    (false, true) => Box::pin(async move { self.uf(msg, ran, fault).await.map(|()| None) }),
+                    (true, false) => Box::pin(async move { self.v(msg, ran, fault).await.map(Some) }),
+                    (true, true) => Box::pin(async move { self.vf(msg, ran, fault).await.map(Some) }),
                 }
             }
             fn ctx(&self) -> &Arc<Ctx> {
