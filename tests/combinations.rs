@@ -190,6 +190,35 @@ fn log_if_asked() {
         .try_init();
 }
 
+/// `IDEMPOTENT_CHECKER_FORCE=store=pg,outbox=off,batch=off,cache=off,settings=default`:
+/// overrides parts of every configuration, to minimise a failing one.
+fn force(cfg: &mut Config) {
+    let Some(spec) = env("IDEMPOTENT_CHECKER_FORCE") else {
+        return;
+    };
+    for part in spec.split(',') {
+        let (key, value) = part.split_once('=').unwrap_or((part, ""));
+        match (key.trim(), value.trim()) {
+            ("store", "pg") => cfg.store = config::StoreKind::Pg,
+            ("store", "partitioned") => cfg.store = config::StoreKind::PgPartitioned,
+            ("outbox", "off") => cfg.outbox = config::OutboxMode::Off,
+            ("batch", "off") => cfg.batch = None,
+            ("cache", "off") => cfg.cached = false,
+            ("cache", "on") => cfg.cached = true,
+            ("consumers", n) => cfg.consumers = n.parse().expect("consumers=n"),
+            ("concurrency", n) => cfg.concurrency = n.parse().expect("concurrency=n"),
+            ("settings", "default") => {
+                cfg.settings.pg_sync_commit_off = false;
+                cfg.settings.pg_isolation = 0;
+                cfg.settings.my_isolation = 0;
+            }
+            ("sync_commit", "off") => cfg.settings.pg_sync_commit_off = true,
+            ("isolation", n) => cfg.settings.pg_isolation = n.parse().expect("isolation=n"),
+            other => panic!("IDEMPOTENT_CHECKER_FORCE: unknown {other:?}"),
+        }
+    }
+}
+
 async fn run_seeds(seeds: impl IntoIterator<Item = u64>, table: bool) -> Vec<Report> {
     quiet_injected_panics();
     log_if_asked();
@@ -197,7 +226,8 @@ async fn run_seeds(seeds: impl IntoIterator<Item = u64>, table: bool) -> Vec<Rep
     let sabotage = sabotage();
     let mut reports = Vec::new();
     for seed in seeds {
-        let cfg = Config::from_seed(seed, &without);
+        let mut cfg = Config::from_seed(seed, &without);
+        force(&mut cfg);
         let report = run::run(&cfg, sabotage).await;
         print_report(&report);
         reports.push(report);

@@ -112,6 +112,8 @@ pub enum FaultKind {
     AbortAfterCommit,
     /// The store's database connections are killed.
     DbKill,
+    /// A failed statement swallowed by the body, which returns `Ok`.
+    Swallow,
     /// The relay's runtime is killed before a publish.
     RelayKillBeforePublish,
     /// The relay's runtime is killed after the broker confirmed a publish,
@@ -123,10 +125,11 @@ pub enum FaultKind {
 }
 
 impl FaultKind {
-    pub const ALL: [FaultKind; 11] = [
+    pub const ALL: [FaultKind; 12] = [
         FaultKind::HandlerError,
         FaultKind::Panic,
         FaultKind::Cancel,
+        FaultKind::Swallow,
         FaultKind::Poison,
         FaultKind::Doomed,
         FaultKind::ConsumerKill,
@@ -141,6 +144,7 @@ impl FaultKind {
             FaultKind::HandlerError => "error",
             FaultKind::Panic => "panic",
             FaultKind::Cancel => "cancel",
+            FaultKind::Swallow => "swallow",
             FaultKind::Poison => "poison",
             FaultKind::Doomed => "doomed",
             FaultKind::ConsumerKill => "consumer-kill",
@@ -162,6 +166,10 @@ pub enum BodyFault {
     Error,
     Panic,
     Cancel,
+    /// A statement of the body fails and the body returns `Ok` anyway (the
+    /// "already done" reading of an error): on PostgreSQL the transaction
+    /// is aborted and nothing may be reported committed.
+    Swallow,
 }
 
 /// A fault that fires once the handlers were called `at` times in all.
@@ -282,6 +290,16 @@ impl Config {
                 }
                 if !faults.is_empty() {
                     schedule.body.insert(id(n), faults);
+                }
+            }
+        }
+        // Swallowed errors come from a stream of their own, so that the
+        // rest of a seed's schedule is what it was before they existed.
+        if store.transactional() && allowed(FaultKind::Swallow) {
+            let mut swallow = Rng::new(seed ^ 0x5a11_0e);
+            for n in 0..messages {
+                if swallow.percent(3) && !schedule.doomed.contains(&id(n)) {
+                    schedule.body.entry(id(n)).or_default().insert(0, BodyFault::Swallow);
                 }
             }
         }

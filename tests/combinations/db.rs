@@ -222,12 +222,24 @@ pub async fn open(cfg: &Config, name: &str, sink: Option<String>) -> Opened {
             }
             let store = builder.build().unwrap();
             store.migrate().await.unwrap();
-            sqlx::query(AssertSqlSafe(format!(
-                "CREATE TABLE {effects} (message_id TEXT NOT NULL)"
-            )))
-            .execute(&admin)
-            .await
-            .unwrap();
+            // Each effect row records, at COMMIT (a deferred constraint
+            // trigger fires there), the `synchronous_commit` its commit ran
+            // with: invariant 5 made observable without a server crash.
+            for ddl in [
+                format!("CREATE TABLE {effects} (message_id TEXT NOT NULL)"),
+                format!("CREATE TABLE {effects}_c (message_id TEXT NOT NULL, setting TEXT NOT NULL)"),
+                format!(
+                    "CREATE FUNCTION {effects}_f() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN \
+                     INSERT INTO {effects}_c VALUES (NEW.message_id, current_setting('synchronous_commit')); \
+                     RETURN NULL; END $$"
+                ),
+                format!(
+                    "CREATE CONSTRAINT TRIGGER {effects}_t AFTER INSERT ON {effects} DEFERRABLE INITIALLY DEFERRED \
+                     FOR EACH ROW EXECUTE FUNCTION {effects}_f()"
+                ),
+            ] {
+                sqlx::query(AssertSqlSafe(ddl)).execute(&admin).await.unwrap();
+            }
             let s = store.clone();
             pending = Some(Box::new(move || {
                 let s = s.clone();
@@ -425,6 +437,21 @@ impl Opened {
         }
     }
 
+    /// PostgreSQL: the effects whose transaction committed with
+    /// `synchronous_commit = off` (not durable when acknowledged).
+    pub async fn non_durable_commits(&self) -> Vec<String> {
+        match &self.admin {
+            Admin::Pg { admin, .. } => sqlx::query_scalar(AssertSqlSafe(format!(
+                "SELECT message_id FROM {}_c WHERE setting = 'off' ORDER BY message_id",
+                self.effects
+            )))
+            .fetch_all(admin)
+            .await
+            .unwrap(),
+            _ => Vec::new(),
+        }
+    }
+
     /// Whether `id`'s effect is committed (seen from outside the store's
     /// transactions).
     pub async fn committed(&self, id: &str) -> bool {
@@ -581,9 +608,13 @@ impl Opened {
         match &self.admin {
             Admin::Pg { admin, store_pool, .. } => {
                 store_pool.close().await;
-                for t in [&self.effects, &self.markers, &self.outbox] {
+                let log = format!("{}_c", self.effects);
+                for t in [&self.effects, &log, &self.markers, &self.outbox] {
                     common::drop_pg_table(admin, t).await;
                 }
+                let _ = sqlx::query(AssertSqlSafe(format!("DROP FUNCTION IF EXISTS {}_f()", self.effects)))
+                    .execute(admin)
+                    .await;
             }
             Admin::My { admin, store_pool, .. } => {
                 store_pool.close().await;

@@ -55,6 +55,7 @@ pub struct Ctx {
     pub fired_errors: AtomicU64,
     pub fired_panics: AtomicU64,
     pub fired_cancels: AtomicU64,
+    pub fired_swallows: AtomicU64,
 }
 
 impl Ctx {
@@ -75,6 +76,7 @@ impl Ctx {
             fired_errors: AtomicU64::new(0),
             fired_panics: AtomicU64::new(0),
             fired_cancels: AtomicU64::new(0),
+            fired_swallows: AtomicU64::new(0),
         }
     }
 
@@ -105,6 +107,9 @@ impl Ctx {
                 std::future::pending::<()>().await;
                 Ok(())
             }
+            // Done by the transactional bodies (before this), nothing on
+            // the lease stores.
+            Some(BodyFault::Swallow) => Ok(()),
         }
     }
 
@@ -178,6 +183,14 @@ macro_rules! tx_ledger {
                 .await?;
                 if let Some(outbox) = outbox {
                     self.ctx.stage(msg, outbox);
+                }
+                if fault == Some(BodyFault::Swallow) {
+                    self.ctx.fired_swallows.fetch_add(1, Ordering::SeqCst);
+                    // Fails on every database; aborts a PostgreSQL transaction.
+                    let swallowed = sqlx::query("INSERT INTO idempotent_checker_no_such_table VALUES (1)")
+                        .execute(&mut *tx)
+                        .await;
+                    assert!(swallowed.is_err(), "the swallowed statement must fail");
                 }
                 self.ctx.fault(&msg.id, fault).await
             }

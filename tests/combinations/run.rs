@@ -91,6 +91,8 @@ pub struct Counts {
     /// documented at-least-once publishing).
     pub outbox_dupes: u64,
     pub outbox_pending: u64,
+    /// PostgreSQL effects committed with `synchronous_commit = off`.
+    pub non_durable: u64,
 }
 
 #[derive(Debug)]
@@ -711,6 +713,13 @@ pub async fn run(cfg: &Config, sabotage: Option<Sabotage>) -> Report {
             counts.reapplied
         ));
     }
+    let non_durable = opened.non_durable_commits().await;
+    counts.non_durable = non_durable.len() as u64;
+    if !non_durable.is_empty() {
+        violations.push(format!(
+            "effects committed with synchronous_commit = off (acknowledged before durable): {non_durable:?}"
+        ));
+    }
     let early = sh.early.lock().unwrap().clone();
     counts.early = early.len() as u64;
     if !early.is_empty() {
@@ -770,6 +779,7 @@ pub async fn run(cfg: &Config, sabotage: Option<Sabotage>) -> Report {
     faults.insert(FaultKind::HandlerError, ctx.fired_errors.load(Ordering::SeqCst));
     faults.insert(FaultKind::Panic, ctx.fired_panics.load(Ordering::SeqCst));
     faults.insert(FaultKind::Cancel, ctx.fired_cancels.load(Ordering::SeqCst));
+    faults.insert(FaultKind::Swallow, ctx.fired_swallows.load(Ordering::SeqCst));
     faults.insert(FaultKind::Poison, cfg.schedule.poison as u64);
     faults.insert(FaultKind::Doomed, cfg.schedule.doomed.len() as u64);
     faults.insert(FaultKind::ConsumerKill, fired.consumer_kills);
