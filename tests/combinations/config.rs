@@ -296,7 +296,7 @@ impl Config {
         // Swallowed errors come from a stream of their own, so that the
         // rest of a seed's schedule is what it was before they existed.
         if store.transactional() && allowed(FaultKind::Swallow) {
-            let mut swallow = Rng::new(seed ^ 0x5a11_0e);
+            let mut swallow = Rng::new(seed ^ 0x005a_110e);
             for n in 0..messages {
                 if swallow.percent(3) && !schedule.doomed.contains(&id(n)) {
                     schedule.body.entry(id(n)).or_default().insert(0, BodyFault::Swallow);
