@@ -1,0 +1,528 @@
+//! The broker side of a configuration: the source the consumers read (with
+//! its dead-letter destination) and the sink the outbox relay publishes to,
+//! each on RabbitMQ, NATS JetStream or Redis Streams, under names of their
+//! own.
+
+use std::time::Duration;
+
+use idempotent_runtime::async_nats::jetstream::consumer::{AckPolicy, PullConsumer, pull};
+use idempotent_runtime::async_nats::jetstream::{self, stream};
+use idempotent_runtime::async_nats::{self, HeaderMap};
+use idempotent_runtime::broker::{Backoff, ConsumerBuilder, HEADER_KIND};
+use idempotent_runtime::lapin::options::{
+    BasicGetOptions, BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions, QueueDeleteOptions,
+};
+use idempotent_runtime::lapin::types::{AMQPValue, FieldTable};
+use idempotent_runtime::lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
+use idempotent_runtime::nats::{JetStream, JetStreamConsumer};
+use idempotent_runtime::rabbitmq::{Rabbit, RabbitConsumer};
+use idempotent_runtime::redis::{self, AsyncCommands};
+use idempotent_runtime::redis_streams::{RedisStream, StreamConsumer};
+
+use super::common;
+use super::config::BrokerKind;
+
+pub const AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
+pub const NATS_URL: &str = "127.0.0.1:4222";
+/// How long a message held by a consumer that died takes to come back
+/// (JetStream's ack wait, Redis Streams' claim idle time).
+pub const REDELIVERY: Duration = Duration::from_millis(800);
+
+/// A dead letter: its body and its kind (`poison`, `exhausted`, `rejected`).
+pub type DeadLetter = (Vec<u8>, String);
+
+fn fast() -> Backoff {
+    Backoff::new(Duration::from_millis(10), Duration::from_millis(50))
+}
+
+#[allow(clippy::large_enum_variant)] // one per run
+pub enum Source {
+    Rabbit {
+        conn: Connection,
+        admin: Channel,
+        queue: String,
+        dlq: String,
+    },
+    Js {
+        js: jetstream::Context,
+        stream: String,
+        dlq_stream: String,
+        subject: String,
+        dlq_subject: String,
+        consumer: PullConsumer,
+    },
+    Redis {
+        client: redis::Client,
+        conn: redis::aio::MultiplexedConnection,
+        stream: String,
+        dlq: String,
+    },
+}
+
+fn amqp_text(value: &AMQPValue) -> String {
+    match value {
+        AMQPValue::LongString(s) => s.to_string(),
+        AMQPValue::ShortString(s) => s.to_string(),
+        other => format!("{other:?}"),
+    }
+}
+
+impl Source {
+    pub async fn setup(kind: BrokerKind, name: &str) -> Source {
+        match kind {
+            BrokerKind::Rabbit => {
+                let conn = Connection::connect(AMQP_URL, ConnectionProperties::default())
+                    .await
+                    .expect("RabbitMQ at 127.0.0.1:5672");
+                let admin = conn.create_channel().await.unwrap();
+                admin.confirm_select(ConfirmSelectOptions::default()).await.unwrap();
+                let queue = format!("{name}.in");
+                let dlq = format!("{name}.dlq");
+                for q in [&queue, &dlq] {
+                    admin
+                        .queue_declare(q.as_str().into(), QueueDeclareOptions::durable(), FieldTable::default())
+                        .await
+                        .unwrap();
+                }
+                Source::Rabbit {
+                    conn,
+                    admin,
+                    queue,
+                    dlq,
+                }
+            }
+            BrokerKind::JetStream => {
+                let js = jetstream::new(async_nats::connect(NATS_URL).await.expect("NATS at 127.0.0.1:4222"));
+                let stream_name = name.to_uppercase().replace('.', "_");
+                let subject = format!("{name}.in");
+                let dlq_subject = format!("{name}.dlq");
+                let dlq_stream = format!("{stream_name}_DLQ");
+                for (n, s) in [(&stream_name, &subject), (&dlq_stream, &dlq_subject)] {
+                    js.create_stream(stream::Config {
+                        name: n.clone(),
+                        subjects: vec![s.clone()],
+                        ..Default::default()
+                    })
+                    .await
+                    .unwrap();
+                }
+                let consumer = js
+                    .get_stream(&stream_name)
+                    .await
+                    .unwrap()
+                    .get_or_create_consumer(
+                        "worker",
+                        pull::Config {
+                            durable_name: Some("worker".into()),
+                            ack_policy: AckPolicy::Explicit,
+                            ack_wait: REDELIVERY,
+                            filter_subject: subject.clone(),
+                            ..Default::default()
+                        },
+                    )
+                    .await
+                    .unwrap();
+                Source::Js {
+                    js,
+                    stream: stream_name,
+                    dlq_stream,
+                    subject,
+                    dlq_subject,
+                    consumer,
+                }
+            }
+            BrokerKind::RedisStreams => {
+                let client = redis::Client::open(common::REDIS_URL).unwrap();
+                let conn = client
+                    .get_multiplexed_async_connection()
+                    .await
+                    .expect("Redis at 127.0.0.1:6379");
+                Source::Redis {
+                    client,
+                    conn,
+                    stream: format!("{name}.in"),
+                    dlq: format!("{name}.dlq"),
+                }
+            }
+        }
+    }
+
+    pub fn rabbit(&self, prefetch: u16) -> ConsumerBuilder<Rabbit> {
+        match self {
+            Source::Rabbit { queue, dlq, .. } => RabbitConsumer::builder(AMQP_URL, queue)
+                .prefetch(prefetch)
+                .dead_letter_queue(dlq)
+                .retry_backoff(fast())
+                .outage_backoff(fast())
+                .shutdown_timeout(Duration::from_secs(5)),
+            _ => unreachable!(),
+        }
+    }
+
+    pub fn jetstream(&self, prefetch: usize) -> ConsumerBuilder<JetStream> {
+        match self {
+            Source::Js {
+                js,
+                consumer,
+                dlq_subject,
+                ..
+            } => JetStreamConsumer::builder(js.clone(), consumer.clone())
+                .dead_letter_subject(dlq_subject)
+                .prefetch(prefetch)
+                .fetch_expiry(Duration::from_millis(300))
+                .retry_backoff(fast())
+                .outage_backoff(fast())
+                .shutdown_timeout(Duration::from_secs(5)),
+            _ => unreachable!(),
+        }
+    }
+
+    pub fn streams(&self) -> ConsumerBuilder<RedisStream> {
+        match self {
+            Source::Redis {
+                client, stream, dlq, ..
+            } => StreamConsumer::builder(client.clone(), stream, "workers")
+                .dead_letter_stream(dlq)
+                .claim_idle(REDELIVERY)
+                .block(Duration::from_millis(300))
+                .retry_backoff(fast())
+                .outage_backoff(fast())
+                .shutdown_timeout(Duration::from_secs(5)),
+            _ => unreachable!(),
+        }
+    }
+
+    pub async fn publish(&self, body: &[u8], id: &str) {
+        match self {
+            Source::Rabbit { admin, queue, .. } => {
+                let props = BasicProperties::default()
+                    .with_message_id(id.into())
+                    .with_delivery_mode(2);
+                let confirm = admin
+                    .basic_publish(
+                        "".into(),
+                        queue.as_str().into(),
+                        BasicPublishOptions::default(),
+                        body,
+                        props,
+                    )
+                    .await
+                    .unwrap()
+                    .await
+                    .unwrap();
+                assert!(confirm.is_ack());
+            }
+            Source::Js { js, subject, .. } => {
+                let mut headers = HeaderMap::new();
+                headers.insert("Nats-Msg-Id", id);
+                js.publish_with_headers(subject.clone(), headers, body.to_vec().into())
+                    .await
+                    .unwrap()
+                    .await
+                    .unwrap();
+            }
+            Source::Redis { conn, stream, .. } => {
+                let mut conn = conn.clone();
+                let _: String = conn
+                    .xadd(stream, "*", &[("message_id", id.as_bytes()), ("body", body)])
+                    .await
+                    .unwrap();
+            }
+        }
+    }
+
+    /// Every dead letter (read without consuming on RabbitMQ: requeued).
+    pub async fn dead_letters(&self) -> Vec<DeadLetter> {
+        match self {
+            Source::Rabbit { admin, dlq, .. } => {
+                let mut out = Vec::new();
+                let mut held = Vec::new();
+                while let Some(msg) = admin
+                    .basic_get(dlq.as_str().into(), BasicGetOptions { no_ack: false })
+                    .await
+                    .unwrap()
+                {
+                    let kind = msg
+                        .delivery
+                        .properties
+                        .headers()
+                        .as_ref()
+                        .and_then(|h| h.inner().get(HEADER_KIND).map(amqp_text))
+                        .unwrap_or_default();
+                    out.push((msg.delivery.data.clone(), kind));
+                    held.push(msg);
+                }
+                for msg in held {
+                    msg.delivery
+                        .acker
+                        .nack(idempotent_runtime::lapin::options::BasicNackOptions {
+                            multiple: false,
+                            requeue: true,
+                        })
+                        .await
+                        .unwrap();
+                }
+                out
+            }
+            Source::Js { js, dlq_stream, .. } => {
+                let mut stream = js.get_stream(dlq_stream).await.unwrap();
+                let last = stream.info().await.map(|i| i.state.last_sequence).unwrap_or(0);
+                let mut out = Vec::new();
+                for seq in 1..=last {
+                    if let Ok(msg) = stream.get_raw_message(seq).await {
+                        let kind = msg
+                            .headers
+                            .get(HEADER_KIND)
+                            .map(|v| v.as_str().to_owned())
+                            .unwrap_or_default();
+                        out.push((msg.payload.to_vec(), kind));
+                    }
+                }
+                out
+            }
+            Source::Redis { conn, dlq, .. } => {
+                let mut conn = conn.clone();
+                let reply: redis::streams::StreamRangeReply = conn.xrange_all(dlq).await.unwrap();
+                reply
+                    .ids
+                    .into_iter()
+                    .map(|entry| {
+                        let field = |name: &str| match entry.map.get(name) {
+                            Some(redis::Value::BulkString(b)) => b.clone(),
+                            _ => Vec::new(),
+                        };
+                        (field("body"), String::from_utf8_lossy(&field(HEADER_KIND)).into_owned())
+                    })
+                    .collect()
+            }
+        }
+    }
+
+    /// Messages neither settled nor dead-lettered (ready or held).
+    pub async fn backlog(&self) -> u64 {
+        match self {
+            Source::Rabbit { admin, queue, .. } => {
+                let passive = QueueDeclareOptions {
+                    passive: true,
+                    ..QueueDeclareOptions::default()
+                };
+                match admin
+                    .queue_declare(queue.as_str().into(), passive, FieldTable::default())
+                    .await
+                {
+                    Ok(q) => u64::from(q.message_count()),
+                    Err(_) => u64::MAX,
+                }
+            }
+            Source::Js { js, stream, .. } => {
+                let Ok(stream) = js.get_stream(stream).await else {
+                    return u64::MAX;
+                };
+                match stream.consumer_info("worker").await {
+                    Ok(info) => info.num_pending + info.num_ack_pending as u64,
+                    Err(_) => u64::MAX,
+                }
+            }
+            Source::Redis { conn, stream, .. } => {
+                let mut conn = conn.clone();
+                let groups: Result<redis::streams::StreamInfoGroupsReply, _> = conn.xinfo_groups(stream).await;
+                match groups {
+                    Ok(groups) => groups
+                        .groups
+                        .iter()
+                        .map(|g| g.pending as u64 + g.lag.unwrap_or(0) as u64)
+                        .sum(),
+                    Err(_) => u64::MAX,
+                }
+            }
+        }
+    }
+
+    /// Unacknowledged messages held by consumers (RabbitMQ's count leaves
+    /// them out; the others count them in `backlog`).
+    pub async fn teardown(self) {
+        match self {
+            Source::Rabbit {
+                conn,
+                admin,
+                queue,
+                dlq,
+            } => {
+                for q in [&queue, &dlq] {
+                    let _ = admin
+                        .queue_delete(q.as_str().into(), QueueDeleteOptions::default())
+                        .await;
+                }
+                let _ = conn.close(200, "checker done".into()).await;
+            }
+            Source::Js {
+                js, stream, dlq_stream, ..
+            } => {
+                for name in [&stream, &dlq_stream] {
+                    let _ = js.delete_stream(name).await;
+                }
+            }
+            Source::Redis {
+                mut conn, stream, dlq, ..
+            } => {
+                let _: Result<(), _> = conn.del(&[&stream, &dlq]).await;
+            }
+        }
+    }
+}
+
+/// Where the outbox relay publishes.
+#[allow(clippy::large_enum_variant)] // one per run
+pub enum Sink {
+    Rabbit {
+        conn: Connection,
+        channel: Channel,
+        queue: String,
+    },
+    Js {
+        js: jetstream::Context,
+        stream: String,
+        subject: String,
+    },
+    Redis {
+        conn: redis::aio::MultiplexedConnection,
+        key: String,
+    },
+}
+
+impl Sink {
+    pub async fn setup(kind: BrokerKind, name: &str) -> Sink {
+        match kind {
+            BrokerKind::Rabbit => {
+                let conn = Connection::connect(AMQP_URL, ConnectionProperties::default())
+                    .await
+                    .expect("RabbitMQ at 127.0.0.1:5672");
+                let channel = conn.create_channel().await.unwrap();
+                let queue = format!("{name}.sink");
+                channel
+                    .queue_declare(
+                        queue.as_str().into(),
+                        QueueDeclareOptions::durable(),
+                        FieldTable::default(),
+                    )
+                    .await
+                    .unwrap();
+                Sink::Rabbit { conn, channel, queue }
+            }
+            BrokerKind::JetStream => {
+                let js = jetstream::new(async_nats::connect(NATS_URL).await.expect("NATS at 127.0.0.1:4222"));
+                let stream = format!("{}_SINK", name.to_uppercase().replace('.', "_"));
+                let subject = format!("{name}.sink");
+                js.create_stream(stream::Config {
+                    name: stream.clone(),
+                    subjects: vec![subject.clone()],
+                    duplicate_window: Duration::from_secs(120),
+                    ..Default::default()
+                })
+                .await
+                .unwrap();
+                Sink::Js { js, stream, subject }
+            }
+            BrokerKind::RedisStreams => {
+                let client = redis::Client::open(common::REDIS_URL).unwrap();
+                let conn = client.get_multiplexed_async_connection().await.expect("Redis");
+                Sink::Redis {
+                    conn,
+                    key: format!("{name}.sink"),
+                }
+            }
+        }
+    }
+
+    pub fn kind(&self) -> BrokerKind {
+        match self {
+            Sink::Rabbit { .. } => BrokerKind::Rabbit,
+            Sink::Js { .. } => BrokerKind::JetStream,
+            Sink::Redis { .. } => BrokerKind::RedisStreams,
+        }
+    }
+
+    /// The outbox destination: queue, subject or stream.
+    pub fn destination(&self) -> String {
+        match self {
+            Sink::Rabbit { queue, .. } => queue.clone(),
+            Sink::Js { subject, .. } => subject.clone(),
+            Sink::Redis { key, .. } => key.clone(),
+        }
+    }
+
+    /// Everything delivered: (message id, payload).
+    pub async fn read(&self) -> Vec<(String, Vec<u8>)> {
+        match self {
+            Sink::Rabbit { channel, queue, .. } => {
+                let mut out = Vec::new();
+                while let Some(m) = channel
+                    .basic_get(queue.as_str().into(), BasicGetOptions { no_ack: true })
+                    .await
+                    .unwrap()
+                {
+                    let id = m
+                        .delivery
+                        .properties
+                        .message_id()
+                        .as_ref()
+                        .map(|s| s.to_string())
+                        .unwrap_or_default();
+                    out.push((id, m.delivery.data.clone()));
+                }
+                out
+            }
+            Sink::Js { js, stream, .. } => {
+                let mut stream = js.get_stream(stream).await.unwrap();
+                let last = stream.info().await.map(|i| i.state.last_sequence).unwrap_or(0);
+                let mut out = Vec::new();
+                for seq in 1..=last {
+                    if let Ok(msg) = stream.get_raw_message(seq).await {
+                        let id = msg
+                            .headers
+                            .get(async_nats::header::NATS_MESSAGE_ID)
+                            .map(|v| v.as_str().to_owned())
+                            .unwrap_or_default();
+                        out.push((id, msg.payload.to_vec()));
+                    }
+                }
+                out
+            }
+            Sink::Redis { conn, key } => {
+                let mut conn = conn.clone();
+                let reply: redis::streams::StreamRangeReply = conn.xrange_all(key).await.unwrap();
+                reply
+                    .ids
+                    .into_iter()
+                    .map(|entry| {
+                        let field = |name: &str| match entry.map.get(name) {
+                            Some(redis::Value::BulkString(b)) => b.clone(),
+                            _ => Vec::new(),
+                        };
+                        (
+                            String::from_utf8_lossy(&field("message_id")).into_owned(),
+                            field("body"),
+                        )
+                    })
+                    .collect()
+            }
+        }
+    }
+
+    pub async fn teardown(self) {
+        match self {
+            Sink::Rabbit { conn, channel, queue } => {
+                let _ = channel
+                    .queue_delete(queue.as_str().into(), QueueDeleteOptions::default())
+                    .await;
+                let _ = conn.close(200, "checker done".into()).await;
+            }
+            Sink::Js { js, stream, .. } => {
+                let _ = js.delete_stream(&stream).await;
+            }
+            Sink::Redis { mut conn, key } => {
+                let _: Result<(), _> = conn.del(&key).await;
+            }
+        }
+    }
+}

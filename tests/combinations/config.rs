@@ -1,0 +1,403 @@
+//! A configuration and its fault schedule, both drawn from one seed.
+
+use std::collections::BTreeMap;
+
+/// splitmix64: small, deterministic, no dependency.
+#[derive(Debug, Clone)]
+pub struct Rng(u64);
+
+impl Rng {
+    pub fn new(seed: u64) -> Rng {
+        Rng(seed.wrapping_mul(0x2545_f491_4f6c_dd1d) ^ 0x1de3_c0de)
+    }
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+    /// A number in `0..n` (`n > 0`).
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.next_u64() % n
+    }
+    /// `true` with probability `percent` / 100.
+    pub fn percent(&mut self, percent: u64) -> bool {
+        self.below(100) < percent
+    }
+    pub fn pick<T: Copy>(&mut self, items: &[T]) -> T {
+        items[self.below(items.len() as u64) as usize]
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum StoreKind {
+    Pg,
+    PgPartitioned,
+    MariaDb,
+    Sqlite,
+    Redis,
+    Memory,
+}
+
+impl StoreKind {
+    pub const ALL: [StoreKind; 6] = [
+        StoreKind::Pg,
+        StoreKind::PgPartitioned,
+        StoreKind::MariaDb,
+        StoreKind::Sqlite,
+        StoreKind::Redis,
+        StoreKind::Memory,
+    ];
+    /// Joins the database transaction (batches, outbox, effect in the
+    /// transaction).
+    pub fn transactional(self) -> bool {
+        !matches!(self, StoreKind::Redis | StoreKind::Memory)
+    }
+    pub fn is_pg(self) -> bool {
+        matches!(self, StoreKind::Pg | StoreKind::PgPartitioned)
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum BrokerKind {
+    Rabbit,
+    JetStream,
+    RedisStreams,
+}
+
+impl BrokerKind {
+    pub const ALL: [BrokerKind; 3] = [BrokerKind::Rabbit, BrokerKind::JetStream, BrokerKind::RedisStreams];
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OutboxMode {
+    Off,
+    /// The relay publishes to a broker other than the consumer's.
+    OtherBroker(BrokerKind),
+    /// The relay publishes to the consumer's broker.
+    SameBroker,
+}
+
+/// Server settings users change.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Settings {
+    /// PostgreSQL sessions start with `synchronous_commit = off`.
+    pub pg_sync_commit_off: bool,
+    /// PostgreSQL `default_transaction_isolation`: 0 server default, 1
+    /// repeatable read, 2 serializable (`common::settings::PG_*`).
+    pub pg_isolation: u8,
+    /// MariaDB session isolation (`common::settings::MY_*`).
+    pub my_isolation: u8,
+    /// SQLite journal mode (`common::settings::LITE_*`).
+    pub sqlite_journal: u8,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum FaultKind {
+    /// The body returns `Err` (after its effect, on transactional stores).
+    HandlerError,
+    /// The body panics.
+    Panic,
+    /// The body hangs and is cancelled by a timeout (its future dropped).
+    Cancel,
+    /// A body that does not decode.
+    Poison,
+    /// A message whose body always fails: dead-lettered after its attempts.
+    Doomed,
+    /// The consumer task is aborted mid-flight and a new one started.
+    ConsumerKill,
+    /// The consumer task is aborted after a handler returned `Ok`, before
+    /// the ack.
+    AbortAfterCommit,
+    /// The store's database connections are killed.
+    DbKill,
+    /// A failed statement swallowed by the body, which returns `Ok`.
+    Swallow,
+    /// The relay's runtime is killed before a publish.
+    RelayKillBeforePublish,
+    /// The relay's runtime is killed after the broker confirmed a publish,
+    /// before the row is marked dispatched.
+    RelayKillAfterConfirm,
+    /// A server setting changes while the consumers run (and is reset
+    /// after).
+    SettingChange,
+}
+
+impl FaultKind {
+    pub const ALL: [FaultKind; 12] = [
+        FaultKind::HandlerError,
+        FaultKind::Panic,
+        FaultKind::Cancel,
+        FaultKind::Swallow,
+        FaultKind::Poison,
+        FaultKind::Doomed,
+        FaultKind::ConsumerKill,
+        FaultKind::AbortAfterCommit,
+        FaultKind::DbKill,
+        FaultKind::RelayKillBeforePublish,
+        FaultKind::RelayKillAfterConfirm,
+        FaultKind::SettingChange,
+    ];
+    pub fn name(self) -> &'static str {
+        match self {
+            FaultKind::HandlerError => "error",
+            FaultKind::Panic => "panic",
+            FaultKind::Cancel => "cancel",
+            FaultKind::Swallow => "swallow",
+            FaultKind::Poison => "poison",
+            FaultKind::Doomed => "doomed",
+            FaultKind::ConsumerKill => "consumer-kill",
+            FaultKind::AbortAfterCommit => "abort-after-commit",
+            FaultKind::DbKill => "db-kill",
+            FaultKind::RelayKillBeforePublish => "relay-kill-before",
+            FaultKind::RelayKillAfterConfirm => "relay-kill-after",
+            FaultKind::SettingChange => "setting-change",
+        }
+    }
+    pub fn parse(name: &str) -> Option<FaultKind> {
+        FaultKind::ALL.into_iter().find(|k| k.name() == name.trim())
+    }
+}
+
+/// A fault that fires in the body of one message's run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BodyFault {
+    Error,
+    Panic,
+    Cancel,
+    /// A statement of the body fails and the body returns `Ok` anyway (the
+    /// "already done" reading of an error): on PostgreSQL the transaction
+    /// is aborted and nothing may be reported committed.
+    Swallow,
+}
+
+/// A fault that fires once the handlers were called `at` times in all.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TimedFault {
+    ConsumerKill,
+    DbKill,
+    SettingChange,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RelayKill {
+    BeforePublish,
+    AfterConfirm,
+}
+
+/// What goes wrong, and when.
+#[derive(Debug, Clone, Default)]
+pub struct Schedule {
+    /// Body faults per message id, in the order its runs meet them.
+    pub body: BTreeMap<String, Vec<BodyFault>>,
+    /// Messages whose body always fails.
+    pub doomed: Vec<String>,
+    /// Poison bodies published (each its own broker id).
+    pub poison: usize,
+    /// Messages after whose first `Ok` the consumer is aborted before the ack.
+    pub abort_after_commit: Vec<String>,
+    /// Faults at a number of handler calls.
+    pub timed: Vec<(u64, TimedFault)>,
+    /// Relay kills, at the n-th publish call.
+    pub relay: Vec<(u64, RelayKill)>,
+}
+
+/// One configuration of the library, with its fault schedule.
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub seed: u64,
+    pub store: StoreKind,
+    pub cached: bool,
+    /// Batch size (transactional stores only).
+    pub batch: Option<usize>,
+    pub broker: BrokerKind,
+    pub outbox: OutboxMode,
+    pub fingerprint: bool,
+    /// The handler returns a value (replayed to duplicates) instead of `()`.
+    pub value_result: bool,
+    pub settings: Settings,
+    /// Consumer instances on the same source.
+    pub consumers: usize,
+    /// Handlers (or batches) at once per consumer.
+    pub concurrency: usize,
+    /// Distinct message ids.
+    pub messages: usize,
+    /// Extra publications of an already published id.
+    pub duplicates: usize,
+    pub max_attempts: u32,
+    pub schedule: Schedule,
+}
+
+impl Config {
+    /// The configuration and schedule of `seed`, leaving out the fault kinds
+    /// in `without`.
+    pub fn from_seed(seed: u64, without: &[FaultKind]) -> Config {
+        let mut rng = Rng::new(seed);
+        let store = rng.pick(&StoreKind::ALL);
+        let broker = rng.pick(&BrokerKind::ALL);
+        let cached = rng.percent(40);
+        let batch = if store.transactional() && rng.percent(50) {
+            Some(rng.pick(&[8, 32]))
+        } else {
+            None
+        };
+        let outbox = if store.transactional() && rng.percent(50) {
+            if rng.percent(50) {
+                OutboxMode::SameBroker
+            } else {
+                let others: Vec<BrokerKind> = BrokerKind::ALL.into_iter().filter(|b| *b != broker).collect();
+                OutboxMode::OtherBroker(rng.pick(&others))
+            }
+        } else {
+            OutboxMode::Off
+        };
+        let fingerprint = rng.percent(50);
+        let value_result = rng.percent(50);
+        let settings = Settings {
+            pg_sync_commit_off: rng.percent(40),
+            pg_isolation: rng.pick(&[0, 0, 1, 2]),
+            my_isolation: rng.pick(&[0, 1, 2, 3]),
+            sqlite_journal: rng.pick(&[0, 1]),
+        };
+        let consumers = if rng.percent(50) { 2 } else { 1 };
+        let concurrency = rng.pick(&[1, 2, 4]);
+        let messages = 150 + rng.below(100) as usize;
+        let duplicates = messages / 5;
+        let max_attempts = 5;
+
+        let allowed = |k: FaultKind| !without.contains(&k);
+        let mut schedule = Schedule::default();
+        let id = |n: usize| format!("m{n:04}");
+        for n in 0..messages {
+            let roll = rng.below(1000);
+            if roll < 15 && allowed(FaultKind::Doomed) {
+                schedule.doomed.push(id(n));
+                continue;
+            }
+            if roll < 130 {
+                // One or two body faults, fewer than the attempts.
+                let mut faults = Vec::new();
+                for _ in 0..1 + rng.below(2) {
+                    let fault = match rng.below(3) {
+                        0 => (FaultKind::HandlerError, BodyFault::Error),
+                        1 => (FaultKind::Panic, BodyFault::Panic),
+                        _ => (FaultKind::Cancel, BodyFault::Cancel),
+                    };
+                    if allowed(fault.0) {
+                        faults.push(fault.1);
+                    }
+                }
+                if !faults.is_empty() {
+                    schedule.body.insert(id(n), faults);
+                }
+            }
+        }
+        // Swallowed errors come from a stream of their own, so that the
+        // rest of a seed's schedule is what it was before they existed.
+        if store.transactional() && allowed(FaultKind::Swallow) {
+            let mut swallow = Rng::new(seed ^ 0x005a_110e);
+            for n in 0..messages {
+                if swallow.percent(3) && !schedule.doomed.contains(&id(n)) {
+                    schedule.body.entry(id(n)).or_default().insert(0, BodyFault::Swallow);
+                }
+            }
+        }
+        if allowed(FaultKind::Poison) {
+            schedule.poison = rng.below(4) as usize;
+        }
+        if allowed(FaultKind::AbortAfterCommit) {
+            for _ in 0..rng.below(3) {
+                let n = rng.below(messages as u64) as usize;
+                if !schedule.doomed.contains(&id(n)) && !schedule.abort_after_commit.contains(&id(n)) {
+                    schedule.abort_after_commit.push(id(n));
+                }
+            }
+        }
+        let calls = messages as u64;
+        if allowed(FaultKind::ConsumerKill) {
+            for _ in 0..rng.below(3) {
+                schedule
+                    .timed
+                    .push((calls / 10 + rng.below(calls * 7 / 10), TimedFault::ConsumerKill));
+            }
+        }
+        if store.transactional() && store != StoreKind::Sqlite && allowed(FaultKind::DbKill) {
+            for _ in 0..rng.below(3) {
+                schedule
+                    .timed
+                    .push((calls / 10 + rng.below(calls * 7 / 10), TimedFault::DbKill));
+            }
+        }
+        if (store.is_pg() || store == StoreKind::MariaDb) && allowed(FaultKind::SettingChange) && rng.percent(50) {
+            schedule
+                .timed
+                .push((calls / 10 + rng.below(calls / 2), TimedFault::SettingChange));
+        }
+        schedule.timed.sort_by_key(|(at, _)| *at);
+        if outbox != OutboxMode::Off {
+            for _ in 0..rng.below(3) {
+                let kill = if rng.percent(50) {
+                    (FaultKind::RelayKillBeforePublish, RelayKill::BeforePublish)
+                } else {
+                    (FaultKind::RelayKillAfterConfirm, RelayKill::AfterConfirm)
+                };
+                if allowed(kill.0) {
+                    schedule.relay.push((1 + rng.below(calls * 8 / 10), kill.1));
+                }
+            }
+            schedule.relay.sort_by_key(|(at, _)| *at);
+        }
+        Config {
+            seed,
+            store,
+            cached,
+            batch,
+            broker,
+            outbox,
+            fingerprint,
+            value_result,
+            settings,
+            consumers,
+            concurrency,
+            messages,
+            duplicates,
+            max_attempts,
+            schedule,
+        }
+    }
+
+    /// The sink's broker when the outbox is on.
+    pub fn sink(&self) -> Option<BrokerKind> {
+        match self.outbox {
+            OutboxMode::Off => None,
+            OutboxMode::SameBroker => Some(self.broker),
+            OutboxMode::OtherBroker(b) => Some(b),
+        }
+    }
+
+    /// One line: what is combined.
+    pub fn summary(&self) -> String {
+        format!(
+            "seed {:>5}: {:?}{}{} / {:?} / outbox {:?} / fp {} / {} / {}x{} / {} msgs +{} dup / faults: {} body, {} doomed, {} poison, {} abort-after-commit, {} timed, {} relay",
+            self.seed,
+            self.store,
+            if self.cached { "+cache" } else { "" },
+            self.batch.map(|b| format!("+batch{b}")).unwrap_or_default(),
+            self.broker,
+            self.outbox,
+            self.fingerprint,
+            if self.value_result { "value" } else { "unit" },
+            self.consumers,
+            self.concurrency,
+            self.messages,
+            self.duplicates,
+            self.schedule.body.len(),
+            self.schedule.doomed.len(),
+            self.schedule.poison,
+            self.schedule.abort_after_commit.len(),
+            self.schedule.timed.len(),
+            self.schedule.relay.len(),
+        )
+    }
+}

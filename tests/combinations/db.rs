@@ -1,0 +1,642 @@
+//! The store side of a configuration: its pools (with the settings users
+//! change, applied per session), the store and its ledger, the effects
+//! table, and what the checker does to the database from outside (kill the
+//! store's connections, change settings at run time, read the effects,
+//! sabotage).
+
+use std::collections::HashMap;
+use std::str::FromStr;
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use idempotent_runtime::outbox::OutboxStore;
+use idempotent_runtime::redis;
+use idempotent_runtime::sqlx::{self, AssertSqlSafe, MySqlPool, PgPool, SqlitePool};
+use idempotent_runtime::{CachedStore, MemoryStore, MySqlStore, PgStore, RedisStore, SqliteStore};
+
+use super::common;
+use super::config::{Config, StoreKind};
+use super::handlers::*;
+
+/// Settings applied to each new session (what `ALTER ROLE .. SET` does for
+/// new sessions), changeable while the run goes.
+#[derive(Debug, Default)]
+pub struct SessionSettings {
+    pub pg_sync_commit_off: AtomicBool,
+    pub pg_isolation: AtomicU8,
+    pub my_isolation: AtomicU8,
+}
+
+fn pg_session_sql(s: &SessionSettings) -> Vec<&'static str> {
+    let mut out = Vec::new();
+    if s.pg_sync_commit_off.load(Ordering::SeqCst) {
+        out.push("SET synchronous_commit = off");
+    }
+    match s.pg_isolation.load(Ordering::SeqCst) {
+        common::settings::PG_REPEATABLE_READ => out.push("SET default_transaction_isolation = 'repeatable read'"),
+        common::settings::PG_SERIALIZABLE => out.push("SET default_transaction_isolation = 'serializable'"),
+        _ => {}
+    }
+    out
+}
+
+fn my_session_sql(s: &SessionSettings) -> Option<&'static str> {
+    match s.my_isolation.load(Ordering::SeqCst) {
+        common::settings::MY_READ_COMMITTED => Some("SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED"),
+        common::settings::MY_REPEATABLE_READ => Some("SET SESSION TRANSACTION ISOLATION LEVEL REPEATABLE READ"),
+        common::settings::MY_SERIALIZABLE => Some("SET SESSION TRANSACTION ISOLATION LEVEL SERIALIZABLE"),
+        _ => None,
+    }
+}
+
+/// The store's database, for the checker.
+pub enum Admin {
+    Pg {
+        /// The store's pool (its sessions carry the settings).
+        store_pool: PgPool,
+        /// The checker's own pool (never killed).
+        admin: PgPool,
+        backends: Arc<Mutex<Vec<i32>>>,
+    },
+    My {
+        store_pool: MySqlPool,
+        admin: MySqlPool,
+        backends: Arc<Mutex<Vec<u64>>>,
+    },
+    Lite {
+        pool: SqlitePool,
+        /// Deleted with the configuration.
+        _dir: tempfile::TempDir,
+    },
+    Redis {
+        conn: redis::aio::ConnectionManager,
+    },
+    Memory,
+}
+
+/// What the relay's own runtime needs to open the outbox again.
+#[derive(Debug, Clone)]
+pub enum RelayDb {
+    Pg {
+        markers: String,
+        outbox: String,
+        settings: Arc<SessionSettings>,
+        partitioned: bool,
+    },
+    My {
+        markers: String,
+        outbox: String,
+    },
+    Lite {
+        path: std::path::PathBuf,
+        markers: String,
+        outbox: String,
+        wal: bool,
+    },
+}
+
+/// The batch store a consumer's batches begin on.
+#[derive(Clone)]
+pub enum BatchTarget {
+    Pg(PgStore),
+    My(MySqlStore),
+    Lite(SqliteStore),
+}
+
+pub struct Opened {
+    pub ledger: Arc<dyn Ledger>,
+    pub admin: Admin,
+    pub batch: Option<BatchTarget>,
+    pub relay: Option<RelayDb>,
+    pub settings: Arc<SessionSettings>,
+    pub markers: String,
+    pub outbox: String,
+    pub effects: String,
+    /// `pending()` of the outbox, from the main runtime.
+    pub pending: Option<Box<dyn Fn() -> BoxFut<'static, u64> + Send + Sync>>,
+    /// Redis key prefix to clean up.
+    pub redis_prefix: Option<String>,
+}
+
+pub async fn pg_store_pool(settings: Arc<SessionSettings>, backends: Arc<Mutex<Vec<i32>>>, max: u32) -> PgPool {
+    let options = sqlx::postgres::PgConnectOptions::from_str(common::PG_URL)
+        .expect("PG_URL")
+        .application_name("idempotent-checker");
+    sqlx::postgres::PgPoolOptions::new()
+        .max_connections(max)
+        .acquire_timeout(Duration::from_secs(10))
+        .after_connect(move |conn, _| {
+            let settings = Arc::clone(&settings);
+            let backends = Arc::clone(&backends);
+            Box::pin(async move {
+                let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+                    .fetch_one(&mut *conn)
+                    .await?;
+                backends.lock().unwrap().push(pid);
+                for sql in pg_session_sql(&settings) {
+                    sqlx::query(sql).execute(&mut *conn).await?;
+                }
+                Ok(())
+            })
+        })
+        .connect_with(options)
+        .await
+        .expect("PostgreSQL at 127.0.0.1:5432")
+}
+
+pub async fn my_store_pool(settings: Arc<SessionSettings>, backends: Arc<Mutex<Vec<u64>>>, max: u32) -> MySqlPool {
+    sqlx::mysql::MySqlPoolOptions::new()
+        .max_connections(max)
+        .acquire_timeout(Duration::from_secs(10))
+        .after_connect(move |conn, _| {
+            let settings = Arc::clone(&settings);
+            let backends = Arc::clone(&backends);
+            Box::pin(async move {
+                let id: u64 = sqlx::query_scalar("SELECT CONNECTION_ID()")
+                    .fetch_one(&mut *conn)
+                    .await?;
+                backends.lock().unwrap().push(id);
+                if let Some(sql) = my_session_sql(&settings) {
+                    sqlx::query(sql).execute(&mut *conn).await?;
+                }
+                Ok(())
+            })
+        })
+        .connect(common::MYSQL_URL)
+        .await
+        .expect("MariaDB at 127.0.0.1:3306")
+}
+
+pub async fn lite_pool(path: &std::path::Path, wal: bool) -> SqlitePool {
+    let mode = if wal {
+        sqlx::sqlite::SqliteJournalMode::Wal
+    } else {
+        sqlx::sqlite::SqliteJournalMode::Delete
+    };
+    let options = sqlx::sqlite::SqliteConnectOptions::new()
+        .filename(path)
+        .create_if_missing(true)
+        .journal_mode(mode)
+        .busy_timeout(Duration::from_secs(10));
+    sqlx::sqlite::SqlitePoolOptions::new()
+        .max_connections(4)
+        .connect_with(options)
+        .await
+        .expect("open SQLite")
+}
+
+fn variant(cfg: &Config) -> Variant {
+    Variant {
+        fingerprint: cfg.fingerprint,
+        value: cfg.value_result,
+        outbox: cfg.sink().is_some(),
+    }
+}
+
+const CACHE: usize = 10_000;
+
+/// Opens the store of `cfg`, its tables and its ledger.
+pub async fn open(cfg: &Config, name: &str, sink: Option<String>) -> Opened {
+    let markers = format!("{name}_m");
+    let outbox = format!("{name}_o");
+    let effects = format!("{name}_e");
+    let settings = Arc::new(SessionSettings {
+        pg_sync_commit_off: AtomicBool::new(cfg.settings.pg_sync_commit_off),
+        pg_isolation: AtomicU8::new(cfg.settings.pg_isolation),
+        my_isolation: AtomicU8::new(cfg.settings.my_isolation),
+    });
+    let ctx = Arc::new(Ctx::new(cfg, effects.clone(), sink));
+    let v = variant(cfg);
+    let mut pending: Option<Box<dyn Fn() -> BoxFut<'static, u64> + Send + Sync>> = None;
+    let mut relay = None;
+    let mut redis_prefix = None;
+    let (ledger, admin, batch): (Arc<dyn Ledger>, Admin, Option<BatchTarget>) = match cfg.store {
+        StoreKind::Pg | StoreKind::PgPartitioned => {
+            let backends = Arc::default();
+            let pool = pg_store_pool(Arc::clone(&settings), Arc::clone(&backends), 8).await;
+            let admin = common::pg_pool(2).await;
+            let mut builder = PgStore::builder(pool.clone()).table(&markers).outbox_table(&outbox);
+            if cfg.store == StoreKind::PgPartitioned {
+                builder = builder.partitioned(Duration::from_secs(24 * 3600));
+            }
+            let store = builder.build().unwrap();
+            store.migrate().await.unwrap();
+            // Each effect row records, at COMMIT (a deferred constraint
+            // trigger fires there), the `synchronous_commit` its commit ran
+            // with: invariant 5 made observable without a server crash.
+            for ddl in [
+                format!("CREATE TABLE {effects} (message_id TEXT NOT NULL)"),
+                format!("CREATE TABLE {effects}_c (message_id TEXT NOT NULL, setting TEXT NOT NULL)"),
+                format!(
+                    "CREATE FUNCTION {effects}_f() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN \
+                     INSERT INTO {effects}_c VALUES (NEW.message_id, current_setting('synchronous_commit')); \
+                     RETURN NULL; END $$"
+                ),
+                format!(
+                    "CREATE CONSTRAINT TRIGGER {effects}_t AFTER INSERT ON {effects} DEFERRABLE INITIALLY DEFERRED \
+                     FOR EACH ROW EXECUTE FUNCTION {effects}_f()"
+                ),
+            ] {
+                sqlx::query(AssertSqlSafe(ddl)).execute(&admin).await.unwrap();
+            }
+            let s = store.clone();
+            pending = Some(Box::new(move || {
+                let s = s.clone();
+                Box::pin(async move { s.pending().await.map(|(n, _)| n).unwrap_or(u64::MAX) })
+            }));
+            relay = Some(RelayDb::Pg {
+                markers: markers.clone(),
+                outbox: outbox.clone(),
+                settings: Arc::clone(&settings),
+                partitioned: cfg.store == StoreKind::PgPartitioned,
+            });
+            let ledger: Arc<dyn Ledger> = if cfg.cached {
+                Arc::new(PgCachedLedger {
+                    store: CachedStore::new(store.clone(), CACHE),
+                    ctx,
+                    variant: v,
+                })
+            } else {
+                Arc::new(PgLedger {
+                    store: store.clone(),
+                    ctx,
+                    variant: v,
+                })
+            };
+            (
+                ledger,
+                Admin::Pg {
+                    store_pool: pool,
+                    admin,
+                    backends,
+                },
+                Some(BatchTarget::Pg(store)),
+            )
+        }
+        StoreKind::MariaDb => {
+            let backends = Arc::default();
+            let pool = my_store_pool(Arc::clone(&settings), Arc::clone(&backends), 8).await;
+            let admin = common::mysql_pool(2).await;
+            let store = MySqlStore::builder(pool.clone())
+                .table(&markers)
+                .outbox_table(&outbox)
+                .build()
+                .unwrap();
+            store.migrate().await.unwrap();
+            sqlx::query(AssertSqlSafe(format!(
+                "CREATE TABLE `{effects}` (message_id VARCHAR(64) NOT NULL) ENGINE=InnoDB"
+            )))
+            .execute(&admin)
+            .await
+            .unwrap();
+            let s = store.clone();
+            pending = Some(Box::new(move || {
+                let s = s.clone();
+                Box::pin(async move { s.pending().await.map(|(n, _)| n).unwrap_or(u64::MAX) })
+            }));
+            relay = Some(RelayDb::My {
+                markers: markers.clone(),
+                outbox: outbox.clone(),
+            });
+            let ledger: Arc<dyn Ledger> = if cfg.cached {
+                Arc::new(MyCachedLedger {
+                    store: CachedStore::new(store.clone(), CACHE),
+                    ctx,
+                    variant: v,
+                })
+            } else {
+                Arc::new(MyLedger {
+                    store: store.clone(),
+                    ctx,
+                    variant: v,
+                })
+            };
+            (
+                ledger,
+                Admin::My {
+                    store_pool: pool,
+                    admin,
+                    backends,
+                },
+                Some(BatchTarget::My(store)),
+            )
+        }
+        StoreKind::Sqlite => {
+            let dir = tempfile::tempdir().unwrap();
+            let path = dir.path().join("checker.db");
+            let wal = cfg.settings.sqlite_journal == common::settings::LITE_WAL;
+            let pool = lite_pool(&path, wal).await;
+            let store = SqliteStore::builder(pool.clone())
+                .table(&markers)
+                .outbox_table(&outbox)
+                .build()
+                .unwrap();
+            store.migrate().await.unwrap();
+            sqlx::query(AssertSqlSafe(format!(
+                "CREATE TABLE {effects} (message_id TEXT NOT NULL)"
+            )))
+            .execute(&pool)
+            .await
+            .unwrap();
+            let s = store.clone();
+            pending = Some(Box::new(move || {
+                let s = s.clone();
+                Box::pin(async move { s.pending().await.map(|(n, _)| n).unwrap_or(u64::MAX) })
+            }));
+            relay = Some(RelayDb::Lite {
+                path,
+                markers: markers.clone(),
+                outbox: outbox.clone(),
+                wal,
+            });
+            let ledger: Arc<dyn Ledger> = if cfg.cached {
+                Arc::new(LiteCachedLedger {
+                    store: CachedStore::new(store.clone(), CACHE),
+                    ctx,
+                    variant: v,
+                })
+            } else {
+                Arc::new(LiteLedger {
+                    store: store.clone(),
+                    ctx,
+                    variant: v,
+                })
+            };
+            (ledger, Admin::Lite { pool, _dir: dir }, Some(BatchTarget::Lite(store)))
+        }
+        StoreKind::Redis => {
+            let client = redis::Client::open(common::REDIS_URL).unwrap();
+            let conn = redis::aio::ConnectionManager::new(client).await.expect("Redis");
+            let prefix = format!("{name}:");
+            redis_prefix = Some(prefix.clone());
+            let store = RedisStore::builder(conn.clone()).prefix(prefix).build().unwrap();
+            let ledger: Arc<dyn Ledger> = if cfg.cached {
+                Arc::new(RedisCachedLedger {
+                    store: CachedStore::new(store, CACHE),
+                    ctx,
+                    variant: v,
+                })
+            } else {
+                Arc::new(RedisLedger { store, ctx, variant: v })
+            };
+            (ledger, Admin::Redis { conn }, None)
+        }
+        StoreKind::Memory => {
+            let store = MemoryStore::new();
+            let ledger: Arc<dyn Ledger> = if cfg.cached {
+                Arc::new(MemCachedLedger {
+                    store: CachedStore::new(store, CACHE),
+                    ctx,
+                    variant: v,
+                })
+            } else {
+                Arc::new(MemLedger { store, ctx, variant: v })
+            };
+            (ledger, Admin::Memory, None)
+        }
+    };
+    Opened {
+        ledger,
+        admin,
+        batch: batch.filter(|_| cfg.batch.is_some()),
+        relay: relay.filter(|_| cfg.sink().is_some()),
+        settings,
+        markers,
+        outbox,
+        effects,
+        pending,
+        redis_prefix,
+    }
+}
+
+impl Opened {
+    /// Effects per message id.
+    pub async fn effects(&self) -> HashMap<String, i64> {
+        let sql = format!("SELECT message_id, COUNT(*) FROM {} GROUP BY message_id", self.effects);
+        match &self.admin {
+            Admin::Pg { admin, .. } => sqlx::query_as::<_, (String, i64)>(AssertSqlSafe(sql))
+                .fetch_all(admin)
+                .await
+                .unwrap()
+                .into_iter()
+                .collect(),
+            Admin::My { admin, .. } => sqlx::query_as::<_, (String, i64)>(AssertSqlSafe(sql))
+                .fetch_all(admin)
+                .await
+                .unwrap()
+                .into_iter()
+                .collect(),
+            Admin::Lite { pool, .. } => sqlx::query_as::<_, (String, i64)>(AssertSqlSafe(sql))
+                .fetch_all(pool)
+                .await
+                .unwrap()
+                .into_iter()
+                .collect(),
+            Admin::Redis { .. } | Admin::Memory => self.ledger.ctx().mem_effects.lock().unwrap().clone(),
+        }
+    }
+
+    /// PostgreSQL: the effects whose transaction committed with
+    /// `synchronous_commit = off` (not durable when acknowledged).
+    pub async fn non_durable_commits(&self) -> Vec<String> {
+        match &self.admin {
+            Admin::Pg { admin, .. } => sqlx::query_scalar(AssertSqlSafe(format!(
+                "SELECT message_id FROM {}_c WHERE setting = 'off' ORDER BY message_id",
+                self.effects
+            )))
+            .fetch_all(admin)
+            .await
+            .unwrap(),
+            _ => Vec::new(),
+        }
+    }
+
+    /// Whether `id`'s effect is committed (seen from outside the store's
+    /// transactions).
+    pub async fn committed(&self, id: &str) -> bool {
+        let sql = |ph: &str| format!("SELECT COUNT(*) FROM {} WHERE message_id = {ph}", self.effects);
+        let n: i64 = match &self.admin {
+            Admin::Pg { admin, .. } => sqlx::query_scalar(AssertSqlSafe(sql("$1")))
+                .bind(id)
+                .fetch_one(admin)
+                .await
+                .unwrap_or(1),
+            Admin::My { admin, .. } => sqlx::query_scalar(AssertSqlSafe(sql("?")))
+                .bind(id)
+                .fetch_one(admin)
+                .await
+                .unwrap_or(1),
+            Admin::Lite { pool, .. } => sqlx::query_scalar(AssertSqlSafe(sql("?")))
+                .bind(id)
+                .fetch_one(pool)
+                .await
+                .unwrap_or(1),
+            Admin::Redis { .. } | Admin::Memory => self
+                .ledger
+                .ctx()
+                .mem_effects
+                .lock()
+                .unwrap()
+                .get(id)
+                .copied()
+                .unwrap_or(0),
+        };
+        n > 0
+    }
+
+    /// Sabotage: removes one effect of `id` (`delete`) or adds one.
+    pub async fn tamper(&self, id: &str, delete: bool) {
+        let t = &self.effects;
+        let (pg, other) = if delete {
+            (
+                format!("DELETE FROM {t} WHERE ctid IN (SELECT ctid FROM {t} WHERE message_id = $1 LIMIT 1)"),
+                format!("DELETE FROM {t} WHERE message_id = ? LIMIT 1"),
+            )
+        } else {
+            (
+                format!("INSERT INTO {t} (message_id) VALUES ($1)"),
+                format!("INSERT INTO {t} (message_id) VALUES (?)"),
+            )
+        };
+        match &self.admin {
+            Admin::Pg { admin, .. } => {
+                sqlx::query(AssertSqlSafe(pg)).bind(id).execute(admin).await.unwrap();
+            }
+            Admin::My { admin, .. } => {
+                sqlx::query(AssertSqlSafe(other)).bind(id).execute(admin).await.unwrap();
+            }
+            Admin::Lite { pool, .. } => {
+                let sql = if delete {
+                    format!("DELETE FROM {t} WHERE rowid IN (SELECT rowid FROM {t} WHERE message_id = ? LIMIT 1)")
+                } else {
+                    other
+                };
+                sqlx::query(AssertSqlSafe(sql)).bind(id).execute(pool).await.unwrap();
+            }
+            Admin::Redis { .. } | Admin::Memory => {
+                let ctx = self.ledger.ctx();
+                let mut effects = ctx.mem_effects.lock().unwrap();
+                let n = effects.entry(id.to_owned()).or_default();
+                *n += if delete { -1 } else { 1 };
+            }
+        }
+    }
+
+    /// Kills the store's database connections (the checker's own survive).
+    /// Returns how many were killed.
+    pub async fn kill_connections(&self) -> u64 {
+        match &self.admin {
+            Admin::Pg { admin, backends, .. } => {
+                let pids: Vec<i32> = backends.lock().unwrap().drain(..).collect();
+                let killed: Vec<bool> =
+                    sqlx::query_scalar("SELECT pg_terminate_backend(pid) FROM unnest($1::int[]) AS pid")
+                        .bind(&pids)
+                        .fetch_all(admin)
+                        .await
+                        .unwrap_or_default();
+                killed.into_iter().filter(|k| *k).count() as u64
+            }
+            Admin::My { admin, backends, .. } => {
+                let ids: Vec<u64> = backends.lock().unwrap().drain(..).collect();
+                let mut n = 0;
+                for id in ids {
+                    if sqlx::query(AssertSqlSafe(format!("KILL CONNECTION {id}")))
+                        .execute(admin)
+                        .await
+                        .is_ok()
+                    {
+                        n += 1;
+                    }
+                }
+                n
+            }
+            _ => 0,
+        }
+    }
+
+    /// Changes a server setting while the run goes: new sessions get it,
+    /// and the live idle sessions of the pool are changed in place (a
+    /// session `SET`, as `ALTER ROLE` does for new ones).
+    pub async fn change_setting(&self, on: bool) {
+        match &self.admin {
+            Admin::Pg { store_pool, .. } => {
+                self.settings.pg_sync_commit_off.store(on, Ordering::SeqCst);
+                let sql = if on {
+                    "SET synchronous_commit = off"
+                } else {
+                    "SET synchronous_commit = on"
+                };
+                let mut held = Vec::new();
+                while let Some(mut conn) = store_pool.try_acquire() {
+                    let _ = sqlx::query(sql).execute(&mut *conn).await;
+                    held.push(conn);
+                }
+            }
+            Admin::My { store_pool, .. } => {
+                let level = if on {
+                    common::settings::MY_SERIALIZABLE
+                } else {
+                    common::settings::MY_SERVER_DEFAULT
+                };
+                self.settings.my_isolation.store(level, Ordering::SeqCst);
+                let sql = if on {
+                    "SET SESSION TRANSACTION ISOLATION LEVEL SERIALIZABLE"
+                } else {
+                    "SET SESSION TRANSACTION ISOLATION LEVEL REPEATABLE READ"
+                };
+                let mut held = Vec::new();
+                while let Some(mut conn) = store_pool.try_acquire() {
+                    let _ = sqlx::query(sql).execute(&mut *conn).await;
+                    held.push(conn);
+                }
+            }
+            _ => {}
+        }
+    }
+
+    /// Outbox rows not dispatched yet.
+    pub async fn outbox_pending(&self) -> u64 {
+        match &self.pending {
+            Some(pending) => pending().await,
+            None => 0,
+        }
+    }
+
+    /// Drops the tables (or the Redis keys) of this configuration.
+    pub async fn teardown(&self) {
+        match &self.admin {
+            Admin::Pg { admin, store_pool, .. } => {
+                store_pool.close().await;
+                let log = format!("{}_c", self.effects);
+                for t in [&self.effects, &log, &self.markers, &self.outbox] {
+                    common::drop_pg_table(admin, t).await;
+                }
+                let _ = sqlx::query(AssertSqlSafe(format!("DROP FUNCTION IF EXISTS {}_f()", self.effects)))
+                    .execute(admin)
+                    .await;
+            }
+            Admin::My { admin, store_pool, .. } => {
+                store_pool.close().await;
+                for t in [&self.effects, &self.markers, &self.outbox] {
+                    common::drop_mysql_table(admin, t).await;
+                }
+            }
+            Admin::Lite { pool, .. } => pool.close().await,
+            Admin::Redis { conn } => {
+                if let Some(prefix) = &self.redis_prefix {
+                    let mut conn = conn.clone();
+                    let keys: Vec<String> = redis::cmd("KEYS")
+                        .arg(format!("{prefix}*"))
+                        .query_async(&mut conn)
+                        .await
+                        .unwrap_or_default();
+                    if !keys.is_empty() {
+                        let _: Result<(), _> = redis::cmd("DEL").arg(&keys).query_async(&mut conn).await;
+                    }
+                }
+            }
+            Admin::Memory => {}
+        }
+    }
+}

@@ -1,0 +1,408 @@
+//! The service under test: one `#[idempotent]` handler per store type,
+//! result type, fingerprint and outbox setting, behind one object-safe
+//! trait so that the runner is written once.
+//!
+//! On a transactional store the effect is a row of an effects table written
+//! in the marker's transaction (no unique constraint: a double effect shows
+//! as two rows), and the injected body fault comes after it (so a rollback
+//! must undo it). On Redis and the memory store, which cannot join a
+//! transaction, the effect is a per-id count in this process, made after
+//! the fault (the README's "idempotent by design" effect).
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use idempotent_runtime::outbox::{Outbox, Outgoing};
+use idempotent_runtime::sqlx::{self, AssertSqlSafe};
+use idempotent_runtime::{CachedStore, MemoryStore, MySqlStore, PgStore, RedisStore, SqliteStore, idempotent};
+
+use super::config::{BodyFault, Config};
+
+pub type BoxFut<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// A message: its id is the idempotency key.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub struct Msg {
+    pub id: String,
+    pub amount: i64,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum AppError {
+    #[error(transparent)]
+    Idem(#[from] idempotent_runtime::Error),
+    #[error(transparent)]
+    Db(#[from] sqlx::Error),
+    #[error("{0}")]
+    Failed(String),
+}
+
+/// What the handlers share: the fault schedule and the in-process effects.
+#[derive(Debug)]
+pub struct Ctx {
+    pub effects_table: String,
+    /// The outbox's destination (the sink), when the outbox is on.
+    pub sink: Option<String>,
+    faults: Mutex<HashMap<String, VecDeque<BodyFault>>>,
+    doomed: HashSet<String>,
+    /// Effects of the lease stores (Redis, memory), per id.
+    pub mem_effects: Mutex<HashMap<String, i64>>,
+    /// Lease-store effects made again for an id that had one.
+    pub reapplied: AtomicU64,
+    pub fired_errors: AtomicU64,
+    pub fired_panics: AtomicU64,
+    pub fired_cancels: AtomicU64,
+    pub fired_swallows: AtomicU64,
+}
+
+impl Ctx {
+    pub fn new(cfg: &Config, effects_table: String, sink: Option<String>) -> Ctx {
+        Ctx {
+            effects_table,
+            sink,
+            faults: Mutex::new(
+                cfg.schedule
+                    .body
+                    .iter()
+                    .map(|(id, f)| (id.clone(), f.iter().copied().collect()))
+                    .collect(),
+            ),
+            doomed: cfg.schedule.doomed.iter().cloned().collect(),
+            mem_effects: Mutex::default(),
+            reapplied: AtomicU64::new(0),
+            fired_errors: AtomicU64::new(0),
+            fired_panics: AtomicU64::new(0),
+            fired_cancels: AtomicU64::new(0),
+            fired_swallows: AtomicU64::new(0),
+        }
+    }
+
+    /// The fault of this handler call of `id`, if it has one (taken by the
+    /// call, so that the caller knows whether to cancel it, whether the body
+    /// then runs or not).
+    pub fn take_fault(&self, id: &str) -> Option<BodyFault> {
+        self.faults.lock().unwrap().get_mut(id).and_then(|q| q.pop_front())
+    }
+
+    /// The body's fault, if this run has one.
+    async fn fault(&self, id: &str, fault: Option<BodyFault>) -> Result<(), AppError> {
+        if self.doomed.contains(id) {
+            return Err(AppError::Failed(format!("{id} is doomed")));
+        }
+        match fault {
+            None => Ok(()),
+            Some(BodyFault::Error) => {
+                self.fired_errors.fetch_add(1, Ordering::SeqCst);
+                Err(AppError::Failed(format!("checker: injected error on {id}")))
+            }
+            Some(BodyFault::Panic) => {
+                self.fired_panics.fetch_add(1, Ordering::SeqCst);
+                panic!("checker: injected panic on {id}");
+            }
+            Some(BodyFault::Cancel) => {
+                self.fired_cancels.fetch_add(1, Ordering::SeqCst);
+                std::future::pending::<()>().await;
+                Ok(())
+            }
+            // Done by the transactional bodies (before this), nothing on
+            // the lease stores.
+            Some(BodyFault::Swallow) => Ok(()),
+        }
+    }
+
+    fn stage(&self, msg: &Msg, outbox: &mut Outbox) {
+        if let Some(sink) = &self.sink {
+            outbox.publish(Outgoing::new(sink.clone(), msg.id.as_bytes().to_vec()));
+        }
+    }
+
+    /// The lease stores' effect: after the fault.
+    async fn mem_body(&self, msg: &Msg, ran: &AtomicBool, fault: Option<BodyFault>) -> Result<(), AppError> {
+        ran.store(true, Ordering::SeqCst);
+        self.fault(&msg.id, fault).await?;
+        let mut effects = self.mem_effects.lock().unwrap();
+        let n = effects.entry(msg.id.clone()).or_default();
+        if *n > 0 {
+            self.reapplied.fetch_add(1, Ordering::SeqCst);
+        } else {
+            *n = 1;
+        }
+        Ok(())
+    }
+}
+
+/// The handler, whatever the store: `Ok(Some(amount))` when the handler
+/// returns a value, `Ok(None)` for `()`. `ran` is set when the body ran.
+pub trait Ledger: Send + Sync + 'static {
+    fn apply<'a>(
+        &'a self,
+        msg: &'a Msg,
+        ran: &'a AtomicBool,
+        fault: Option<BodyFault>,
+    ) -> BoxFut<'a, Result<Option<i64>, AppError>>;
+    fn ctx(&self) -> &Arc<Ctx>;
+    /// Entries in the cache, when there is one.
+    fn cached(&self) -> Option<usize>;
+}
+
+/// Which handler variant a ledger calls.
+#[derive(Debug, Clone, Copy)]
+pub struct Variant {
+    pub fingerprint: bool,
+    pub value: bool,
+    pub outbox: bool,
+}
+
+macro_rules! tx_ledger {
+    ($name:ident, $store:ty, $conn:ty, $ph:literal) => {
+        pub struct $name {
+            pub store: $store,
+            pub ctx: Arc<Ctx>,
+            pub variant: Variant,
+        }
+
+        impl $name {
+            async fn body(
+                &self,
+                msg: &Msg,
+                ran: &AtomicBool,
+                fault: Option<BodyFault>,
+                tx: &mut $conn,
+                outbox: Option<&mut Outbox>,
+            ) -> Result<(), AppError> {
+                ran.store(true, Ordering::SeqCst);
+                sqlx::query(AssertSqlSafe(format!(
+                    "INSERT INTO {} (message_id) VALUES ({})",
+                    self.ctx.effects_table, $ph
+                )))
+                .bind(&msg.id)
+                .execute(&mut *tx)
+                .await?;
+                if let Some(outbox) = outbox {
+                    self.ctx.stage(msg, outbox);
+                }
+                if fault == Some(BodyFault::Swallow) {
+                    self.ctx.fired_swallows.fetch_add(1, Ordering::SeqCst);
+                    // Fails on every database; aborts a PostgreSQL transaction.
+                    let swallowed = sqlx::query("INSERT INTO idempotent_checker_no_such_table VALUES (1)")
+                        .execute(&mut *tx)
+                        .await;
+                    assert!(swallowed.is_err(), "the swallowed statement must fail");
+                }
+                self.ctx.fault(&msg.id, fault).await
+            }
+
+            #[idempotent(key = "msg.id", store = self.store, scope = "checker.u")]
+            async fn u(
+                &self,
+                msg: &Msg,
+                ran: &AtomicBool,
+                fault: Option<BodyFault>,
+                tx: &mut $conn,
+            ) -> Result<(), AppError> {
+                self.body(msg, ran, fault, tx, None).await
+            }
+            #[idempotent(key = "msg.id", store = self.store, scope = "checker.uf", fingerprint = "msg")]
+            async fn uf(
+                &self,
+                msg: &Msg,
+                ran: &AtomicBool,
+                fault: Option<BodyFault>,
+                tx: &mut $conn,
+            ) -> Result<(), AppError> {
+                self.body(msg, ran, fault, tx, None).await
+            }
+            #[idempotent(key = "msg.id", store = self.store, scope = "checker.v")]
+            async fn v(
+                &self,
+                msg: &Msg,
+                ran: &AtomicBool,
+                fault: Option<BodyFault>,
+                tx: &mut $conn,
+            ) -> Result<i64, AppError> {
+                self.body(msg, ran, fault, tx, None).await.map(|()| msg.amount)
+            }
+            #[idempotent(key = "msg.id", store = self.store, scope = "checker.vf", fingerprint = "msg")]
+            async fn vf(
+                &self,
+                msg: &Msg,
+                ran: &AtomicBool,
+                fault: Option<BodyFault>,
+                tx: &mut $conn,
+            ) -> Result<i64, AppError> {
+                self.body(msg, ran, fault, tx, None).await.map(|()| msg.amount)
+            }
+            #[idempotent(key = "msg.id", store = self.store, scope = "checker.uo")]
+            async fn uo(
+                &self,
+                msg: &Msg,
+                ran: &AtomicBool,
+                fault: Option<BodyFault>,
+                tx: &mut $conn,
+                outbox: &mut Outbox,
+            ) -> Result<(), AppError> {
+                self.body(msg, ran, fault, tx, Some(outbox)).await
+            }
+            #[idempotent(key = "msg.id", store = self.store, scope = "checker.ufo", fingerprint = "msg")]
+            async fn ufo(
+                &self,
+                msg: &Msg,
+                ran: &AtomicBool,
+                fault: Option<BodyFault>,
+                tx: &mut $conn,
+                outbox: &mut Outbox,
+            ) -> Result<(), AppError> {
+                self.body(msg, ran, fault, tx, Some(outbox)).await
+            }
+            #[idempotent(key = "msg.id", store = self.store, scope = "checker.vo")]
+            async fn vo(
+                &self,
+                msg: &Msg,
+                ran: &AtomicBool,
+                fault: Option<BodyFault>,
+                tx: &mut $conn,
+                outbox: &mut Outbox,
+            ) -> Result<i64, AppError> {
+                self.body(msg, ran, fault, tx, Some(outbox))
+                    .await
+                    .map(|()| msg.amount)
+            }
+            #[idempotent(key = "msg.id", store = self.store, scope = "checker.vfo", fingerprint = "msg")]
+            async fn vfo(
+                &self,
+                msg: &Msg,
+                ran: &AtomicBool,
+                fault: Option<BodyFault>,
+                tx: &mut $conn,
+                outbox: &mut Outbox,
+            ) -> Result<i64, AppError> {
+                self.body(msg, ran, fault, tx, Some(outbox))
+                    .await
+                    .map(|()| msg.amount)
+            }
+        }
+
+        impl Ledger for $name {
+            fn apply<'a>(
+                &'a self,
+                msg: &'a Msg,
+                ran: &'a AtomicBool,
+                fault: Option<BodyFault>,
+            ) -> BoxFut<'a, Result<Option<i64>, AppError>> {
+                let Variant {
+                    fingerprint,
+                    value,
+                    outbox,
+                } = self.variant;
+                match (value, fingerprint, outbox) {
+                    (false, false, false) => Box::pin(async move { self.u(msg, ran, fault).await.map(|()| None) }),
+                    (false, true, false) => Box::pin(async move { self.uf(msg, ran, fault).await.map(|()| None) }),
+                    (true, false, false) => Box::pin(async move { self.v(msg, ran, fault).await.map(Some) }),
+                    (true, true, false) => Box::pin(async move { self.vf(msg, ran, fault).await.map(Some) }),
+                    (false, false, true) => Box::pin(async move { self.uo(msg, ran, fault).await.map(|()| None) }),
+                    (false, true, true) => Box::pin(async move { self.ufo(msg, ran, fault).await.map(|()| None) }),
+                    (true, false, true) => Box::pin(async move { self.vo(msg, ran, fault).await.map(Some) }),
+                    (true, true, true) => Box::pin(async move { self.vfo(msg, ran, fault).await.map(Some) }),
+                }
+            }
+            fn ctx(&self) -> &Arc<Ctx> {
+                &self.ctx
+            }
+            fn cached(&self) -> Option<usize> {
+                cached_len(&self.store)
+            }
+        }
+    };
+}
+
+macro_rules! lease_ledger {
+    ($name:ident, $store:ty) => {
+        pub struct $name {
+            pub store: $store,
+            pub ctx: Arc<Ctx>,
+            pub variant: Variant,
+        }
+
+        impl $name {
+            #[idempotent(key = "msg.id", store = self.store, scope = "checker.u", lease = "3s")]
+            async fn u(&self, msg: &Msg, ran: &AtomicBool, fault: Option<BodyFault>) -> Result<(), AppError> {
+                self.ctx.mem_body(msg, ran, fault).await
+            }
+            #[idempotent(key = "msg.id", store = self.store, scope = "checker.uf", lease = "3s", fingerprint = "msg")]
+            async fn uf(&self, msg: &Msg, ran: &AtomicBool, fault: Option<BodyFault>) -> Result<(), AppError> {
+                self.ctx.mem_body(msg, ran, fault).await
+            }
+            #[idempotent(key = "msg.id", store = self.store, scope = "checker.v", lease = "3s")]
+            async fn v(&self, msg: &Msg, ran: &AtomicBool, fault: Option<BodyFault>) -> Result<i64, AppError> {
+                self.ctx.mem_body(msg, ran, fault).await.map(|()| msg.amount)
+            }
+            #[idempotent(key = "msg.id", store = self.store, scope = "checker.vf", lease = "3s", fingerprint = "msg")]
+            async fn vf(&self, msg: &Msg, ran: &AtomicBool, fault: Option<BodyFault>) -> Result<i64, AppError> {
+                self.ctx.mem_body(msg, ran, fault).await.map(|()| msg.amount)
+            }
+        }
+
+        impl Ledger for $name {
+            fn apply<'a>(
+                &'a self,
+                msg: &'a Msg,
+                ran: &'a AtomicBool,
+                fault: Option<BodyFault>,
+            ) -> BoxFut<'a, Result<Option<i64>, AppError>> {
+                match (self.variant.value, self.variant.fingerprint) {
+                    (false, false) => Box::pin(async move { self.u(msg, ran, fault).await.map(|()| None) }),
+                    (false, true) => Box::pin(async move { self.uf(msg, ran, fault).await.map(|()| None) }),
+                    (true, false) => Box::pin(async move { self.v(msg, ran, fault).await.map(Some) }),
+                    (true, true) => Box::pin(async move { self.vf(msg, ran, fault).await.map(Some) }),
+                }
+            }
+            fn ctx(&self) -> &Arc<Ctx> {
+                &self.ctx
+            }
+            fn cached(&self) -> Option<usize> {
+                cached_len(&self.store)
+            }
+        }
+    };
+}
+
+/// The cache's size, for a `CachedStore`.
+trait MaybeCached {
+    fn cached_len(&self) -> Option<usize>;
+}
+
+impl<S> MaybeCached for CachedStore<S> {
+    fn cached_len(&self) -> Option<usize> {
+        Some(self.len())
+    }
+}
+
+macro_rules! not_cached {
+    ($($t:ty),*) => {
+        $(impl MaybeCached for $t {
+            fn cached_len(&self) -> Option<usize> {
+                None
+            }
+        })*
+    };
+}
+
+not_cached!(PgStore, MySqlStore, SqliteStore, RedisStore, MemoryStore);
+
+fn cached_len<S: MaybeCached>(store: &S) -> Option<usize> {
+    store.cached_len()
+}
+
+tx_ledger!(PgLedger, PgStore, sqlx::PgConnection, "$1");
+tx_ledger!(PgCachedLedger, CachedStore<PgStore>, sqlx::PgConnection, "$1");
+tx_ledger!(MyLedger, MySqlStore, sqlx::MySqlConnection, "?");
+tx_ledger!(MyCachedLedger, CachedStore<MySqlStore>, sqlx::MySqlConnection, "?");
+tx_ledger!(LiteLedger, SqliteStore, sqlx::SqliteConnection, "?");
+tx_ledger!(LiteCachedLedger, CachedStore<SqliteStore>, sqlx::SqliteConnection, "?");
+lease_ledger!(RedisLedger, RedisStore);
+lease_ledger!(RedisCachedLedger, CachedStore<RedisStore>);
+lease_ledger!(MemLedger, MemoryStore);
+lease_ledger!(MemCachedLedger, CachedStore<MemoryStore>);

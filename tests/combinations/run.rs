@@ -1,0 +1,808 @@
+//! Runs one configuration: publishes, consumes under the fault schedule,
+//! drains, and checks the invariants.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use idempotent_runtime::async_nats;
+use idempotent_runtime::broker::pipeline::Broker;
+use idempotent_runtime::broker::{CancellationToken, ConsumerBuilder};
+use idempotent_runtime::outbox::{
+    JetStreamPublisher, OutboxRow, OutboxStore, PublishError, Publisher, RabbitPublisher, Relay, StreamPublisher,
+};
+use idempotent_runtime::{MySqlStore, PgStore, SqliteStore, redis};
+use tokio::sync::{Notify, mpsc};
+use tokio::task::JoinHandle;
+
+use super::brokers::{AMQP_URL, NATS_URL, Sink, Source};
+use super::common;
+use super::config::{BodyFault, BrokerKind, Config, FaultKind, RelayKill, TimedFault};
+use super::db::{self, BatchTarget, Opened, RelayDb};
+use super::handlers::{AppError, Msg};
+
+/// How long a hanging body runs before its future is dropped.
+const CANCEL_AFTER: Duration = Duration::from_millis(300);
+/// No handler call for this long, nothing left on the broker: drained.
+const QUIET: Duration = Duration::from_millis(1500);
+/// A configuration that has not drained by then is reported stuck
+/// (`IDEMPOTENT_CHECKER_DEADLINE` seconds, default 90).
+fn deadline() -> Duration {
+    let secs = std::env::var("IDEMPOTENT_CHECKER_DEADLINE")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(90);
+    Duration::from_secs(secs)
+}
+
+/// A deliberate break of the run, which an invariant must catch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Sabotage {
+    /// One applied message's effect is deleted: "lost".
+    Lost,
+    /// One applied message's effect is added again: "twice".
+    Twice,
+    /// A dead-lettered message gets an effect.
+    Dead,
+    /// One outgoing message is dropped at the sink.
+    Outbox,
+}
+
+impl Sabotage {
+    pub const ALL: [Sabotage; 4] = [Sabotage::Lost, Sabotage::Twice, Sabotage::Dead, Sabotage::Outbox];
+    pub fn parse(name: &str) -> Option<Sabotage> {
+        match name.trim() {
+            "lost" => Some(Sabotage::Lost),
+            "twice" => Some(Sabotage::Twice),
+            "dead" => Some(Sabotage::Dead),
+            "outbox" => Some(Sabotage::Outbox),
+            _ => None,
+        }
+    }
+}
+
+/// What a run counted.
+#[derive(Debug, Clone, Default)]
+pub struct Counts {
+    /// Distinct message ids published.
+    pub messages: u64,
+    /// Publications (with duplicates and poison).
+    pub published: u64,
+    pub applied: u64,
+    pub lost: u64,
+    pub twice: u64,
+    /// Dead letters (deliveries), poison included.
+    pub dead_lettered: u64,
+    /// Messages every delivery of which was dead-lettered, yet with an effect.
+    pub dead_with_effect: u64,
+    /// Lease stores: an effect made again (documented when a consumer died
+    /// between effect and completion).
+    pub reapplied: u64,
+    /// A duplicate answered before its effect was committed.
+    pub early: u64,
+    /// A replayed result different from the first run's.
+    pub wrong_replay: u64,
+    /// Messages left unsettled after the drain.
+    pub left: u64,
+    pub outbox_missing: u64,
+    pub outbox_rolled_back: u64,
+    /// Outgoing messages delivered more than once by id (the relay's
+    /// documented at-least-once publishing).
+    pub outbox_dupes: u64,
+    pub outbox_pending: u64,
+    /// PostgreSQL effects committed with `synchronous_commit = off`.
+    pub non_durable: u64,
+}
+
+#[derive(Debug)]
+pub struct Report {
+    pub config: Config,
+    pub counts: Counts,
+    pub faults: BTreeMap<FaultKind, u64>,
+    pub violations: Vec<String>,
+    pub elapsed: Duration,
+}
+
+impl Report {
+    pub fn failed(&self) -> bool {
+        !self.violations.is_empty()
+    }
+}
+
+/// What the handlers of every consumer instance share.
+struct Shared {
+    opened: Arc<Opened>,
+    value: bool,
+    batched: bool,
+    calls: AtomicU64,
+    last_call: Mutex<Instant>,
+    abort_after_commit: Mutex<HashSet<String>>,
+    abort_tx: mpsc::UnboundedSender<usize>,
+    early: Mutex<Vec<String>>,
+    wrong_replay: Mutex<Vec<String>>,
+}
+
+async fn handle(sh: Arc<Shared>, instance: usize, msg: Msg) -> Result<(), AppError> {
+    sh.calls.fetch_add(1, Ordering::SeqCst);
+    *sh.last_call.lock().unwrap() = Instant::now();
+    let ledger = &sh.opened.ledger;
+    let ran = AtomicBool::new(false);
+    let fault = ledger.ctx().take_fault(&msg.id);
+    let answer = if fault == Some(BodyFault::Cancel) {
+        match tokio::time::timeout(CANCEL_AFTER, ledger.apply(&msg, &ran, fault)).await {
+            Ok(answer) => answer?,
+            Err(_) => return Err(AppError::Failed(format!("checker: {} cancelled", msg.id))),
+        }
+    } else {
+        ledger.apply(&msg, &ran, fault).await?
+    };
+    let expected = sh.value.then_some(msg.amount);
+    if answer != expected {
+        sh.wrong_replay
+            .lock()
+            .unwrap()
+            .push(format!("{}: {answer:?} instead of {expected:?}", msg.id));
+    }
+    if !ran.load(Ordering::SeqCst) && !sh.batched && !sh.opened.committed(&msg.id).await {
+        sh.early.lock().unwrap().push(msg.id.clone());
+    }
+    *sh.last_call.lock().unwrap() = Instant::now();
+    let abort = sh.abort_after_commit.lock().unwrap().remove(&msg.id);
+    if abort {
+        let _ = sh.abort_tx.send(instance);
+        std::future::pending::<()>().await;
+    }
+    Ok(())
+}
+
+fn with_batch<B>(builder: ConsumerBuilder<B>, target: &Option<BatchTarget>, max: Option<usize>) -> ConsumerBuilder<B> {
+    let (Some(target), Some(max)) = (target, max) else {
+        return builder;
+    };
+    let builder = match target {
+        BatchTarget::Pg(s) => builder.batch(s.clone(), max),
+        BatchTarget::My(s) => builder.batch(s.clone(), max),
+        BatchTarget::Lite(s) => builder.batch(s.clone(), max),
+    };
+    builder.batch_wait(Duration::from_millis(5))
+}
+
+type Instance = (JoinHandle<()>, CancellationToken);
+
+fn spawn_instance<B: Broker>(builder: ConsumerBuilder<B>, sh: &Arc<Shared>, i: usize) -> Instance {
+    let consumer = builder.build().expect("consumer configuration");
+    let token = CancellationToken::new();
+    let sh = Arc::clone(sh);
+    let run = consumer.run(
+        move |msg: Msg| {
+            let sh = Arc::clone(&sh);
+            handle(sh, i, msg)
+        },
+        token.clone(),
+    );
+    let task = tokio::spawn(async move {
+        if let Err(err) = run.await {
+            eprintln!("checker: consumer {i} stopped with {err}");
+        }
+    });
+    (task, token)
+}
+
+/// Fault counters of the run itself (the body faults are the ledger's).
+#[derive(Default)]
+struct Fired {
+    consumer_kills: u64,
+    aborts_after_commit: u64,
+    db_kills: u64,
+    setting_changes: u64,
+}
+
+/// Consumes until drained (or the deadline), firing the timed faults.
+/// Returns the messages left unsettled.
+async fn drive<B: Broker>(
+    cfg: &Config,
+    make: &(dyn Fn() -> ConsumerBuilder<B> + Send + Sync),
+    sh: &Arc<Shared>,
+    source: &Source,
+    mut abort_rx: mpsc::UnboundedReceiver<usize>,
+    fired: &mut Fired,
+    violations: &mut Vec<String>,
+) -> u64 {
+    let start = Instant::now();
+    let mut instances: Vec<Instance> = (0..cfg.consumers).map(|i| spawn_instance(make(), sh, i)).collect();
+    let mut timed = cfg.schedule.timed.iter().peekable();
+    let mut kill_rotation = 0usize;
+    loop {
+        tokio::select! {
+            Some(i) = abort_rx.recv() => {
+                instances[i].0.abort();
+                let _ = (&mut instances[i].0).await;
+                fired.aborts_after_commit += 1;
+                instances[i] = spawn_instance(make(), sh, i);
+            }
+            _ = tokio::time::sleep(Duration::from_millis(50)) => {}
+        }
+        let calls = sh.calls.load(Ordering::SeqCst);
+        while let Some((at, fault)) = timed.peek() {
+            if calls < *at {
+                break;
+            }
+            match fault {
+                TimedFault::ConsumerKill => {
+                    let i = kill_rotation % instances.len();
+                    kill_rotation += 1;
+                    instances[i].0.abort();
+                    let _ = (&mut instances[i].0).await;
+                    instances[i] = spawn_instance(make(), sh, i);
+                    fired.consumer_kills += 1;
+                }
+                TimedFault::DbKill => {
+                    sh.opened.kill_connections().await;
+                    fired.db_kills += 1;
+                }
+                TimedFault::SettingChange => {
+                    sh.opened.change_setting(true).await;
+                    fired.setting_changes += 1;
+                }
+            }
+            timed.next();
+        }
+        let quiet = sh.last_call.lock().unwrap().elapsed() > QUIET;
+        let timed_done = timed.peek().is_none();
+        if quiet && (timed_done || start.elapsed() > deadline() / 2) && source.backlog().await == 0 {
+            // Stop every instance; anything they held goes back.
+            for (task, token) in &instances {
+                token.cancel();
+                let _ = task;
+            }
+            for (task, _) in instances.drain(..) {
+                if tokio::time::timeout(Duration::from_secs(10), task).await.is_err() {
+                    violations.push("a consumer did not stop within 10 s of its shutdown".into());
+                }
+            }
+            tokio::time::sleep(super::brokers::REDELIVERY + Duration::from_millis(200)).await;
+            let left = source.backlog().await;
+            if left == 0 || start.elapsed() > deadline() {
+                return left;
+            }
+            instances = (0..cfg.consumers).map(|i| spawn_instance(make(), sh, i)).collect();
+            *sh.last_call.lock().unwrap() = Instant::now();
+        }
+        if start.elapsed() > deadline() {
+            for (task, token) in instances.drain(..) {
+                token.cancel();
+                task.abort();
+            }
+            violations.push(format!("not drained within {:?}", deadline()));
+            return source.backlog().await;
+        }
+    }
+}
+
+// ---- the relay, in a runtime of its own so that it can be killed ----------
+
+/// A publisher that kills its relay (by signalling the supervisor, which
+/// shuts the relay's runtime down) at the scheduled publish calls.
+struct KillingPublisher<P> {
+    inner: P,
+    calls: Arc<AtomicU64>,
+    kills: Arc<Mutex<Vec<(u64, RelayKill)>>>,
+    killed: Arc<Notify>,
+    fired: Arc<Mutex<BTreeMap<FaultKind, u64>>>,
+}
+
+impl<P: Publisher> Publisher for KillingPublisher<P> {
+    async fn publish(&self, row: &OutboxRow) -> Result<(), PublishError> {
+        let n = self.calls.fetch_add(1, Ordering::SeqCst) + 1;
+        let kill = {
+            let mut kills = self.kills.lock().unwrap();
+            let at = kills.iter().position(|(k, _)| *k <= n);
+            at.map(|at| kills.remove(at).1)
+        };
+        if kill == Some(RelayKill::BeforePublish) {
+            *self
+                .fired
+                .lock()
+                .unwrap()
+                .entry(FaultKind::RelayKillBeforePublish)
+                .or_default() += 1;
+            self.killed.notify_one();
+            std::future::pending::<()>().await;
+        }
+        let result = self.inner.publish(row).await;
+        if kill == Some(RelayKill::AfterConfirm) {
+            if result.is_ok() {
+                *self
+                    .fired
+                    .lock()
+                    .unwrap()
+                    .entry(FaultKind::RelayKillAfterConfirm)
+                    .or_default() += 1;
+                self.killed.notify_one();
+                std::future::pending::<()>().await;
+            } else {
+                self.kills.lock().unwrap().push((n + 1, RelayKill::AfterConfirm));
+            }
+        }
+        result
+    }
+}
+
+#[derive(Clone)]
+struct RelayPlan {
+    db: RelayDb,
+    sink: BrokerKind,
+    calls: Arc<AtomicU64>,
+    kills: Arc<Mutex<Vec<(u64, RelayKill)>>>,
+    killed: Arc<Notify>,
+    fired: Arc<Mutex<BTreeMap<FaultKind, u64>>>,
+}
+
+async fn relay_with<S: OutboxStore>(store: S, plan: RelayPlan) {
+    let wrap = |inner| KillingPublisher {
+        inner,
+        calls: Arc::clone(&plan.calls),
+        kills: Arc::clone(&plan.kills),
+        killed: Arc::clone(&plan.killed),
+        fired: Arc::clone(&plan.fired),
+    };
+    let handle = match plan.sink {
+        BrokerKind::Rabbit => Relay::builder(store, wrap(PublisherKind::Rabbit(RabbitPublisher::new(AMQP_URL))))
+            .poll_interval(Duration::from_millis(50))
+            .publish_timeout(Duration::from_secs(2))
+            .retry_backoff(Duration::from_millis(20), Duration::from_millis(200))
+            .batch_size(16)
+            .spawn(),
+        BrokerKind::JetStream => {
+            let js = async_nats::jetstream::new(async_nats::connect(NATS_URL).await.expect("NATS"));
+            Relay::builder(store, wrap(PublisherKind::Js(JetStreamPublisher::new(js))))
+                .poll_interval(Duration::from_millis(50))
+                .publish_timeout(Duration::from_secs(2))
+                .retry_backoff(Duration::from_millis(20), Duration::from_millis(200))
+                .batch_size(16)
+                .spawn()
+        }
+        BrokerKind::RedisStreams => {
+            let client = redis::Client::open(common::REDIS_URL).unwrap();
+            let conn = redis::aio::ConnectionManager::new(client).await.expect("Redis");
+            Relay::builder(store, wrap(PublisherKind::Redis(StreamPublisher::new(conn))))
+                .poll_interval(Duration::from_millis(50))
+                .publish_timeout(Duration::from_secs(2))
+                .retry_backoff(Duration::from_millis(20), Duration::from_millis(200))
+                .batch_size(16)
+                .spawn()
+        }
+    };
+    std::future::pending::<()>().await;
+    drop(handle);
+}
+
+/// One publisher type for the three brokers (one relay instantiation per
+/// store).
+enum PublisherKind {
+    Rabbit(RabbitPublisher),
+    Js(JetStreamPublisher),
+    Redis(StreamPublisher),
+}
+
+impl Publisher for PublisherKind {
+    async fn publish(&self, row: &OutboxRow) -> Result<(), PublishError> {
+        match self {
+            PublisherKind::Rabbit(p) => p.publish(row).await,
+            PublisherKind::Js(p) => p.publish(row).await,
+            PublisherKind::Redis(p) => p.publish(row).await,
+        }
+    }
+}
+
+/// Starts a relay in a runtime of its own.
+fn start_relay(plan: &RelayPlan) -> tokio::runtime::Runtime {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .expect("relay runtime");
+    let plan = plan.clone();
+    rt.spawn(async move {
+        match plan.db.clone() {
+            RelayDb::Pg {
+                markers,
+                outbox,
+                settings,
+                partitioned,
+            } => {
+                let pool = db::pg_store_pool(settings, Arc::default(), 2).await;
+                let mut builder = PgStore::builder(pool).table(&markers).outbox_table(&outbox);
+                if partitioned {
+                    builder = builder.partitioned(Duration::from_secs(24 * 3600));
+                }
+                relay_with(builder.build().unwrap(), plan).await
+            }
+            RelayDb::My { markers, outbox } => {
+                let pool = db::my_store_pool(Arc::default(), Arc::default(), 2).await;
+                let store = MySqlStore::builder(pool)
+                    .table(&markers)
+                    .outbox_table(&outbox)
+                    .build()
+                    .unwrap();
+                relay_with(store, plan).await
+            }
+            RelayDb::Lite {
+                path,
+                markers,
+                outbox,
+                wal,
+            } => {
+                let pool = db::lite_pool(&path, wal).await;
+                let store = SqliteStore::builder(pool)
+                    .table(&markers)
+                    .outbox_table(&outbox)
+                    .build()
+                    .unwrap();
+                relay_with(store, plan).await
+            }
+        }
+    });
+    rt
+}
+
+/// Kills the relay's runtime whenever its publisher says so, and starts a
+/// new one.
+fn supervise_relay(plan: RelayPlan) -> (Arc<Mutex<Option<tokio::runtime::Runtime>>>, JoinHandle<()>) {
+    let current = Arc::new(Mutex::new(Some(start_relay(&plan))));
+    let slot = Arc::clone(&current);
+    let task = tokio::spawn(async move {
+        loop {
+            plan.killed.notified().await;
+            let old = slot.lock().unwrap().take();
+            if let Some(rt) = old {
+                rt.shutdown_background();
+            }
+            let new = start_relay(&plan);
+            *slot.lock().unwrap() = Some(new);
+        }
+    });
+    (current, task)
+}
+
+// ---- one configuration ------------------------------------------------------
+
+fn env_name(cfg: &Config) -> String {
+    common::unique(&format!("chk{}", cfg.seed))
+}
+
+/// Runs `cfg` and checks the invariants.
+pub async fn run(cfg: &Config, sabotage: Option<Sabotage>) -> Report {
+    let started = Instant::now();
+    let name = env_name(cfg);
+    let source = Source::setup(cfg.broker, &name).await;
+    let sink = match cfg.sink() {
+        Some(kind) => Some(Sink::setup(kind, &name).await),
+        None => None,
+    };
+    let opened = Arc::new(db::open(cfg, &name, sink.as_ref().map(Sink::destination)).await);
+    let mut violations = Vec::new();
+
+    // The relay.
+    let relay_fired: Arc<Mutex<BTreeMap<FaultKind, u64>>> = Arc::default();
+    let relay = match (&opened.relay, &sink) {
+        (Some(db), Some(sink)) => Some(supervise_relay(RelayPlan {
+            db: db.clone(),
+            sink: sink.kind(),
+            calls: Arc::default(),
+            kills: Arc::new(Mutex::new(cfg.schedule.relay.clone())),
+            killed: Arc::new(Notify::new()),
+            fired: Arc::clone(&relay_fired),
+        })),
+        _ => None,
+    };
+
+    // Publish: every id once, then the duplicates (same id, same body,
+    // another broker-level id), and the poison.
+    let body = |n: usize| {
+        serde_json::to_vec(&Msg {
+            id: format!("m{n:04}"),
+            amount: n as i64 + 1,
+        })
+        .unwrap()
+    };
+    let mut publications: HashMap<String, u64> = HashMap::new();
+    let mut order: Vec<(Vec<u8>, String)> = Vec::new();
+    for n in 0..cfg.messages {
+        order.push((body(n), format!("m{n:04}")));
+        *publications.entry(format!("m{n:04}")).or_default() += 1;
+    }
+    let mut rng = super::config::Rng::new(cfg.seed ^ 0xd0b1e);
+    for d in 0..cfg.duplicates {
+        let n = rng.below(cfg.messages as u64) as usize;
+        let at = rng.below(order.len() as u64 + 1) as usize;
+        order.insert(at.max(n + 1).min(order.len()), (body(n), format!("m{n:04}.dup{d}")));
+        *publications.entry(format!("m{n:04}")).or_default() += 1;
+    }
+    for p in 0..cfg.schedule.poison {
+        let at = rng.below(order.len() as u64) as usize;
+        order.insert(at, (format!("{{not json {p}").into_bytes(), format!("poison-{p}")));
+    }
+    for (body, id) in &order {
+        source.publish(body, id).await;
+    }
+
+    let (abort_tx, abort_rx) = mpsc::unbounded_channel();
+    let sh = Arc::new(Shared {
+        opened: Arc::clone(&opened),
+        value: cfg.value_result,
+        batched: cfg.batch.is_some(),
+        calls: AtomicU64::new(0),
+        last_call: Mutex::new(Instant::now()),
+        abort_after_commit: Mutex::new(cfg.schedule.abort_after_commit.iter().cloned().collect()),
+        abort_tx,
+        early: Mutex::default(),
+        wrong_replay: Mutex::default(),
+    });
+    let mut fired = Fired::default();
+    let prefetch = (cfg.concurrency * cfg.batch.unwrap_or(4)).max(16);
+    let batch = opened.batch.clone();
+    let left = match cfg.broker {
+        BrokerKind::Rabbit => {
+            let make = || {
+                with_batch(source.rabbit(prefetch as u16), &batch, cfg.batch)
+                    .concurrency(cfg.concurrency)
+                    .max_attempts(cfg.max_attempts)
+            };
+            drive(cfg, &make, &sh, &source, abort_rx, &mut fired, &mut violations).await
+        }
+        BrokerKind::JetStream => {
+            let make = || {
+                with_batch(source.jetstream(prefetch), &batch, cfg.batch)
+                    .concurrency(cfg.concurrency)
+                    .max_attempts(cfg.max_attempts)
+            };
+            drive(cfg, &make, &sh, &source, abort_rx, &mut fired, &mut violations).await
+        }
+        BrokerKind::RedisStreams => {
+            let make = || {
+                with_batch(source.streams(), &batch, cfg.batch)
+                    .concurrency(cfg.concurrency)
+                    .max_attempts(cfg.max_attempts)
+            };
+            drive(cfg, &make, &sh, &source, abort_rx, &mut fired, &mut violations).await
+        }
+    };
+    if fired.setting_changes > 0 {
+        opened.change_setting(false).await;
+    }
+
+    // The relay drains the outbox, then stops.
+    let mut counts = Counts::default();
+    if let Some((rt, task)) = relay {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let pending = opened.outbox_pending().await;
+            if pending == 0 {
+                break;
+            }
+            if Instant::now() > deadline {
+                counts.outbox_pending = pending;
+                violations.push(format!("{pending} outbox rows still pending after 30 s"));
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        task.abort();
+        let _ = task.await;
+        let old = rt.lock().unwrap().take();
+        if let Some(rt) = old {
+            rt.shutdown_background();
+        }
+    }
+
+    // ---- the checks ----
+    let mut effects = opened.effects().await;
+    let dead = source.dead_letters().await;
+    let mut sink_rows = match &sink {
+        Some(sink) => sink.read().await,
+        None => Vec::new(),
+    };
+    let doomed: HashSet<&String> = cfg.schedule.doomed.iter().collect();
+    let mut dead_by_id: HashMap<String, u64> = HashMap::new();
+    let mut poison_dead = 0;
+    for (body, kind) in &dead {
+        match serde_json::from_slice::<Msg>(body) {
+            Ok(msg) => *dead_by_id.entry(msg.id).or_default() += 1,
+            Err(_) => {
+                poison_dead += 1;
+                if kind != "poison" {
+                    violations.push(format!("an undecodable body dead-lettered as {kind:?}"));
+                }
+            }
+        }
+    }
+    if let Some(sabotage) = sabotage {
+        let applied = (0..cfg.messages)
+            .map(|n| format!("m{n:04}"))
+            .find(|id| effects.get(id) == Some(&1) && dead_by_id.get(id).copied().unwrap_or(0) == 0);
+        match (sabotage, applied) {
+            (Sabotage::Lost, Some(id)) => opened.tamper(&id, true).await,
+            (Sabotage::Twice, Some(id)) => opened.tamper(&id, false).await,
+            (Sabotage::Dead, _) => {
+                if let Some(id) = cfg.schedule.doomed.first() {
+                    opened.tamper(id, false).await;
+                }
+            }
+            (Sabotage::Outbox, Some(id)) => {
+                let dropped = sink_rows.iter().position(|(_, payload)| payload == id.as_bytes());
+                if let Some(at) = dropped {
+                    sink_rows.remove(at);
+                }
+            }
+            _ => {}
+        }
+        effects = opened.effects().await;
+    }
+    counts.messages = cfg.messages as u64;
+    counts.published = order.len() as u64;
+    counts.dead_lettered = dead.len() as u64;
+    counts.left = left;
+    if left > 0 {
+        violations.push(format!("{left} messages left unsettled on the broker after the drain"));
+    }
+    if poison_dead != cfg.schedule.poison as u64 {
+        violations.push(format!(
+            "{} poison bodies published, {poison_dead} dead-lettered",
+            cfg.schedule.poison
+        ));
+    }
+    for (id, n) in &effects {
+        if !publications.contains_key(id) && *n != 0 {
+            violations.push(format!("an effect for {id}, never published"));
+        }
+    }
+    let mut lost_ids = Vec::new();
+    let mut twice_ids = Vec::new();
+    for (id, published) in &publications {
+        let e = effects.get(id).copied().unwrap_or(0);
+        let d = dead_by_id.get(id).copied().unwrap_or(0);
+        if d > *published {
+            violations.push(format!("{id}: published {published} times, dead-lettered {d} times"));
+        }
+        if d >= *published || doomed.contains(id) {
+            if e != 0 {
+                counts.dead_with_effect += 1;
+                violations.push(format!(
+                    "{id}: every delivery dead-lettered ({d}){}, yet {e} effect(s)",
+                    if doomed.contains(id) { ", doomed" } else { "" }
+                ));
+            }
+        } else if e == 0 {
+            counts.lost += 1;
+            lost_ids.push(id.clone());
+        } else if e > 1 {
+            counts.twice += 1;
+            twice_ids.push(format!("{id} x{e}"));
+        } else {
+            counts.applied += 1;
+        }
+    }
+    lost_ids.sort();
+    twice_ids.sort();
+    if !lost_ids.is_empty() && left > 0 {
+        // Not drained: these may be among the messages left on the broker.
+        violations.push(format!(
+            "unprocessed: {} message(s) without an effect or a dead letter, {left} left on the broker: {lost_ids:?}",
+            lost_ids.len()
+        ));
+        counts.lost = 0;
+    } else if !lost_ids.is_empty() {
+        violations.push(format!(
+            "lost: {} acknowledged message(s) without an effect: {lost_ids:?}",
+            lost_ids.len()
+        ));
+    }
+    if !twice_ids.is_empty() {
+        violations.push(format!(
+            "twice: {} message(s) applied more than once: {twice_ids:?}",
+            twice_ids.len()
+        ));
+    }
+    let ctx = opened.ledger.ctx();
+    counts.reapplied = ctx.reapplied.load(Ordering::SeqCst);
+    if counts.reapplied > 0 && fired.consumer_kills + fired.aborts_after_commit == 0 {
+        violations.push(format!(
+            "a lease store's effect made {} more time(s) with no consumer killed",
+            counts.reapplied
+        ));
+    }
+    let non_durable = opened.non_durable_commits().await;
+    counts.non_durable = non_durable.len() as u64;
+    if !non_durable.is_empty() {
+        violations.push(format!(
+            "effects committed with synchronous_commit = off (acknowledged before durable): {non_durable:?}"
+        ));
+    }
+    let early = sh.early.lock().unwrap().clone();
+    counts.early = early.len() as u64;
+    if !early.is_empty() {
+        violations.push(format!(
+            "duplicates answered before their effect was committed: {early:?}"
+        ));
+    }
+    let wrong = sh.wrong_replay.lock().unwrap().clone();
+    counts.wrong_replay = wrong.len() as u64;
+    if !wrong.is_empty() {
+        violations.push(format!("wrong replayed results: {wrong:?}"));
+    }
+    if sink.is_some() {
+        let mut by_id: HashMap<&str, u64> = HashMap::new();
+        let mut by_payload: HashMap<String, u64> = HashMap::new();
+        for (id, payload) in &sink_rows {
+            *by_id.entry(id.as_str()).or_default() += 1;
+            *by_payload
+                .entry(String::from_utf8_lossy(payload).into_owned())
+                .or_default() += 1;
+        }
+        counts.outbox_dupes = by_id.values().filter(|n| **n > 1).map(|n| n - 1).sum();
+        let mut missing = Vec::new();
+        for (id, e) in &effects {
+            if *e > 0 && !by_payload.contains_key(id) {
+                missing.push(id.clone());
+            }
+        }
+        let mut rolled_back = Vec::new();
+        for id in by_payload.keys() {
+            if effects.get(id).copied().unwrap_or(0) == 0 {
+                rolled_back.push(id.clone());
+            }
+        }
+        missing.sort();
+        rolled_back.sort();
+        counts.outbox_missing = missing.len() as u64;
+        counts.outbox_rolled_back = rolled_back.len() as u64;
+        if !missing.is_empty() {
+            violations.push(format!(
+                "outbox: committed effects whose message never arrived: {missing:?}"
+            ));
+        }
+        if !rolled_back.is_empty() {
+            violations.push(format!("outbox: messages of effects that rolled back: {rolled_back:?}"));
+        }
+    }
+    if let Some(cached) = opened.ledger.cached() {
+        // The cache only knows committed keys: never more than the effects.
+        let committed = effects.values().filter(|n| **n > 0).count();
+        if cached > committed {
+            violations.push(format!("the cache holds {cached} keys, only {committed} committed"));
+        }
+    }
+
+    let mut faults: BTreeMap<FaultKind, u64> = BTreeMap::new();
+    faults.insert(FaultKind::HandlerError, ctx.fired_errors.load(Ordering::SeqCst));
+    faults.insert(FaultKind::Panic, ctx.fired_panics.load(Ordering::SeqCst));
+    faults.insert(FaultKind::Cancel, ctx.fired_cancels.load(Ordering::SeqCst));
+    faults.insert(FaultKind::Swallow, ctx.fired_swallows.load(Ordering::SeqCst));
+    faults.insert(FaultKind::Poison, cfg.schedule.poison as u64);
+    faults.insert(FaultKind::Doomed, cfg.schedule.doomed.len() as u64);
+    faults.insert(FaultKind::ConsumerKill, fired.consumer_kills);
+    faults.insert(FaultKind::AbortAfterCommit, fired.aborts_after_commit);
+    faults.insert(FaultKind::DbKill, fired.db_kills);
+    faults.insert(FaultKind::SettingChange, fired.setting_changes);
+    for (k, v) in relay_fired.lock().unwrap().iter() {
+        faults.insert(*k, *v);
+    }
+    faults.retain(|_, v| *v > 0);
+
+    // Clean up.
+    drop(sh);
+    source.teardown().await;
+    if let Some(sink) = sink {
+        sink.teardown().await;
+    }
+    opened.teardown().await;
+    Report {
+        config: cfg.clone(),
+        counts,
+        faults,
+        violations,
+        elapsed: started.elapsed(),
+    }
+}
