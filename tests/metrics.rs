@@ -268,6 +268,50 @@ mod outbox {
         );
         assert_eq!(counters.get("idempotent_outbox_published_total{}"), 2);
     }
+    #[idempotent(key = "id", store = store, scope = "staging_batched")]
+    async fn stage_or_hang(store: &SqliteStore, id: &str, hang: bool, outbox: &mut Outbox) -> Result<(), AppError> {
+        outbox.publish(Outgoing::new("a", id.as_bytes().to_vec()));
+        if hang {
+            std::future::pending::<()>().await;
+        }
+        Ok(())
+    }
+
+    /// The outgoing messages of a batch member are counted once its batch
+    /// commits: an aborted batch's staged rows (rolled back) are not.
+    #[test]
+    fn a_batch_members_staged_messages_are_counted_after_the_commit() {
+        use idempotent_runtime::batch::BatchStore;
+
+        let counters = super::recorder::Counters::default();
+        let staged = || counters.get("idempotent_outbox_staged_total{scope=staging_batched}");
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        metrics::with_local_recorder(&counters, || {
+            runtime.block_on(async {
+                let store = SqliteStore::open(dir.path().join("sb.db")).await.unwrap();
+                store.migrate().await.unwrap();
+                let batch = store.begin_batch().await.unwrap();
+                batch.run(stage_or_hang(&store, "x", false)).await.unwrap();
+                let hang = Duration::from_millis(200);
+                assert!(
+                    tokio::time::timeout(hang, batch.run(stage_or_hang(&store, "y", true)))
+                        .await
+                        .is_err()
+                );
+                batch.commit().await.unwrap_err();
+                assert_eq!(staged(), 0, "the rolled-back rows were counted");
+                let batch = store.begin_batch().await.unwrap();
+                batch.run(stage_or_hang(&store, "x", false)).await.unwrap();
+                assert_eq!(staged(), 0, "counted before the commit");
+                batch.commit().await.unwrap();
+            })
+        });
+        assert_eq!(staged(), 1);
+    }
 }
 
 mod janitor {

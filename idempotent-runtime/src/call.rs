@@ -469,6 +469,7 @@ pub async fn finish_staged<G: Guard, DB: sqlx::Database, T, E>(
     scope: &'static str,
     key: &str,
 ) -> Result<Result<T, E>, Error> {
+    let mut staged = 0;
     if outcome.is_ok() && !outbox.is_empty() {
         let messages = outbox.len();
         if let Err(error) = (stager.stage)(&mut guard, outbox).await {
@@ -481,10 +482,20 @@ pub async fn finish_staged<G: Guard, DB: sqlx::Database, T, E>(
             count(scope, Outcome::of_error(&error).as_str());
             return Err(error);
         }
-        #[cfg(feature = "metrics")]
-        metrics::counter!("idempotent_outbox_staged_total", "scope" => scope).increment(messages as u64);
+        staged = messages;
     }
-    finish(guard, codec, outcome, span, scope, key).await
+    let finished = finish(guard, codec, outcome, span, scope, key).await;
+    // Counted once the rows are committed (after the batch's commit for a
+    // batch member), like the outcomes.
+    #[cfg(feature = "metrics")]
+    if staged > 0 && matches!(finished, Ok(Ok(_))) {
+        crate::store::when_committed(move || {
+            metrics::counter!("idempotent_outbox_staged_total", "scope" => scope).increment(staged as u64)
+        });
+    }
+    #[cfg(not(feature = "metrics"))]
+    let _ = staged;
+    finished
 }
 
 /// The key a fresh claim's [`finish`] names in its events (the key's own
