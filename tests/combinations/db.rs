@@ -561,15 +561,23 @@ impl Opened {
     pub async fn change_setting(&self, on: bool) {
         match &self.admin {
             Admin::Pg { store_pool, .. } => {
+                // `synchronous_commit = off` and a serializable default
+                // isolation, as `ALTER ROLE .. SET` both would.
                 self.settings.pg_sync_commit_off.store(on, Ordering::SeqCst);
-                let sql = if on {
-                    "SET synchronous_commit = off"
+                let level = if on {
+                    common::settings::PG_SERIALIZABLE
                 } else {
-                    "SET synchronous_commit = on"
+                    common::settings::PG_SERVER_DEFAULT
+                };
+                self.settings.pg_isolation.store(level, Ordering::SeqCst);
+                let sql = if on {
+                    "SET synchronous_commit = off; SET default_transaction_isolation = 'serializable'"
+                } else {
+                    "SET synchronous_commit = on; SET default_transaction_isolation = 'read committed'"
                 };
                 let mut held = Vec::new();
                 while let Some(mut conn) = store_pool.try_acquire() {
-                    let _ = sqlx::query(sql).execute(&mut *conn).await;
+                    let _ = sqlx::raw_sql(AssertSqlSafe(sql)).execute(&mut *conn).await;
                     held.push(conn);
                 }
             }
