@@ -611,11 +611,17 @@ impl Opened {
         }
     }
 
-    /// Drops the tables (or the Redis keys) of this configuration.
-    pub async fn teardown(&self) {
+    /// Drops the tables (or the Redis keys) of this configuration; returns
+    /// what went wrong on the way.
+    pub async fn teardown(&self) -> Vec<String> {
+        let mut problems = Vec::new();
         match &self.admin {
             Admin::Pg { admin, store_pool, .. } => {
-                store_pool.close().await;
+                if tokio::time::timeout(POOL_CLOSE, store_pool.close()).await.is_err() {
+                    problems.push(format!(
+                        "hung: the store's PostgreSQL pool did not close within {POOL_CLOSE:?} (a connection was never returned to it)"
+                    ));
+                }
                 let log = format!("{}_c", self.effects);
                 for t in [&self.effects, &log, &self.markers, &self.outbox] {
                     common::drop_pg_table(admin, t).await;
@@ -625,7 +631,11 @@ impl Opened {
                     .await;
             }
             Admin::My { admin, store_pool, .. } => {
-                store_pool.close().await;
+                if tokio::time::timeout(POOL_CLOSE, store_pool.close()).await.is_err() {
+                    problems.push(format!(
+                        "hung: the store's MariaDB pool did not close within {POOL_CLOSE:?} (a connection was never returned to it)"
+                    ));
+                }
                 for t in [&self.effects, &self.markers, &self.outbox] {
                     common::drop_mysql_table(admin, t).await;
                 }
@@ -646,5 +656,9 @@ impl Opened {
             }
             Admin::Memory => {}
         }
+        problems
     }
 }
+
+/// How long the store's pool may take to close at the end of a run.
+const POOL_CLOSE: Duration = Duration::from_secs(20);

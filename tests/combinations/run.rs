@@ -839,7 +839,9 @@ pub async fn run(cfg: &Config, sabotage: Option<Sabotage>) -> Report {
     if let Some(sink) = sink {
         bounded("clean-up of the sink", &mut violations, sink.teardown()).await;
     }
-    bounded("clean-up of the store", &mut violations, opened.teardown()).await;
+    if let Some(problems) = bounded("clean-up of the store", &mut violations, opened.teardown()).await {
+        violations.extend(problems);
+    }
     Report {
         config: cfg.clone(),
         counts,
