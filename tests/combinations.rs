@@ -80,6 +80,12 @@
 //! 25 and 38 (cache and batches) lose messages an aborted batch had put in
 //! the cache, which also holds more keys than were committed.
 //!
+//! On the current runtime no invariant has been seen to fail. Seed 2052
+//! (MariaDB, batches of 8, consumers aborted mid-flight and after `Ok`)
+//! sometimes ends with a store pool that does not close: a connection was
+//! never returned to it (reported as "hung"; effects and dead letters are
+//! right).
+//!
 //! # Running it
 //!
 //! - `cargo test --all-features --test combinations`: the short form, a
