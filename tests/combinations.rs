@@ -302,8 +302,8 @@ fn print_table(reports: &[Report]) {
         }
     }
     println!(
-        "\n{:<24} {:>7} {:>6} {:>8} {:>5} {:>5} {:>6} {:>8}",
-        "", "configs", "failed", "messages", "lost", "twice", "dead", "seconds"
+        "\n{:<24} {:>7} {:>6} {:>8} {:>5} {:>5} {:>6} {:>9} {:>12} {:>8}",
+        "", "configs", "failed", "messages", "lost", "twice", "dead", "reapplied", "outbox dupes", "seconds"
     );
     let line = |name: &str, r: &Row| {
         println!(
