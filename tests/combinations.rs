@@ -38,8 +38,9 @@
 //! after a handler returned `Ok` and before the ack (in batch mode that
 //! is before the batch's commit); the store's database connections killed
 //! (`pg_terminate_backend`, MariaDB `KILL CONNECTION`); a setting changed
-//! at run time (PostgreSQL `synchronous_commit = off`, MariaDB
-//! `SERIALIZABLE`, for new sessions and the pool's idle ones, reset after);
+//! at run time (PostgreSQL `synchronous_commit = off` with a serializable
+//! `default_transaction_isolation`, MariaDB `SERIALIZABLE`, for new
+//! sessions and the pool's idle ones, reset after);
 //! the outbox relay's runtime killed before a publish or after the broker
 //! confirmed one and before the row is marked dispatched (the relay runs in
 //! a tokio runtime of its own, shut down abruptly, and a new relay is
@@ -78,6 +79,12 @@
 //! `synchronous_commit = off` after the run-time setting change, and seeds
 //! 25 and 38 (cache and batches) lose messages an aborted batch had put in
 //! the cache, which also holds more keys than were committed.
+//!
+//! On the current runtime no invariant has been seen to fail. Seed 2052
+//! (MariaDB, batches of 8, consumers aborted mid-flight and after `Ok`)
+//! sometimes ends with a store pool that does not close: a connection was
+//! never returned to it (reported as "hung"; effects and dead letters are
+//! right).
 //!
 //! # Running it
 //!
@@ -268,6 +275,8 @@ fn print_table(reports: &[Report]) {
         lost: u64,
         twice: u64,
         dead: u64,
+        reapplied: u64,
+        outbox_dupes: u64,
         secs: f64,
     }
     let add = |row: &mut Row, r: &Report| {
@@ -277,6 +286,8 @@ fn print_table(reports: &[Report]) {
         row.lost += r.counts.lost;
         row.twice += r.counts.twice;
         row.dead += r.counts.dead_lettered;
+        row.reapplied += r.counts.reapplied;
+        row.outbox_dupes += r.counts.outbox_dupes;
         row.secs += r.elapsed.as_secs_f64();
     };
     let mut total = Row::default();
@@ -291,19 +302,24 @@ fn print_table(reports: &[Report]) {
         }
     }
     println!(
-        "\n{:<24} {:>7} {:>6} {:>8} {:>5} {:>5} {:>6} {:>8}",
-        "", "configs", "failed", "messages", "lost", "twice", "dead", "seconds"
+        "\n{:<24} {:>7} {:>6} {:>8} {:>5} {:>5} {:>6} {:>9} {:>12} {:>8}",
+        "", "configs", "failed", "messages", "lost", "twice", "dead", "reapplied", "outbox dupes", "seconds"
     );
     let line = |name: &str, r: &Row| {
         println!(
-            "{name:<24} {:>7} {:>6} {:>8} {:>5} {:>5} {:>6} {:>8.1}",
-            r.configs, r.failed, r.messages, r.lost, r.twice, r.dead, r.secs
+            "{name:<24} {:>7} {:>6} {:>8} {:>5} {:>5} {:>6} {:>9} {:>12} {:>8.1}",
+            r.configs, r.failed, r.messages, r.lost, r.twice, r.dead, r.reapplied, r.outbox_dupes, r.secs
         )
     };
     line("all", &total);
     for (name, row) in &by {
         line(name, row);
     }
+    println!(
+        "(dead: dead letters, poison included; reapplied: lease-store effects made again after a consumer died, \
+         the documented limit; outbox dupes: outgoing messages delivered again by id, the relay's documented \
+         at-least-once publishing)"
+    );
     println!("\nfaults injected:");
     for (k, v) in &faults {
         println!("  {:<20} {v}", k.name());

@@ -561,15 +561,23 @@ impl Opened {
     pub async fn change_setting(&self, on: bool) {
         match &self.admin {
             Admin::Pg { store_pool, .. } => {
+                // `synchronous_commit = off` and a serializable default
+                // isolation, as `ALTER ROLE .. SET` both would.
                 self.settings.pg_sync_commit_off.store(on, Ordering::SeqCst);
-                let sql = if on {
-                    "SET synchronous_commit = off"
+                let level = if on {
+                    common::settings::PG_SERIALIZABLE
                 } else {
-                    "SET synchronous_commit = on"
+                    common::settings::PG_SERVER_DEFAULT
+                };
+                self.settings.pg_isolation.store(level, Ordering::SeqCst);
+                let sql = if on {
+                    "SET synchronous_commit = off; SET default_transaction_isolation = 'serializable'"
+                } else {
+                    "SET synchronous_commit = on; SET default_transaction_isolation = 'read committed'"
                 };
                 let mut held = Vec::new();
                 while let Some(mut conn) = store_pool.try_acquire() {
-                    let _ = sqlx::query(sql).execute(&mut *conn).await;
+                    let _ = sqlx::raw_sql(AssertSqlSafe(sql)).execute(&mut *conn).await;
                     held.push(conn);
                 }
             }
@@ -603,11 +611,17 @@ impl Opened {
         }
     }
 
-    /// Drops the tables (or the Redis keys) of this configuration.
-    pub async fn teardown(&self) {
+    /// Drops the tables (or the Redis keys) of this configuration; returns
+    /// what went wrong on the way.
+    pub async fn teardown(&self) -> Vec<String> {
+        let mut problems = Vec::new();
         match &self.admin {
             Admin::Pg { admin, store_pool, .. } => {
-                store_pool.close().await;
+                if tokio::time::timeout(POOL_CLOSE, store_pool.close()).await.is_err() {
+                    problems.push(format!(
+                        "hung: the store's PostgreSQL pool did not close within {POOL_CLOSE:?} (a connection was never returned to it)"
+                    ));
+                }
                 let log = format!("{}_c", self.effects);
                 for t in [&self.effects, &log, &self.markers, &self.outbox] {
                     common::drop_pg_table(admin, t).await;
@@ -617,7 +631,11 @@ impl Opened {
                     .await;
             }
             Admin::My { admin, store_pool, .. } => {
-                store_pool.close().await;
+                if tokio::time::timeout(POOL_CLOSE, store_pool.close()).await.is_err() {
+                    problems.push(format!(
+                        "hung: the store's MariaDB pool did not close within {POOL_CLOSE:?} (a connection was never returned to it)"
+                    ));
+                }
                 for t in [&self.effects, &self.markers, &self.outbox] {
                     common::drop_mysql_table(admin, t).await;
                 }
@@ -638,5 +656,9 @@ impl Opened {
             }
             Admin::Memory => {}
         }
+        problems
     }
 }
+
+/// How long the store's pool may take to close at the end of a run.
+const POOL_CLOSE: Duration = Duration::from_secs(20);

@@ -62,6 +62,24 @@ impl Sabotage {
     }
 }
 
+/// How long one of the checker's own operations (a query, a kill, a
+/// read of the broker) may take before the run reports it as hung.
+const OPERATION: Duration = Duration::from_secs(30);
+
+/// Runs one of the checker's own operations, reporting it when it hangs
+/// (then the configuration's run goes on without its result).
+async fn bounded<T>(what: &str, violations: &mut Vec<String>, op: impl std::future::Future<Output = T>) -> Option<T> {
+    match tokio::time::timeout(OPERATION, op).await {
+        Ok(value) => Some(value),
+        Err(_) => {
+            violations.push(format!(
+                "hung: the checker's {what} did not return within {OPERATION:?}"
+            ));
+            None
+        }
+    }
+}
+
 /// What a run counted.
 #[derive(Debug, Clone, Default)]
 pub struct Counts {
@@ -217,7 +235,7 @@ async fn drive<B: Broker>(
         tokio::select! {
             Some(i) = abort_rx.recv() => {
                 instances[i].0.abort();
-                let _ = (&mut instances[i].0).await;
+                bounded("wait for an aborted consumer task", violations, &mut instances[i].0).await;
                 fired.aborts_after_commit += 1;
                 instances[i] = spawn_instance(make(), sh, i);
             }
@@ -233,16 +251,21 @@ async fn drive<B: Broker>(
                     let i = kill_rotation % instances.len();
                     kill_rotation += 1;
                     instances[i].0.abort();
-                    let _ = (&mut instances[i].0).await;
+                    bounded("wait for an aborted consumer task", violations, &mut instances[i].0).await;
                     instances[i] = spawn_instance(make(), sh, i);
                     fired.consumer_kills += 1;
                 }
                 TimedFault::DbKill => {
-                    sh.opened.kill_connections().await;
+                    bounded(
+                        "kill of the store's connections",
+                        violations,
+                        sh.opened.kill_connections(),
+                    )
+                    .await;
                     fired.db_kills += 1;
                 }
                 TimedFault::SettingChange => {
-                    sh.opened.change_setting(true).await;
+                    bounded("setting change", violations, sh.opened.change_setting(true)).await;
                     fired.setting_changes += 1;
                 }
             }
@@ -250,7 +273,10 @@ async fn drive<B: Broker>(
         }
         let quiet = sh.last_call.lock().unwrap().elapsed() > QUIET;
         let timed_done = timed.peek().is_none();
-        if quiet && (timed_done || start.elapsed() > deadline() / 2) && source.backlog().await == 0 {
+        let backlog = bounded("read of the broker's backlog", violations, source.backlog())
+            .await
+            .unwrap_or(u64::MAX);
+        if quiet && (timed_done || start.elapsed() > deadline() / 2) && backlog == 0 {
             // Stop every instance; anything they held goes back.
             for (task, token) in &instances {
                 token.cancel();
@@ -262,7 +288,9 @@ async fn drive<B: Broker>(
                 }
             }
             tokio::time::sleep(super::brokers::REDELIVERY + Duration::from_millis(200)).await;
-            let left = source.backlog().await;
+            let left = bounded("read of the broker's backlog", violations, source.backlog())
+                .await
+                .unwrap_or(u64::MAX);
             if left == 0 || start.elapsed() > deadline() {
                 return left;
             }
@@ -275,7 +303,9 @@ async fn drive<B: Broker>(
                 task.abort();
             }
             violations.push(format!("not drained within {:?}", deadline()));
-            return source.backlog().await;
+            return bounded("read of the broker's backlog", violations, source.backlog())
+                .await
+                .unwrap_or(u64::MAX);
         }
     }
 }
@@ -570,7 +600,7 @@ pub async fn run(cfg: &Config, sabotage: Option<Sabotage>) -> Report {
         }
     };
     if fired.setting_changes > 0 {
-        opened.change_setting(false).await;
+        bounded("setting reset", &mut violations, opened.change_setting(false)).await;
     }
 
     // The relay drains the outbox, then stops.
@@ -578,7 +608,9 @@ pub async fn run(cfg: &Config, sabotage: Option<Sabotage>) -> Report {
     if let Some((rt, task)) = relay {
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
-            let pending = opened.outbox_pending().await;
+            let pending = bounded("read of the outbox", &mut violations, opened.outbox_pending())
+                .await
+                .unwrap_or(u64::MAX);
             if pending == 0 {
                 break;
             }
@@ -598,10 +630,16 @@ pub async fn run(cfg: &Config, sabotage: Option<Sabotage>) -> Report {
     }
 
     // ---- the checks ----
-    let mut effects = opened.effects().await;
-    let dead = source.dead_letters().await;
+    let mut effects = bounded("read of the effects", &mut violations, opened.effects())
+        .await
+        .unwrap_or_default();
+    let dead = bounded("read of the dead letters", &mut violations, source.dead_letters())
+        .await
+        .unwrap_or_default();
     let mut sink_rows = match &sink {
-        Some(sink) => sink.read().await,
+        Some(sink) => bounded("read of the sink", &mut violations, sink.read())
+            .await
+            .unwrap_or_default(),
         None => Vec::new(),
     };
     let doomed: HashSet<&String> = cfg.schedule.doomed.iter().collect();
@@ -638,7 +676,9 @@ pub async fn run(cfg: &Config, sabotage: Option<Sabotage>) -> Report {
             }
             _ => {}
         }
-        effects = opened.effects().await;
+        effects = bounded("read of the effects", &mut violations, opened.effects())
+            .await
+            .unwrap_or_default();
     }
     counts.messages = cfg.messages as u64;
     counts.published = order.len() as u64;
@@ -713,7 +753,9 @@ pub async fn run(cfg: &Config, sabotage: Option<Sabotage>) -> Report {
             counts.reapplied
         ));
     }
-    let non_durable = opened.non_durable_commits().await;
+    let non_durable = bounded("read of the commit log", &mut violations, opened.non_durable_commits())
+        .await
+        .unwrap_or_default();
     counts.non_durable = non_durable.len() as u64;
     if !non_durable.is_empty() {
         violations.push(format!(
@@ -793,11 +835,13 @@ pub async fn run(cfg: &Config, sabotage: Option<Sabotage>) -> Report {
 
     // Clean up.
     drop(sh);
-    source.teardown().await;
+    bounded("clean-up of the source", &mut violations, source.teardown()).await;
     if let Some(sink) = sink {
-        sink.teardown().await;
+        bounded("clean-up of the sink", &mut violations, sink.teardown()).await;
     }
-    opened.teardown().await;
+    if let Some(problems) = bounded("clean-up of the store", &mut violations, opened.teardown()).await {
+        violations.extend(problems);
+    }
     Report {
         config: cfg.clone(),
         counts,
