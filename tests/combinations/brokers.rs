@@ -110,6 +110,24 @@ async fn live_channel(url: &str, admin: &tokio::sync::Mutex<(Connection, Channel
     held.1.clone()
 }
 
+/// `XRANGE key - +`, retried while the connection manager reconnects (its
+/// first command after a restart fails).
+async fn xrange_all(conn: &redis::aio::ConnectionManager, key: &str) -> redis::streams::StreamRangeReply {
+    let mut tries = 0;
+    loop {
+        let mut conn = conn.clone();
+        match conn.xrange_all(key).await {
+            Ok(reply) => return reply,
+            Err(err) if tries < 50 => {
+                tries += 1;
+                eprintln!("checker: XRANGE {key}: {err}, retrying");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            Err(err) => panic!("XRANGE {key}: {err}"),
+        }
+    }
+}
+
 impl Source {
     pub async fn setup(kind: BrokerKind, name: &str, at: &Endpoints) -> Source {
         match kind {
@@ -319,8 +337,7 @@ impl Source {
                 out
             }
             Source::Redis { conn, dlq, .. } => {
-                let mut conn = conn.clone();
-                let reply: redis::streams::StreamRangeReply = conn.xrange_all(dlq).await.unwrap();
+                let reply = xrange_all(conn, dlq).await;
                 reply
                     .ids
                     .into_iter()
@@ -539,8 +556,7 @@ impl Sink {
                 out
             }
             Sink::Redis { conn, key } => {
-                let mut conn = conn.clone();
-                let reply: redis::streams::StreamRangeReply = conn.xrange_all(key).await.unwrap();
+                let reply = xrange_all(conn, key).await;
                 reply
                     .ids
                     .into_iter()
