@@ -125,7 +125,7 @@ pub async fn pg_store_pool(
     settings: Arc<SessionSettings>,
     backends: Arc<Mutex<Vec<i32>>>,
     max: u32,
-) -> PgPool {
+) -> Result<PgPool, sqlx::Error> {
     let options = sqlx::postgres::PgConnectOptions::from_str(url)
         .expect("PostgreSQL URL")
         .application_name("idempotent-checker");
@@ -148,7 +148,6 @@ pub async fn pg_store_pool(
         })
         .connect_with(options)
         .await
-        .expect("PostgreSQL")
 }
 
 pub async fn my_store_pool(settings: Arc<SessionSettings>, backends: Arc<Mutex<Vec<u64>>>, max: u32) -> MySqlPool {
@@ -222,7 +221,9 @@ pub async fn open(cfg: &Config, name: &str, sink: Option<String>, pg_url: &str) 
     let (ledger, admin, batch): (Arc<dyn Ledger>, Admin, Option<BatchTarget>) = match cfg.store {
         StoreKind::Pg | StoreKind::PgPartitioned => {
             let backends = Arc::default();
-            let pool = pg_store_pool(pg_url, Arc::clone(&settings), Arc::clone(&backends), 8).await;
+            let pool = pg_store_pool(pg_url, Arc::clone(&settings), Arc::clone(&backends), 8)
+                .await
+                .expect("PostgreSQL");
             let admin = sqlx::postgres::PgPoolOptions::new()
                 .max_connections(2)
                 .connect(pg_url)

@@ -481,7 +481,11 @@ async fn relay_with<S: OutboxStore>(store: S, plan: RelayPlan) {
             .batch_size(16)
             .spawn(),
         BrokerKind::JetStream => {
-            let js = async_nats::jetstream::new(async_nats::connect(plan.at.nats.as_str()).await.expect("NATS"));
+            let nats = retrying("the relay's NATS connection", || {
+                async_nats::connect(plan.at.nats.as_str())
+            })
+            .await;
+            let js = async_nats::jetstream::new(nats);
             Relay::builder(store, wrap(PublisherKind::Js(JetStreamPublisher::new(js))))
                 .poll_interval(Duration::from_millis(50))
                 .publish_timeout(Duration::from_secs(2))
@@ -491,7 +495,10 @@ async fn relay_with<S: OutboxStore>(store: S, plan: RelayPlan) {
         }
         BrokerKind::RedisStreams => {
             let client = redis::Client::open(plan.at.redis.as_str()).unwrap();
-            let conn = redis::aio::ConnectionManager::new(client).await.expect("Redis");
+            let conn = retrying("the relay's Redis connection", || {
+                redis::aio::ConnectionManager::new(client.clone())
+            })
+            .await;
             Relay::builder(store, wrap(PublisherKind::Redis(StreamPublisher::new(conn))))
                 .poll_interval(Duration::from_millis(50))
                 .publish_timeout(Duration::from_secs(2))
@@ -502,6 +509,25 @@ async fn relay_with<S: OutboxStore>(store: S, plan: RelayPlan) {
     };
     std::future::pending::<()>().await;
     drop(handle);
+}
+
+/// Connects, retrying for up to 60 s while the server is down (a relay
+/// started again during a restart).
+async fn retrying<T, E: std::fmt::Display, F: std::future::Future<Output = Result<T, E>>>(
+    what: &str,
+    mut connect: impl FnMut() -> F,
+) -> T {
+    let until = Instant::now() + Duration::from_secs(60);
+    loop {
+        match connect().await {
+            Ok(value) => return value,
+            Err(err) if Instant::now() < until => {
+                eprintln!("checker: {what}: {err}, retrying");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            Err(err) => panic!("{what}: {err}"),
+        }
+    }
 }
 
 /// One publisher type for the three brokers (one relay instantiation per
@@ -539,7 +565,10 @@ fn start_relay(plan: &RelayPlan) -> tokio::runtime::Runtime {
                 settings,
                 partitioned,
             } => {
-                let pool = db::pg_store_pool(&url, settings, Arc::default(), 2).await;
+                let pool = retrying("the relay's PostgreSQL pool", || {
+                    db::pg_store_pool(&url, Arc::clone(&settings), Arc::default(), 2)
+                })
+                .await;
                 let mut builder = PgStore::builder(pool).table(&markers).outbox_table(&outbox);
                 if partitioned {
                     builder = builder.partitioned(Duration::from_secs(24 * 3600));
