@@ -105,7 +105,12 @@
 //! (MariaDB, batches of 8, consumers aborted mid-flight and after `Ok`)
 //! sometimes ends with a store pool that does not close: a connection was
 //! never returned to it (reported as "hung"; effects and dead letters are
-//! right).
+//! right). With restarts (20 configurations from seed 1000 with
+//! `restart=only`: 16 broker and 5 database restarts) no message was lost,
+//! applied twice or dead-lettered with an effect; the same pool symptom
+//! showed on seeds 1021 (PostgreSQL, Redis Streams restarted, consumer
+//! aborted after `Ok`) and 1039 (MariaDB, RabbitMQ restarted), each once
+//! and not on every run (a replay of 1021 passed).
 //!
 //! # Running it
 //!
