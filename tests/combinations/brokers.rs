@@ -24,6 +24,27 @@ use super::config::BrokerKind;
 
 pub const AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
 pub const NATS_URL: &str = "127.0.0.1:4222";
+
+/// Where a configuration's services are: the shared ones, or a private
+/// server (restarted during the run).
+#[derive(Debug, Clone)]
+pub struct Endpoints {
+    pub amqp: String,
+    pub nats: String,
+    pub redis: String,
+    pub pg: String,
+}
+
+impl Default for Endpoints {
+    fn default() -> Endpoints {
+        Endpoints {
+            amqp: AMQP_URL.into(),
+            nats: NATS_URL.into(),
+            redis: common::REDIS_URL.into(),
+            pg: common::PG_URL.into(),
+        }
+    }
+}
 /// How long a message held by a consumer that died takes to come back
 /// (JetStream's ack wait, Redis Streams' claim idle time).
 pub const REDELIVERY: Duration = Duration::from_millis(800);
@@ -38,8 +59,9 @@ fn fast() -> Backoff {
 #[allow(clippy::large_enum_variant)] // one per run
 pub enum Source {
     Rabbit {
-        conn: Connection,
-        admin: Channel,
+        url: String,
+        /// Connected again when a restart closed it.
+        admin: tokio::sync::Mutex<(Connection, Channel)>,
         queue: String,
         dlq: String,
     },
@@ -53,7 +75,8 @@ pub enum Source {
     },
     Redis {
         client: redis::Client,
-        conn: redis::aio::MultiplexedConnection,
+        /// Reconnects by itself after a restart.
+        conn: redis::aio::ConnectionManager,
         stream: String,
         dlq: String,
     },
@@ -67,15 +90,49 @@ fn amqp_text(value: &AMQPValue) -> String {
     }
 }
 
+/// A connection and a channel in confirm mode.
+async fn rabbit_channel(url: &str) -> Result<(Connection, Channel), idempotent_runtime::lapin::Error> {
+    let conn = Connection::connect(url, ConnectionProperties::default()).await?;
+    let channel = conn.create_channel().await?;
+    channel.confirm_select(ConfirmSelectOptions::default()).await?;
+    Ok((conn, channel))
+}
+
+/// The admin channel, connected again if a restart closed it (if that
+/// fails, the closed one: the operation fails and is retried by its caller).
+async fn live_channel(url: &str, admin: &tokio::sync::Mutex<(Connection, Channel)>) -> Channel {
+    let mut held = admin.lock().await;
+    if !held.1.status().connected()
+        && let Ok(fresh) = rabbit_channel(url).await
+    {
+        *held = fresh;
+    }
+    held.1.clone()
+}
+
+/// `XRANGE key - +`, retried while the connection manager reconnects (its
+/// first command after a restart fails).
+async fn xrange_all(conn: &redis::aio::ConnectionManager, key: &str) -> redis::streams::StreamRangeReply {
+    let mut tries = 0;
+    loop {
+        let mut conn = conn.clone();
+        match conn.xrange_all(key).await {
+            Ok(reply) => return reply,
+            Err(err) if tries < 50 => {
+                tries += 1;
+                eprintln!("checker: XRANGE {key}: {err}, retrying");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            Err(err) => panic!("XRANGE {key}: {err}"),
+        }
+    }
+}
+
 impl Source {
-    pub async fn setup(kind: BrokerKind, name: &str) -> Source {
+    pub async fn setup(kind: BrokerKind, name: &str, at: &Endpoints) -> Source {
         match kind {
             BrokerKind::Rabbit => {
-                let conn = Connection::connect(AMQP_URL, ConnectionProperties::default())
-                    .await
-                    .expect("RabbitMQ at 127.0.0.1:5672");
-                let admin = conn.create_channel().await.unwrap();
-                admin.confirm_select(ConfirmSelectOptions::default()).await.unwrap();
+                let (conn, admin) = rabbit_channel(&at.amqp).await.expect("RabbitMQ");
                 let queue = format!("{name}.in");
                 let dlq = format!("{name}.dlq");
                 for q in [&queue, &dlq] {
@@ -85,14 +142,14 @@ impl Source {
                         .unwrap();
                 }
                 Source::Rabbit {
-                    conn,
-                    admin,
+                    url: at.amqp.clone(),
+                    admin: tokio::sync::Mutex::new((conn, admin)),
                     queue,
                     dlq,
                 }
             }
             BrokerKind::JetStream => {
-                let js = jetstream::new(async_nats::connect(NATS_URL).await.expect("NATS at 127.0.0.1:4222"));
+                let js = jetstream::new(async_nats::connect(at.nats.as_str()).await.expect("NATS"));
                 let stream_name = name.to_uppercase().replace('.', "_");
                 let subject = format!("{name}.in");
                 let dlq_subject = format!("{name}.dlq");
@@ -132,11 +189,8 @@ impl Source {
                 }
             }
             BrokerKind::RedisStreams => {
-                let client = redis::Client::open(common::REDIS_URL).unwrap();
-                let conn = client
-                    .get_multiplexed_async_connection()
-                    .await
-                    .expect("Redis at 127.0.0.1:6379");
+                let client = redis::Client::open(at.redis.as_str()).unwrap();
+                let conn = redis::aio::ConnectionManager::new(client.clone()).await.expect("Redis");
                 Source::Redis {
                     client,
                     conn,
@@ -149,7 +203,7 @@ impl Source {
 
     pub fn rabbit(&self, prefetch: u16) -> ConsumerBuilder<Rabbit> {
         match self {
-            Source::Rabbit { queue, dlq, .. } => RabbitConsumer::builder(AMQP_URL, queue)
+            Source::Rabbit { url, queue, dlq, .. } => RabbitConsumer::builder(url, queue)
                 .prefetch(prefetch)
                 .dead_letter_queue(dlq)
                 .retry_backoff(fast())
@@ -195,6 +249,7 @@ impl Source {
     pub async fn publish(&self, body: &[u8], id: &str) {
         match self {
             Source::Rabbit { admin, queue, .. } => {
+                let admin = admin.lock().await.1.clone();
                 let props = BasicProperties::default()
                     .with_message_id(id.into())
                     .with_delivery_mode(2);
@@ -234,7 +289,8 @@ impl Source {
     /// Every dead letter (read without consuming on RabbitMQ: requeued).
     pub async fn dead_letters(&self) -> Vec<DeadLetter> {
         match self {
-            Source::Rabbit { admin, dlq, .. } => {
+            Source::Rabbit { url, admin, dlq, .. } => {
+                let admin = live_channel(url, admin).await;
                 let mut out = Vec::new();
                 let mut held = Vec::new();
                 while let Some(msg) = admin
@@ -281,8 +337,7 @@ impl Source {
                 out
             }
             Source::Redis { conn, dlq, .. } => {
-                let mut conn = conn.clone();
-                let reply: redis::streams::StreamRangeReply = conn.xrange_all(dlq).await.unwrap();
+                let reply = xrange_all(conn, dlq).await;
                 reply
                     .ids
                     .into_iter()
@@ -301,7 +356,8 @@ impl Source {
     /// Messages neither settled nor dead-lettered (ready or held).
     pub async fn backlog(&self) -> u64 {
         match self {
-            Source::Rabbit { admin, queue, .. } => {
+            Source::Rabbit { url, admin, queue, .. } => {
+                let admin = live_channel(url, admin).await;
                 let passive = QueueDeclareOptions {
                     passive: true,
                     ..QueueDeclareOptions::default()
@@ -342,17 +398,14 @@ impl Source {
     /// them out; the others count them in `backlog`).
     pub async fn teardown(self) {
         match self {
-            Source::Rabbit {
-                conn,
-                admin,
-                queue,
-                dlq,
-            } => {
+            Source::Rabbit { url, admin, queue, dlq } => {
+                let channel = live_channel(&url, &admin).await;
                 for q in [&queue, &dlq] {
-                    let _ = admin
+                    let _ = channel
                         .queue_delete(q.as_str().into(), QueueDeleteOptions::default())
                         .await;
                 }
+                let (conn, _) = admin.into_inner();
                 let _ = conn.close(200, "checker done".into()).await;
             }
             Source::Js {
@@ -375,6 +428,7 @@ impl Source {
 #[allow(clippy::large_enum_variant)] // one per run
 pub enum Sink {
     Rabbit {
+        url: String,
         conn: Connection,
         channel: Channel,
         queue: String,
@@ -385,18 +439,18 @@ pub enum Sink {
         subject: String,
     },
     Redis {
-        conn: redis::aio::MultiplexedConnection,
+        conn: redis::aio::ConnectionManager,
         key: String,
     },
 }
 
 impl Sink {
-    pub async fn setup(kind: BrokerKind, name: &str) -> Sink {
+    pub async fn setup(kind: BrokerKind, name: &str, at: &Endpoints) -> Sink {
         match kind {
             BrokerKind::Rabbit => {
-                let conn = Connection::connect(AMQP_URL, ConnectionProperties::default())
+                let conn = Connection::connect(&at.amqp, ConnectionProperties::default())
                     .await
-                    .expect("RabbitMQ at 127.0.0.1:5672");
+                    .expect("RabbitMQ");
                 let channel = conn.create_channel().await.unwrap();
                 let queue = format!("{name}.sink");
                 channel
@@ -407,10 +461,15 @@ impl Sink {
                     )
                     .await
                     .unwrap();
-                Sink::Rabbit { conn, channel, queue }
+                Sink::Rabbit {
+                    url: at.amqp.clone(),
+                    conn,
+                    channel,
+                    queue,
+                }
             }
             BrokerKind::JetStream => {
-                let js = jetstream::new(async_nats::connect(NATS_URL).await.expect("NATS at 127.0.0.1:4222"));
+                let js = jetstream::new(async_nats::connect(at.nats.as_str()).await.expect("NATS"));
                 let stream = format!("{}_SINK", name.to_uppercase().replace('.', "_"));
                 let subject = format!("{name}.sink");
                 js.create_stream(stream::Config {
@@ -424,8 +483,8 @@ impl Sink {
                 Sink::Js { js, stream, subject }
             }
             BrokerKind::RedisStreams => {
-                let client = redis::Client::open(common::REDIS_URL).unwrap();
-                let conn = client.get_multiplexed_async_connection().await.expect("Redis");
+                let client = redis::Client::open(at.redis.as_str()).unwrap();
+                let conn = redis::aio::ConnectionManager::new(client).await.expect("Redis");
                 Sink::Redis {
                     conn,
                     key: format!("{name}.sink"),
@@ -454,7 +513,15 @@ impl Sink {
     /// Everything delivered: (message id, payload).
     pub async fn read(&self) -> Vec<(String, Vec<u8>)> {
         match self {
-            Sink::Rabbit { channel, queue, .. } => {
+            Sink::Rabbit {
+                url, channel, queue, ..
+            } => {
+                // Connected again if a restart closed the channel.
+                let fresh = match channel.status().connected() {
+                    true => None,
+                    false => Some(rabbit_channel(url).await.expect("RabbitMQ after its restart")),
+                };
+                let channel = fresh.as_ref().map_or(channel, |(_, c)| c);
                 let mut out = Vec::new();
                 while let Some(m) = channel
                     .basic_get(queue.as_str().into(), BasicGetOptions { no_ack: true })
@@ -489,8 +556,7 @@ impl Sink {
                 out
             }
             Sink::Redis { conn, key } => {
-                let mut conn = conn.clone();
-                let reply: redis::streams::StreamRangeReply = conn.xrange_all(key).await.unwrap();
+                let reply = xrange_all(conn, key).await;
                 reply
                     .ids
                     .into_iter()
@@ -511,7 +577,17 @@ impl Sink {
 
     pub async fn teardown(self) {
         match self {
-            Sink::Rabbit { conn, channel, queue } => {
+            Sink::Rabbit {
+                url,
+                conn,
+                channel,
+                queue,
+            } => {
+                let fresh = match channel.status().connected() {
+                    true => None,
+                    false => rabbit_channel(&url).await.ok(),
+                };
+                let channel = fresh.as_ref().map_or(&channel, |(_, c)| c);
                 let _ = channel
                     .queue_delete(queue.as_str().into(), QueueDeleteOptions::default())
                     .await;

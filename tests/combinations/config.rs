@@ -1,6 +1,7 @@
 //! A configuration and its fault schedule, both drawn from one seed.
 
 use std::collections::BTreeMap;
+use std::time::Duration;
 
 /// splitmix64: small, deterministic, no dependency.
 #[derive(Debug, Clone)]
@@ -122,10 +123,15 @@ pub enum FaultKind {
     /// A server setting changes while the consumers run (and is reset
     /// after).
     SettingChange,
+    /// The broker (a private server) is restarted while the consumers run.
+    BrokerRestart,
+    /// The store's database (a private PostgreSQL) is restarted while the
+    /// consumers run.
+    DbRestart,
 }
 
 impl FaultKind {
-    pub const ALL: [FaultKind; 12] = [
+    pub const ALL: [FaultKind; 14] = [
         FaultKind::HandlerError,
         FaultKind::Panic,
         FaultKind::Cancel,
@@ -138,6 +144,8 @@ impl FaultKind {
         FaultKind::RelayKillBeforePublish,
         FaultKind::RelayKillAfterConfirm,
         FaultKind::SettingChange,
+        FaultKind::BrokerRestart,
+        FaultKind::DbRestart,
     ];
     pub fn name(self) -> &'static str {
         match self {
@@ -153,6 +161,8 @@ impl FaultKind {
             FaultKind::RelayKillBeforePublish => "relay-kill-before",
             FaultKind::RelayKillAfterConfirm => "relay-kill-after",
             FaultKind::SettingChange => "setting-change",
+            FaultKind::BrokerRestart => "broker-restart",
+            FaultKind::DbRestart => "db-restart",
         }
     }
     pub fn parse(name: &str) -> Option<FaultKind> {
@@ -178,6 +188,10 @@ pub enum TimedFault {
     ConsumerKill,
     DbKill,
     SettingChange,
+    /// The private broker goes down for this long and comes back.
+    BrokerRestart(Duration),
+    /// The private PostgreSQL goes down for this long and comes back.
+    DbRestart(Duration),
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -202,6 +216,11 @@ pub struct Schedule {
     /// Relay kills, at the n-th publish call.
     pub relay: Vec<(u64, RelayKill)>,
 }
+
+/// The first seed that draws restarts (broker and database): the long
+/// form's seeds (`IDEMPOTENT_CHECKER_START` defaults to it); the short
+/// form's fixed seeds below it draw none, except those listed from here up.
+pub const RESTARTS_FROM: u64 = 1000;
 
 /// One configuration of the library, with its fault schedule.
 #[derive(Debug, Clone)]
@@ -334,6 +353,25 @@ impl Config {
                 .timed
                 .push((calls / 10 + rng.below(calls / 2), TimedFault::SettingChange));
         }
+        // Restarts come from a stream of their own too, and only for the
+        // seeds of the long form (`RESTARTS_FROM` and up), so that the
+        // short form stays fast and a replay draws the same restarts.
+        if seed >= RESTARTS_FROM {
+            let mut restarts = Rng::new(seed ^ 0x0005_7a27);
+            let broker_restart = restarts.percent(25);
+            let db_restart = store.is_pg() && restarts.percent(25);
+            let mut draw = |kind: fn(Duration) -> TimedFault| {
+                let at = calls / 10 + restarts.below(calls * 6 / 10);
+                let down = Duration::from_millis(300 + restarts.below(1700));
+                (at, kind(down))
+            };
+            if broker_restart && allowed(FaultKind::BrokerRestart) {
+                schedule.timed.push(draw(TimedFault::BrokerRestart));
+            }
+            if db_restart && allowed(FaultKind::DbRestart) {
+                schedule.timed.push(draw(TimedFault::DbRestart));
+            }
+        }
         schedule.timed.sort_by_key(|(at, _)| *at);
         if outbox != OutboxMode::Off {
             for _ in 0..rng.below(3) {
@@ -367,6 +405,23 @@ impl Config {
         }
     }
 
+    /// The broker runs on a private server, restarted during the run.
+    pub fn broker_restart(&self) -> bool {
+        self.schedule
+            .timed
+            .iter()
+            .any(|(_, f)| matches!(f, TimedFault::BrokerRestart(_)))
+    }
+
+    /// The store's database is a private PostgreSQL, restarted during the
+    /// run.
+    pub fn db_restart(&self) -> bool {
+        self.schedule
+            .timed
+            .iter()
+            .any(|(_, f)| matches!(f, TimedFault::DbRestart(_)))
+    }
+
     /// The sink's broker when the outbox is on.
     pub fn sink(&self) -> Option<BrokerKind> {
         match self.outbox {
@@ -379,7 +434,7 @@ impl Config {
     /// One line: what is combined.
     pub fn summary(&self) -> String {
         format!(
-            "seed {:>5}: {:?}{}{} / {:?} / outbox {:?} / fp {} / {} / {}x{} / {} msgs +{} dup / faults: {} body, {} doomed, {} poison, {} abort-after-commit, {} timed, {} relay",
+            "seed {:>5}: {:?}{}{} / {:?} / outbox {:?} / fp {} / {} / {}x{} / {} msgs +{} dup / faults: {} body, {} doomed, {} poison, {} abort-after-commit, {} timed, {} relay{}{}",
             self.seed,
             self.store,
             if self.cached { "+cache" } else { "" },
@@ -398,6 +453,8 @@ impl Config {
             self.schedule.abort_after_commit.len(),
             self.schedule.timed.len(),
             self.schedule.relay.len(),
+            if self.broker_restart() { ", broker restart" } else { "" },
+            if self.db_restart() { ", db restart" } else { "" },
         )
     }
 }

@@ -79,6 +79,7 @@ pub enum Admin {
 #[derive(Debug, Clone)]
 pub enum RelayDb {
     Pg {
+        url: String,
         markers: String,
         outbox: String,
         settings: Arc<SessionSettings>,
@@ -119,9 +120,14 @@ pub struct Opened {
     pub redis_prefix: Option<String>,
 }
 
-pub async fn pg_store_pool(settings: Arc<SessionSettings>, backends: Arc<Mutex<Vec<i32>>>, max: u32) -> PgPool {
-    let options = sqlx::postgres::PgConnectOptions::from_str(common::PG_URL)
-        .expect("PG_URL")
+pub async fn pg_store_pool(
+    url: &str,
+    settings: Arc<SessionSettings>,
+    backends: Arc<Mutex<Vec<i32>>>,
+    max: u32,
+) -> Result<PgPool, sqlx::Error> {
+    let options = sqlx::postgres::PgConnectOptions::from_str(url)
+        .expect("PostgreSQL URL")
         .application_name("idempotent-checker");
     sqlx::postgres::PgPoolOptions::new()
         .max_connections(max)
@@ -142,7 +148,6 @@ pub async fn pg_store_pool(settings: Arc<SessionSettings>, backends: Arc<Mutex<V
         })
         .connect_with(options)
         .await
-        .expect("PostgreSQL at 127.0.0.1:5432")
 }
 
 pub async fn my_store_pool(settings: Arc<SessionSettings>, backends: Arc<Mutex<Vec<u64>>>, max: u32) -> MySqlPool {
@@ -197,7 +202,9 @@ fn variant(cfg: &Config) -> Variant {
 const CACHE: usize = 10_000;
 
 /// Opens the store of `cfg`, its tables and its ledger.
-pub async fn open(cfg: &Config, name: &str, sink: Option<String>) -> Opened {
+/// Opens the configuration's store (PostgreSQL at `pg_url`: the shared
+/// server or a private one).
+pub async fn open(cfg: &Config, name: &str, sink: Option<String>, pg_url: &str) -> Opened {
     let markers = format!("{name}_m");
     let outbox = format!("{name}_o");
     let effects = format!("{name}_e");
@@ -214,8 +221,14 @@ pub async fn open(cfg: &Config, name: &str, sink: Option<String>) -> Opened {
     let (ledger, admin, batch): (Arc<dyn Ledger>, Admin, Option<BatchTarget>) = match cfg.store {
         StoreKind::Pg | StoreKind::PgPartitioned => {
             let backends = Arc::default();
-            let pool = pg_store_pool(Arc::clone(&settings), Arc::clone(&backends), 8).await;
-            let admin = common::pg_pool(2).await;
+            let pool = pg_store_pool(pg_url, Arc::clone(&settings), Arc::clone(&backends), 8)
+                .await
+                .expect("PostgreSQL");
+            let admin = sqlx::postgres::PgPoolOptions::new()
+                .max_connections(2)
+                .connect(pg_url)
+                .await
+                .expect("PostgreSQL");
             let mut builder = PgStore::builder(pool.clone()).table(&markers).outbox_table(&outbox);
             if cfg.store == StoreKind::PgPartitioned {
                 builder = builder.partitioned(Duration::from_secs(24 * 3600));
@@ -246,6 +259,7 @@ pub async fn open(cfg: &Config, name: &str, sink: Option<String>) -> Opened {
                 Box::pin(async move { s.pending().await.map(|(n, _)| n).unwrap_or(u64::MAX) })
             }));
             relay = Some(RelayDb::Pg {
+                url: pg_url.into(),
                 markers: markers.clone(),
                 outbox: outbox.clone(),
                 settings: Arc::clone(&settings),

@@ -16,7 +16,7 @@ use idempotent_runtime::{MySqlStore, PgStore, SqliteStore, redis};
 use tokio::sync::{Notify, mpsc};
 use tokio::task::JoinHandle;
 
-use super::brokers::{AMQP_URL, NATS_URL, Sink, Source};
+use super::brokers::{Endpoints, Sink, Source};
 use super::common;
 use super::config::{BodyFault, BrokerKind, Config, FaultKind, RelayKill, TimedFault};
 use super::db::{self, BatchTarget, Opened, RelayDb};
@@ -214,10 +214,95 @@ struct Fired {
     aborts_after_commit: u64,
     db_kills: u64,
     setting_changes: u64,
+    broker_restarts: u64,
+    db_restarts: u64,
+}
+
+/// The private servers of a configuration with restarts (`broker-restart`:
+/// its broker; `db-restart`: its PostgreSQL), stopped when dropped, also
+/// when the configuration fails or panics.
+#[derive(Default, Clone)]
+struct Private {
+    rabbit: Option<Arc<common::servers::PrivateRabbit>>,
+    /// NATS or Redis.
+    child: Option<Arc<Mutex<common::servers::ChildServer>>>,
+    pg: Option<Arc<common::servers::PrivatePostgres>>,
+}
+
+impl Private {
+    /// Starts the servers `cfg` restarts, and says where they are.
+    async fn start(cfg: &Config) -> (Private, Endpoints) {
+        let mut at = Endpoints::default();
+        let mut private = Private::default();
+        if cfg.broker_restart() {
+            match cfg.broker {
+                BrokerKind::Rabbit => {
+                    let rabbit = blocking(common::servers::PrivateRabbit::start).await;
+                    at.amqp = rabbit.url();
+                    private.rabbit = Some(Arc::new(rabbit));
+                }
+                BrokerKind::JetStream => {
+                    let nats = blocking(common::servers::ChildServer::nats).await;
+                    at.nats = nats.nats_url();
+                    private.child = Some(Arc::new(Mutex::new(nats)));
+                }
+                BrokerKind::RedisStreams => {
+                    let redis = blocking(common::servers::ChildServer::redis).await;
+                    at.redis = redis.redis_url();
+                    private.child = Some(Arc::new(Mutex::new(redis)));
+                }
+            }
+        }
+        if cfg.db_restart() {
+            let pg = blocking(common::servers::PrivatePostgres::start).await;
+            at.pg = pg.url();
+            private.pg = Some(Arc::new(pg));
+        }
+        (private, at)
+    }
+
+    /// Restarts the broker (down for `down`), on a blocking thread.
+    async fn restart_broker(&self, down: Duration) {
+        let private = self.clone();
+        blocking(move || {
+            if let Some(rabbit) = &private.rabbit {
+                rabbit.restart(down);
+            }
+            if let Some(child) = &private.child {
+                child.lock().unwrap().restart(down);
+            }
+        })
+        .await
+    }
+
+    /// Restarts the PostgreSQL (down for `down`), on a blocking thread.
+    async fn restart_db(&self, down: Duration) {
+        let private = self.clone();
+        blocking(move || {
+            if let Some(pg) = &private.pg {
+                pg.restart(down);
+            }
+        })
+        .await
+    }
+
+    /// Stops the servers, on a blocking thread.
+    async fn stop(self) {
+        blocking(move || drop(self)).await
+    }
+}
+
+/// Runs `f` on a blocking thread (a panic there is the caller's).
+async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
+    match tokio::task::spawn_blocking(f).await {
+        Ok(value) => value,
+        Err(err) => std::panic::resume_unwind(err.into_panic()),
+    }
 }
 
 /// Consumes until drained (or the deadline), firing the timed faults.
 /// Returns the messages left unsettled.
+#[allow(clippy::too_many_arguments)] // the run's parts, each borrowed its own way
 async fn drive<B: Broker>(
     cfg: &Config,
     make: &(dyn Fn() -> ConsumerBuilder<B> + Send + Sync),
@@ -225,6 +310,7 @@ async fn drive<B: Broker>(
     source: &Source,
     mut abort_rx: mpsc::UnboundedReceiver<usize>,
     fired: &mut Fired,
+    private: &Private,
     violations: &mut Vec<String>,
 ) -> u64 {
     let start = Instant::now();
@@ -267,6 +353,14 @@ async fn drive<B: Broker>(
                 TimedFault::SettingChange => {
                     bounded("setting change", violations, sh.opened.change_setting(true)).await;
                     fired.setting_changes += 1;
+                }
+                TimedFault::BrokerRestart(down) => {
+                    bounded("restart of the broker", violations, private.restart_broker(*down)).await;
+                    fired.broker_restarts += 1;
+                }
+                TimedFault::DbRestart(down) => {
+                    bounded("restart of the database", violations, private.restart_db(*down)).await;
+                    fired.db_restarts += 1;
                 }
             }
             timed.next();
@@ -363,6 +457,8 @@ impl<P: Publisher> Publisher for KillingPublisher<P> {
 struct RelayPlan {
     db: RelayDb,
     sink: BrokerKind,
+    /// The sink's broker (the private one when it is the restarted broker).
+    at: Endpoints,
     calls: Arc<AtomicU64>,
     kills: Arc<Mutex<Vec<(u64, RelayKill)>>>,
     killed: Arc<Notify>,
@@ -378,14 +474,18 @@ async fn relay_with<S: OutboxStore>(store: S, plan: RelayPlan) {
         fired: Arc::clone(&plan.fired),
     };
     let handle = match plan.sink {
-        BrokerKind::Rabbit => Relay::builder(store, wrap(PublisherKind::Rabbit(RabbitPublisher::new(AMQP_URL))))
+        BrokerKind::Rabbit => Relay::builder(store, wrap(PublisherKind::Rabbit(RabbitPublisher::new(&plan.at.amqp))))
             .poll_interval(Duration::from_millis(50))
             .publish_timeout(Duration::from_secs(2))
             .retry_backoff(Duration::from_millis(20), Duration::from_millis(200))
             .batch_size(16)
             .spawn(),
         BrokerKind::JetStream => {
-            let js = async_nats::jetstream::new(async_nats::connect(NATS_URL).await.expect("NATS"));
+            let nats = retrying("the relay's NATS connection", || {
+                async_nats::connect(plan.at.nats.as_str())
+            })
+            .await;
+            let js = async_nats::jetstream::new(nats);
             Relay::builder(store, wrap(PublisherKind::Js(JetStreamPublisher::new(js))))
                 .poll_interval(Duration::from_millis(50))
                 .publish_timeout(Duration::from_secs(2))
@@ -394,8 +494,11 @@ async fn relay_with<S: OutboxStore>(store: S, plan: RelayPlan) {
                 .spawn()
         }
         BrokerKind::RedisStreams => {
-            let client = redis::Client::open(common::REDIS_URL).unwrap();
-            let conn = redis::aio::ConnectionManager::new(client).await.expect("Redis");
+            let client = redis::Client::open(plan.at.redis.as_str()).unwrap();
+            let conn = retrying("the relay's Redis connection", || {
+                redis::aio::ConnectionManager::new(client.clone())
+            })
+            .await;
             Relay::builder(store, wrap(PublisherKind::Redis(StreamPublisher::new(conn))))
                 .poll_interval(Duration::from_millis(50))
                 .publish_timeout(Duration::from_secs(2))
@@ -406,6 +509,25 @@ async fn relay_with<S: OutboxStore>(store: S, plan: RelayPlan) {
     };
     std::future::pending::<()>().await;
     drop(handle);
+}
+
+/// Connects, retrying for up to 60 s while the server is down (a relay
+/// started again during a restart).
+async fn retrying<T, E: std::fmt::Display, F: std::future::Future<Output = Result<T, E>>>(
+    what: &str,
+    mut connect: impl FnMut() -> F,
+) -> T {
+    let until = Instant::now() + Duration::from_secs(60);
+    loop {
+        match connect().await {
+            Ok(value) => return value,
+            Err(err) if Instant::now() < until => {
+                eprintln!("checker: {what}: {err}, retrying");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            Err(err) => panic!("{what}: {err}"),
+        }
+    }
 }
 
 /// One publisher type for the three brokers (one relay instantiation per
@@ -437,12 +559,16 @@ fn start_relay(plan: &RelayPlan) -> tokio::runtime::Runtime {
     rt.spawn(async move {
         match plan.db.clone() {
             RelayDb::Pg {
+                url,
                 markers,
                 outbox,
                 settings,
                 partitioned,
             } => {
-                let pool = db::pg_store_pool(settings, Arc::default(), 2).await;
+                let pool = retrying("the relay's PostgreSQL pool", || {
+                    db::pg_store_pool(&url, Arc::clone(&settings), Arc::default(), 2)
+                })
+                .await;
                 let mut builder = PgStore::builder(pool).table(&markers).outbox_table(&outbox);
                 if partitioned {
                     builder = builder.partitioned(Duration::from_secs(24 * 3600));
@@ -506,12 +632,13 @@ fn env_name(cfg: &Config) -> String {
 pub async fn run(cfg: &Config, sabotage: Option<Sabotage>) -> Report {
     let started = Instant::now();
     let name = env_name(cfg);
-    let source = Source::setup(cfg.broker, &name).await;
+    let (private, at) = Private::start(cfg).await;
+    let source = Source::setup(cfg.broker, &name, &at).await;
     let sink = match cfg.sink() {
-        Some(kind) => Some(Sink::setup(kind, &name).await),
+        Some(kind) => Some(Sink::setup(kind, &name, &at).await),
         None => None,
     };
-    let opened = Arc::new(db::open(cfg, &name, sink.as_ref().map(Sink::destination)).await);
+    let opened = Arc::new(db::open(cfg, &name, sink.as_ref().map(Sink::destination), &at.pg).await);
     let mut violations = Vec::new();
 
     // The relay.
@@ -520,6 +647,7 @@ pub async fn run(cfg: &Config, sabotage: Option<Sabotage>) -> Report {
         (Some(db), Some(sink)) => Some(supervise_relay(RelayPlan {
             db: db.clone(),
             sink: sink.kind(),
+            at: at.clone(),
             calls: Arc::default(),
             kills: Arc::new(Mutex::new(cfg.schedule.relay.clone())),
             killed: Arc::new(Notify::new()),
@@ -580,7 +708,17 @@ pub async fn run(cfg: &Config, sabotage: Option<Sabotage>) -> Report {
                     .concurrency(cfg.concurrency)
                     .max_attempts(cfg.max_attempts)
             };
-            drive(cfg, &make, &sh, &source, abort_rx, &mut fired, &mut violations).await
+            drive(
+                cfg,
+                &make,
+                &sh,
+                &source,
+                abort_rx,
+                &mut fired,
+                &private,
+                &mut violations,
+            )
+            .await
         }
         BrokerKind::JetStream => {
             let make = || {
@@ -588,7 +726,17 @@ pub async fn run(cfg: &Config, sabotage: Option<Sabotage>) -> Report {
                     .concurrency(cfg.concurrency)
                     .max_attempts(cfg.max_attempts)
             };
-            drive(cfg, &make, &sh, &source, abort_rx, &mut fired, &mut violations).await
+            drive(
+                cfg,
+                &make,
+                &sh,
+                &source,
+                abort_rx,
+                &mut fired,
+                &private,
+                &mut violations,
+            )
+            .await
         }
         BrokerKind::RedisStreams => {
             let make = || {
@@ -596,7 +744,17 @@ pub async fn run(cfg: &Config, sabotage: Option<Sabotage>) -> Report {
                     .concurrency(cfg.concurrency)
                     .max_attempts(cfg.max_attempts)
             };
-            drive(cfg, &make, &sh, &source, abort_rx, &mut fired, &mut violations).await
+            drive(
+                cfg,
+                &make,
+                &sh,
+                &source,
+                abort_rx,
+                &mut fired,
+                &private,
+                &mut violations,
+            )
+            .await
         }
     };
     if fired.setting_changes > 0 {
@@ -844,6 +1002,8 @@ pub async fn run(cfg: &Config, sabotage: Option<Sabotage>) -> Report {
     faults.insert(FaultKind::AbortAfterCommit, fired.aborts_after_commit);
     faults.insert(FaultKind::DbKill, fired.db_kills);
     faults.insert(FaultKind::SettingChange, fired.setting_changes);
+    faults.insert(FaultKind::BrokerRestart, fired.broker_restarts);
+    faults.insert(FaultKind::DbRestart, fired.db_restarts);
     for (k, v) in relay_fired.lock().unwrap().iter() {
         faults.insert(*k, *v);
     }
@@ -858,6 +1018,7 @@ pub async fn run(cfg: &Config, sabotage: Option<Sabotage>) -> Report {
     if let Some(problems) = bounded("clean-up of the store", &mut violations, opened.teardown()).await {
         violations.extend(problems);
     }
+    private.stop().await;
     Report {
         config: cfg.clone(),
         counts,
