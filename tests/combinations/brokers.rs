@@ -268,13 +268,28 @@ impl Source {
                 assert!(confirm.is_ack());
             }
             Source::Js { js, subject, .. } => {
-                let mut headers = HeaderMap::new();
-                headers.insert("Nats-Msg-Id", id);
-                js.publish_with_headers(subject.clone(), headers, body.to_vec().into())
-                    .await
-                    .unwrap()
-                    .await
-                    .unwrap();
+                // The server's acknowledgement can time out on a loaded
+                // machine; the same `Nats-Msg-Id` makes the retry a no-op
+                // for a copy already stored.
+                for attempt in 1.. {
+                    let mut headers = HeaderMap::new();
+                    headers.insert("Nats-Msg-Id", id);
+                    let acked = match js
+                        .publish_with_headers(subject.clone(), headers, body.to_vec().into())
+                        .await
+                    {
+                        Ok(ack) => ack.await.map(drop).map_err(|e| e.to_string()),
+                        Err(e) => Err(e.to_string()),
+                    };
+                    match acked {
+                        Ok(()) => break,
+                        Err(e) if attempt < 10 => {
+                            eprintln!("checker: JetStream publish of {id} failed ({e}), again");
+                            tokio::time::sleep(Duration::from_millis(200)).await;
+                        }
+                        Err(e) => panic!("JetStream publish of {id}: {e}"),
+                    }
+                }
             }
             Source::Redis { conn, stream, .. } => {
                 let mut conn = conn.clone();
