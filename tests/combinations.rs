@@ -122,6 +122,9 @@
 //! showed on seeds 1021 (PostgreSQL, Redis Streams restarted, consumer
 //! aborted after `Ok`) and 1039 (MariaDB, RabbitMQ restarted), each once
 //! and not on every run (a replay of 1021 passed).
+//! The long run of 200 configurations from seed 1220 (50 broker and 18
+//! database restarts, 39 462 messages) lost none and applied none twice;
+//! seeds 1239 and 1407 (MariaDB) showed the pool symptom.
 //!
 //! # Running it
 //!
