@@ -46,6 +46,20 @@
 //! a tokio runtime of its own, shut down abruptly, and a new relay is
 //! started).
 //!
+//! The faults a newcomer met (issue 33), from a stream of their own so
+//! that the rest of a seed's schedule is what it was before them: the
+//! consumers classify errors as the README tells users to
+//! (`Verdict::of_sqlx` for the database's, `Error::verdict` for the
+//! library's) and limit bodies to 2 KiB (`max_body_bytes`). About 1 message
+//! in 100 on transactional stores is refused by the database on every run
+//! (`data-error`: a NULL in a NOT NULL column after the effect, a
+//! rejection); about 1 in 100 reports an outage of its own on every run
+//! (`lone-outage`: `Verdict::Outage` while the others succeed; such
+//! configurations bound the retries in place with `max_outage_retries(3)`,
+//! as the end of a run has no other message to show the dependencies up);
+//! and up to 2 bodies over the size limit that would decode (`oversized`:
+//! the padding is an unknown field).
+//!
 //! Restarts, on private servers (`common::servers`: the shared services
 //! of this machine are never restarted), drawn only for seeds from
 //! `config::RESTARTS_FROM` (1000, the long form's default start) up, from
@@ -80,6 +94,10 @@
 //!    unless a consumer died in the run (it died after a dead letter was
 //!    stored and before the original was acknowledged, and the redelivery
 //!    was dead-lettered again: at least once, as the outbox publishes).
+//!    Every copy of a doomed, data-error or lone-outage message is
+//!    dead-lettered, as `exhausted`, `rejected` and `exhausted` (a consumer
+//!    that died may leave a copy to the last-delivery rule: `exhausted`),
+//!    and every oversized body once as `poison`, without an effect.
 //! 3. With the outbox: every committed effect's outgoing message arrived
 //!    at the sink, none of an effect that rolled back; messages delivered
 //!    twice by id (the relay's documented at-least-once publishing) are
@@ -144,7 +162,8 @@
 //! - `IDEMPOTENT_CHECKER_WITHOUT=panic,db-kill,..`: leaves fault kinds out
 //!   (names: `error panic cancel swallow poison doomed consumer-kill
 //!   abort-after-commit db-kill relay-kill-before relay-kill-after
-//!   setting-change broker-restart db-restart`).
+//!   setting-change broker-restart db-restart data-error lone-outage
+//!   oversized`).
 //! - `IDEMPOTENT_CHECKER_FORCE=store=pg,outbox=off,batch=off,cache=off,settings=default,..`:
 //!   overrides parts of the configuration, to minimise a failing seed
 //!   (see `force` for the keys). `restart=broker` and `restart=db` add a
@@ -155,9 +174,11 @@
 //! - `IDEMPOTENT_CHECKER_LOG=warn|info|debug`: the library's `tracing`
 //!   events on stderr; `IDEMPOTENT_CHECKER_DEADLINE=secs` (default 90): how
 //!   long a configuration may take to drain.
-//! - `IDEMPOTENT_CHECKER_SABOTAGE=lost|twice|dead|outbox`: breaks the run on
-//!   purpose (deletes an applied effect, adds one, gives a doomed message
-//!   an effect, drops an outgoing message at the sink) to see a check fire.
+//! - `IDEMPOTENT_CHECKER_SABOTAGE=lost|twice|dead|outbox|undead|unlimited`:
+//!   breaks the run on purpose (deletes an applied effect, adds one, gives a
+//!   doomed message an effect, drops an outgoing message at the sink, drops
+//!   a data error's dead letter, runs the consumers without the size limit)
+//!   to see a check fire.
 
 mod common;
 
@@ -203,8 +224,10 @@ fn without() -> Vec<FaultKind> {
 }
 
 fn sabotage() -> Option<Sabotage> {
-    env("IDEMPOTENT_CHECKER_SABOTAGE")
-        .map(|v| Sabotage::parse(&v).unwrap_or_else(|| panic!("unknown sabotage {v:?}: lost, twice, dead, outbox")))
+    env("IDEMPOTENT_CHECKER_SABOTAGE").map(|v| {
+        Sabotage::parse(&v)
+            .unwrap_or_else(|| panic!("unknown sabotage {v:?}: lost, twice, dead, outbox, undead, unlimited"))
+    })
 }
 
 /// Hides the panics the checker injects (the consumers catch them).
@@ -473,6 +496,12 @@ async fn the_checker_catches_each_sabotage() {
         cfg.duplicates = 12;
         cfg.schedule.body.retain(|id, _| id.as_str() < "m0060");
         cfg.schedule.doomed = vec!["m0059".into()];
+        cfg.schedule.data_error = vec!["m0058".into()];
+        cfg.schedule.lone_outage = vec!["m0057".into()];
+        cfg.schedule.oversized = 1;
+        for id in ["m0057", "m0058", "m0059"] {
+            cfg.schedule.body.remove(id);
+        }
         cfg.schedule.abort_after_commit.clear();
         cfg.schedule.timed.clear();
         cfg.schedule.relay.clear();
@@ -484,6 +513,8 @@ async fn the_checker_catches_each_sabotage() {
             Sabotage::Twice => "twice:",
             Sabotage::Dead => "every delivery dead-lettered",
             Sabotage::Outbox => "outbox: committed effects whose message never arrived",
+            Sabotage::Undead => "m0058 (data error): published",
+            Sabotage::Unlimited => "big-0: a body over the size limit was not dead-lettered",
         };
         assert!(
             report

@@ -128,10 +128,21 @@ pub enum FaultKind {
     /// The store's database (a private PostgreSQL) is restarted while the
     /// consumers run.
     DbRestart,
+    /// A message the database refuses on every run (a NULL in a NOT NULL
+    /// column): the handler's error is classified by `Verdict::of_sqlx`
+    /// as a rejection and the message dead-lettered at once.
+    DataError,
+    /// A message whose body reports an outage of its own on every run
+    /// (`Verdict::Outage`) while the others succeed: it must spend its
+    /// attempts and be dead-lettered, not be retried in place forever.
+    LoneOutage,
+    /// A body over the consumer's `max_body_bytes`: dead-lettered as
+    /// poison before it is decoded.
+    Oversized,
 }
 
 impl FaultKind {
-    pub const ALL: [FaultKind; 14] = [
+    pub const ALL: [FaultKind; 17] = [
         FaultKind::HandlerError,
         FaultKind::Panic,
         FaultKind::Cancel,
@@ -146,6 +157,9 @@ impl FaultKind {
         FaultKind::SettingChange,
         FaultKind::BrokerRestart,
         FaultKind::DbRestart,
+        FaultKind::DataError,
+        FaultKind::LoneOutage,
+        FaultKind::Oversized,
     ];
     pub fn name(self) -> &'static str {
         match self {
@@ -163,6 +177,9 @@ impl FaultKind {
             FaultKind::SettingChange => "setting-change",
             FaultKind::BrokerRestart => "broker-restart",
             FaultKind::DbRestart => "db-restart",
+            FaultKind::DataError => "data-error",
+            FaultKind::LoneOutage => "lone-outage",
+            FaultKind::Oversized => "oversized",
         }
     }
     pub fn parse(name: &str) -> Option<FaultKind> {
@@ -215,6 +232,12 @@ pub struct Schedule {
     pub timed: Vec<(u64, TimedFault)>,
     /// Relay kills, at the n-th publish call.
     pub relay: Vec<(u64, RelayKill)>,
+    /// Messages the database refuses on every run (transactional stores).
+    pub data_error: Vec<String>,
+    /// Messages whose body reports an outage on every run.
+    pub lone_outage: Vec<String>,
+    /// Bodies over the size limit published (each its own id, `big-N`).
+    pub oversized: usize,
 }
 
 /// The first seed that draws restarts (broker and database): the long
@@ -325,6 +348,28 @@ impl Config {
         if allowed(FaultKind::Poison) {
             schedule.poison = rng.below(4) as usize;
         }
+        // The faults the newcomer issue named (data errors, an outage of one
+        // message, oversized bodies) come from a stream of their own too.
+        let mut refused = Rng::new(seed ^ 0x0da7_a0e7);
+        for n in 0..messages {
+            let roll = refused.below(200);
+            if schedule.doomed.contains(&id(n)) {
+                continue;
+            }
+            let list = if roll < 2 && store.transactional() && allowed(FaultKind::DataError) {
+                &mut schedule.data_error
+            } else if (2..4).contains(&roll) && allowed(FaultKind::LoneOutage) {
+                &mut schedule.lone_outage
+            } else {
+                continue;
+            };
+            // Its runs all fail the same way: no other body fault.
+            schedule.body.remove(&id(n));
+            list.push(id(n));
+        }
+        if allowed(FaultKind::Oversized) {
+            schedule.oversized = refused.below(3) as usize;
+        }
         if allowed(FaultKind::AbortAfterCommit) {
             for _ in 0..rng.below(3) {
                 let n = rng.below(messages as u64) as usize;
@@ -434,7 +479,7 @@ impl Config {
     /// One line: what is combined.
     pub fn summary(&self) -> String {
         format!(
-            "seed {:>5}: {:?}{}{} / {:?} / outbox {:?} / fp {} / {} / {}x{} / {} msgs +{} dup / faults: {} body, {} doomed, {} poison, {} abort-after-commit, {} timed, {} relay{}{}",
+            "seed {:>5}: {:?}{}{} / {:?} / outbox {:?} / fp {} / {} / {}x{} / {} msgs +{} dup / faults: {} body, {} doomed, {} data error, {} lone outage, {} poison, {} oversized, {} abort-after-commit, {} timed, {} relay{}{}",
             self.seed,
             self.store,
             if self.cached { "+cache" } else { "" },
@@ -449,7 +494,10 @@ impl Config {
             self.duplicates,
             self.schedule.body.len(),
             self.schedule.doomed.len(),
+            self.schedule.data_error.len(),
+            self.schedule.lone_outage.len(),
             self.schedule.poison,
+            self.schedule.oversized,
             self.schedule.abort_after_commit.len(),
             self.schedule.timed.len(),
             self.schedule.relay.len(),

@@ -38,6 +38,21 @@ pub enum AppError {
     Db(#[from] sqlx::Error),
     #[error("{0}")]
     Failed(String),
+    /// A dependency of this message alone is down (the checker's lone
+    /// outage).
+    #[error("{0}")]
+    Outage(String),
+}
+
+/// The consumers' classification, as the README tells users to write it.
+pub fn classify(error: &AppError) -> idempotent_runtime::broker::Verdict {
+    use idempotent_runtime::broker::Verdict;
+    match error {
+        AppError::Idem(e) => e.verdict(),
+        AppError::Db(e) => Verdict::of_sqlx(e),
+        AppError::Failed(_) => Verdict::Retry,
+        AppError::Outage(_) => Verdict::Outage,
+    }
 }
 
 /// What the handlers share: the fault schedule and the in-process effects.
@@ -48,6 +63,8 @@ pub struct Ctx {
     pub sink: Option<String>,
     faults: Mutex<HashMap<String, VecDeque<BodyFault>>>,
     doomed: HashSet<String>,
+    data_error: HashSet<String>,
+    lone_outage: HashSet<String>,
     /// Effects of the lease stores (Redis, memory), per id.
     pub mem_effects: Mutex<HashMap<String, i64>>,
     /// Lease-store effects made again for an id that had one.
@@ -56,6 +73,8 @@ pub struct Ctx {
     pub fired_panics: AtomicU64,
     pub fired_cancels: AtomicU64,
     pub fired_swallows: AtomicU64,
+    pub fired_data_errors: AtomicU64,
+    pub fired_outages: AtomicU64,
 }
 
 impl Ctx {
@@ -71,12 +90,16 @@ impl Ctx {
                     .collect(),
             ),
             doomed: cfg.schedule.doomed.iter().cloned().collect(),
+            data_error: cfg.schedule.data_error.iter().cloned().collect(),
+            lone_outage: cfg.schedule.lone_outage.iter().cloned().collect(),
             mem_effects: Mutex::default(),
             reapplied: AtomicU64::new(0),
             fired_errors: AtomicU64::new(0),
             fired_panics: AtomicU64::new(0),
             fired_cancels: AtomicU64::new(0),
             fired_swallows: AtomicU64::new(0),
+            fired_data_errors: AtomicU64::new(0),
+            fired_outages: AtomicU64::new(0),
         }
     }
 
@@ -91,6 +114,10 @@ impl Ctx {
     async fn fault(&self, id: &str, fault: Option<BodyFault>) -> Result<(), AppError> {
         if self.doomed.contains(id) {
             return Err(AppError::Failed(format!("{id} is doomed")));
+        }
+        if self.lone_outage.contains(id) {
+            self.fired_outages.fetch_add(1, Ordering::SeqCst);
+            return Err(AppError::Outage(format!("checker: the dependency of {id} is down")));
         }
         match fault {
             None => Ok(()),
@@ -191,6 +218,17 @@ macro_rules! tx_ledger {
                         .execute(&mut *tx)
                         .await;
                     assert!(swallowed.is_err(), "the swallowed statement must fail");
+                }
+                if self.ctx.data_error.contains(&msg.id) {
+                    self.ctx.fired_data_errors.fetch_add(1, Ordering::SeqCst);
+                    // A NULL in a NOT NULL column: refused on every database,
+                    // after the effect (which the rollback must undo).
+                    sqlx::query(AssertSqlSafe(format!(
+                        "INSERT INTO {} (message_id) VALUES (NULL)",
+                        self.ctx.effects_table
+                    )))
+                    .execute(&mut *tx)
+                    .await?;
                 }
                 self.ctx.fault(&msg.id, fault).await
             }

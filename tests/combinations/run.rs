@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use idempotent_runtime::async_nats;
 use idempotent_runtime::broker::pipeline::Broker;
-use idempotent_runtime::broker::{CancellationToken, ConsumerBuilder};
+use idempotent_runtime::broker::{Backoff, CancellationToken, ConsumerBuilder};
 use idempotent_runtime::outbox::{
     JetStreamPublisher, OutboxRow, OutboxStore, PublishError, Publisher, RabbitPublisher, Relay, StreamPublisher,
 };
@@ -20,8 +20,11 @@ use super::brokers::{Endpoints, Sink, Source};
 use super::common;
 use super::config::{BodyFault, BrokerKind, Config, FaultKind, RelayKill, TimedFault};
 use super::db::{self, BatchTarget, Opened, RelayDb};
-use super::handlers::{AppError, Msg};
+use super::handlers::{self, AppError, Msg};
 
+/// The consumers' body size limit; the checker's bodies are far below it,
+/// its oversized ones above.
+const MAX_BODY_BYTES: usize = 2048;
 /// How long a hanging body runs before its future is dropped.
 const CANCEL_AFTER: Duration = Duration::from_millis(300);
 /// No handler call for this long, nothing left on the broker: drained.
@@ -47,16 +50,30 @@ pub enum Sabotage {
     Dead,
     /// One outgoing message is dropped at the sink.
     Outbox,
+    /// The dead letter of a data error is dropped (as if acknowledged
+    /// without it).
+    Undead,
+    /// The consumers run without the body size limit.
+    Unlimited,
 }
 
 impl Sabotage {
-    pub const ALL: [Sabotage; 4] = [Sabotage::Lost, Sabotage::Twice, Sabotage::Dead, Sabotage::Outbox];
+    pub const ALL: [Sabotage; 6] = [
+        Sabotage::Lost,
+        Sabotage::Twice,
+        Sabotage::Dead,
+        Sabotage::Outbox,
+        Sabotage::Undead,
+        Sabotage::Unlimited,
+    ];
     pub fn parse(name: &str) -> Option<Sabotage> {
         match name.trim() {
             "lost" => Some(Sabotage::Lost),
             "twice" => Some(Sabotage::Twice),
             "dead" => Some(Sabotage::Dead),
             "outbox" => Some(Sabotage::Outbox),
+            "undead" => Some(Sabotage::Undead),
+            "unlimited" => Some(Sabotage::Unlimited),
             _ => None,
         }
     }
@@ -133,6 +150,10 @@ struct Shared {
     opened: Arc<Opened>,
     value: bool,
     batched: bool,
+    /// The schedule has lone outages.
+    lone_outages: bool,
+    /// The consumers limit body sizes (unless sabotaged).
+    size_limit: bool,
     calls: AtomicU64,
     last_call: Mutex<Instant>,
     abort_after_commit: Mutex<HashSet<String>>,
@@ -189,7 +210,24 @@ fn with_batch<B>(builder: ConsumerBuilder<B>, target: &Option<BatchTarget>, max:
 type Instance = (JoinHandle<()>, CancellationToken);
 
 fn spawn_instance<B: Broker>(builder: ConsumerBuilder<B>, sh: &Arc<Shared>, i: usize) -> Instance {
-    let consumer = builder.build().expect("consumer configuration");
+    let builder = if sh.size_limit {
+        builder.max_body_bytes(MAX_BODY_BYTES)
+    } else {
+        builder
+    };
+    // With lone outages the end of a run has no other message to prove the
+    // dependencies up: in-place retries are bounded there.
+    let builder = if sh.lone_outages {
+        builder
+            .outage_backoff(Backoff::new(Duration::from_millis(50), Duration::from_millis(400)))
+            .max_outage_retries(3)
+    } else {
+        builder
+    };
+    let consumer = builder
+        .classify(handlers::classify)
+        .build()
+        .expect("consumer configuration");
     let token = CancellationToken::new();
     let sh = Arc::clone(sh);
     let run = consumer.run(
@@ -682,6 +720,16 @@ pub async fn run(cfg: &Config, sabotage: Option<Sabotage>) -> Report {
         let at = rng.below(order.len() as u64) as usize;
         order.insert(at, (format!("{{not json {p}").into_bytes(), format!("poison-{p}")));
     }
+    // Oversized bodies decode (the padding is an unknown field): only the
+    // size limit keeps their effect out. Their positions come from a stream
+    // of their own.
+    let mut big_rng = super::config::Rng::new(cfg.seed ^ 0x0b16_b0d1);
+    let oversized: Vec<String> = (0..cfg.schedule.oversized).map(|b| format!("big-{b}")).collect();
+    for id in &oversized {
+        let body = serde_json::json!({ "id": id, "amount": 1, "pad": "x".repeat(MAX_BODY_BYTES) });
+        let at = big_rng.below(order.len() as u64) as usize;
+        order.insert(at, (serde_json::to_vec(&body).unwrap(), id.clone()));
+    }
     for (body, id) in &order {
         source.publish(body, id).await;
     }
@@ -691,6 +739,8 @@ pub async fn run(cfg: &Config, sabotage: Option<Sabotage>) -> Report {
         opened: Arc::clone(&opened),
         value: cfg.value_result,
         batched: cfg.batch.is_some(),
+        lone_outages: !cfg.schedule.lone_outage.is_empty(),
+        size_limit: sabotage != Some(Sabotage::Unlimited),
         calls: AtomicU64::new(0),
         last_call: Mutex::new(Instant::now()),
         abort_after_commit: Mutex::new(cfg.schedule.abort_after_commit.iter().cloned().collect()),
@@ -791,9 +841,17 @@ pub async fn run(cfg: &Config, sabotage: Option<Sabotage>) -> Report {
     let mut effects = bounded("read of the effects", &mut violations, opened.effects())
         .await
         .unwrap_or_default();
-    let dead = bounded("read of the dead letters", &mut violations, source.dead_letters())
+    let mut dead = bounded("read of the dead letters", &mut violations, source.dead_letters())
         .await
         .unwrap_or_default();
+    if sabotage == Some(Sabotage::Undead) {
+        let refused = |body: &[u8]| {
+            serde_json::from_slice::<Msg>(body).is_ok_and(|msg| cfg.schedule.data_error.contains(&msg.id))
+        };
+        if let Some(at) = dead.iter().position(|(body, _)| refused(body)) {
+            dead.remove(at);
+        }
+    }
     let mut sink_rows = match &sink {
         Some(sink) => bounded("read of the sink", &mut violations, sink.read())
             .await
@@ -801,14 +859,25 @@ pub async fn run(cfg: &Config, sabotage: Option<Sabotage>) -> Report {
         None => Vec::new(),
     };
     let doomed: HashSet<&String> = cfg.schedule.doomed.iter().collect();
+    let refused: HashSet<&String> = cfg
+        .schedule
+        .data_error
+        .iter()
+        .chain(&cfg.schedule.lone_outage)
+        .collect();
     let mut dead_by_id: HashMap<String, u64> = HashMap::new();
     // Dead letters of each undecodable body: a consumer that dies after a
     // dead letter is stored and before the original is acknowledged
     // dead-letters the redelivery again (at least once, as for the outbox).
     let mut poison_dead: HashMap<&[u8], u64> = HashMap::new();
+    // The kinds each message id was dead-lettered as.
+    let mut dead_kinds: HashMap<String, HashSet<&str>> = HashMap::new();
     for (body, kind) in &dead {
         match serde_json::from_slice::<Msg>(body) {
-            Ok(msg) => *dead_by_id.entry(msg.id).or_default() += 1,
+            Ok(msg) => {
+                dead_kinds.entry(msg.id.clone()).or_default().insert(kind.as_str());
+                *dead_by_id.entry(msg.id).or_default() += 1;
+            }
             Err(_) => {
                 *poison_dead.entry(body.as_slice()).or_default() += 1;
                 if kind != "poison" {
@@ -861,6 +930,50 @@ pub async fn run(cfg: &Config, sabotage: Option<Sabotage>) -> Report {
             poison_dead.len()
         ));
     }
+    let died = fired.consumer_kills + fired.aborts_after_commit > 0;
+    // Oversized bodies: dead-lettered as poison (once, unless a consumer
+    // died), never applied (an effect is caught below as never published).
+    for id in &oversized {
+        let d = dead_by_id.get(id).copied().unwrap_or(0);
+        let kinds = dead_kinds.get(id).cloned().unwrap_or_default();
+        if d == 0 {
+            violations.push(format!("{id}: a body over the size limit was not dead-lettered"));
+        } else if d > 1 && !died {
+            violations.push(format!(
+                "{id}: oversized, dead-lettered {d} times though no consumer died"
+            ));
+        }
+        if kinds.iter().any(|k| *k != "poison") {
+            violations.push(format!("{id}: oversized, dead-lettered as {kinds:?} instead of poison"));
+        }
+    }
+    // The messages that can only end as dead letters: every copy is
+    // dead-lettered, as the kind its failure calls for (a consumer that died
+    // may leave a copy to the last-delivery rule, "exhausted").
+    let must_die = [
+        (&cfg.schedule.doomed, "doomed", "exhausted"),
+        (&cfg.schedule.data_error, "data error", "rejected"),
+        (&cfg.schedule.lone_outage, "lone outage", "exhausted"),
+    ];
+    for (ids, what, kind) in must_die {
+        for id in ids {
+            let d = dead_by_id.get(id).copied().unwrap_or(0);
+            let published = publications.get(id).copied().unwrap_or(0);
+            if d < published {
+                violations.push(format!(
+                    "{id} ({what}): published {published} times, dead-lettered {d} times"
+                ));
+            }
+            let kinds = dead_kinds.get(id).cloned().unwrap_or_default();
+            let wrong: Vec<&&str> = kinds
+                .iter()
+                .filter(|k| **k != kind && !(died && **k == "exhausted"))
+                .collect();
+            if !wrong.is_empty() {
+                violations.push(format!("{id} ({what}): dead-lettered as {wrong:?}, not {kind:?}"));
+            }
+        }
+    }
     for (id, n) in &effects {
         if !publications.contains_key(id) && *n != 0 {
             violations.push(format!("an effect for {id}, never published"));
@@ -880,7 +993,7 @@ pub async fn run(cfg: &Config, sabotage: Option<Sabotage>) -> Report {
                 "{id}: published {published} times, dead-lettered {d} times, though no consumer died"
             ));
         }
-        if d >= *published || doomed.contains(id) {
+        if d >= *published || doomed.contains(id) || refused.contains(id) {
             if e != 0 {
                 counts.dead_with_effect += 1;
                 violations.push(format!(
@@ -997,6 +1110,9 @@ pub async fn run(cfg: &Config, sabotage: Option<Sabotage>) -> Report {
     faults.insert(FaultKind::Cancel, ctx.fired_cancels.load(Ordering::SeqCst));
     faults.insert(FaultKind::Swallow, ctx.fired_swallows.load(Ordering::SeqCst));
     faults.insert(FaultKind::Poison, cfg.schedule.poison as u64);
+    faults.insert(FaultKind::DataError, ctx.fired_data_errors.load(Ordering::SeqCst));
+    faults.insert(FaultKind::LoneOutage, ctx.fired_outages.load(Ordering::SeqCst));
+    faults.insert(FaultKind::Oversized, cfg.schedule.oversized as u64);
     faults.insert(FaultKind::Doomed, cfg.schedule.doomed.len() as u64);
     faults.insert(FaultKind::ConsumerKill, fired.consumer_kills);
     faults.insert(FaultKind::AbortAfterCommit, fired.aborts_after_commit);
