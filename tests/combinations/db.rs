@@ -630,11 +630,26 @@ impl Opened {
     pub async fn teardown(&self) -> Vec<String> {
         let mut problems = Vec::new();
         match &self.admin {
-            Admin::Pg { admin, store_pool, .. } => {
+            Admin::Pg {
+                admin,
+                store_pool,
+                backends,
+            } => {
                 if tokio::time::timeout(POOL_CLOSE, store_pool.close()).await.is_err() {
                     problems.push(format!(
                         "hung: the store's PostgreSQL pool did not close within {POOL_CLOSE:?} (a connection was never returned to it)"
                     ));
+                    // What the store's sessions still do, to tell a held
+                    // connection from one waiting on the server.
+                    let pids: Vec<i32> = backends.lock().unwrap().clone();
+                    let sessions: Result<Vec<PgSession>, String> = sqlx::query_as(
+                        "SELECT pid, state, wait_event, left(query, 160) FROM pg_stat_activity WHERE pid = ANY($1)",
+                    )
+                    .bind(&pids)
+                    .fetch_all(admin)
+                    .await
+                    .map_err(|e| e.to_string());
+                    problems.push(format!("hung: the store's sessions still open: {sessions:?}"));
                 }
                 let log = format!("{}_c", self.effects);
                 for t in [&self.effects, &log, &self.markers, &self.outbox] {
@@ -644,11 +659,31 @@ impl Opened {
                     .execute(admin)
                     .await;
             }
-            Admin::My { admin, store_pool, .. } => {
+            Admin::My {
+                admin,
+                store_pool,
+                backends,
+            } => {
                 if tokio::time::timeout(POOL_CLOSE, store_pool.close()).await.is_err() {
                     problems.push(format!(
                         "hung: the store's MariaDB pool did not close within {POOL_CLOSE:?} (a connection was never returned to it)"
                     ));
+                    let ids: Vec<u64> = backends.lock().unwrap().clone();
+                    let list = ids.iter().map(u64::to_string).collect::<Vec<_>>().join(",");
+                    if !list.is_empty() {
+                        let sessions: Result<Vec<MySession>, String> =
+                            sqlx::query_as(AssertSqlSafe(format!(
+                                "SELECT CAST(p.ID AS UNSIGNED), p.COMMAND, CAST(p.TIME AS SIGNED), p.STATE, CONCAT(LEFT(COALESCE(p.INFO, ''), 160), \
+                                 ' trx: ', COALESCE(t.trx_state, 'none')) \
+                                 FROM information_schema.PROCESSLIST p \
+                                 LEFT JOIN information_schema.INNODB_TRX t ON t.trx_mysql_thread_id = p.ID \
+                                 WHERE p.ID IN ({list})"
+                            )))
+                            .fetch_all(admin)
+                            .await
+                            .map_err(|e| e.to_string());
+                        problems.push(format!("hung: the store's sessions still open: {sessions:?}"));
+                    }
                 }
                 for t in [&self.effects, &self.markers, &self.outbox] {
                     common::drop_mysql_table(admin, t).await;
@@ -673,6 +708,12 @@ impl Opened {
         problems
     }
 }
+
+/// A PostgreSQL session left open: pid, state, wait event, query.
+type PgSession = (i32, Option<String>, Option<String>, Option<String>);
+/// A MariaDB session left open: id, command, seconds, state, query and
+/// transaction.
+type MySession = (u64, String, i64, Option<String>, Option<String>);
 
 /// How long the store's pool may take to close at the end of a run.
 const POOL_CLOSE: Duration = Duration::from_secs(20);
