@@ -164,7 +164,7 @@
 //!   abort-after-commit db-kill relay-kill-before relay-kill-after
 //!   setting-change broker-restart db-restart data-error lone-outage
 //!   oversized`).
-//! - `IDEMPOTENT_CHECKER_FORCE=store=pg,outbox=off,batch=off,cache=off,settings=default,..`:
+//! - `IDEMPOTENT_CHECKER_FORCE=store=pg|partitioned|mariadb,outbox=off,batch=off,cache=off,settings=default,..`:
 //!   overrides parts of the configuration, to minimise a failing seed
 //!   (see `force` for the keys). `restart=broker` and `restart=db` add a
 //!   restart (down 1 s; `db` on PostgreSQL configurations) where the seed
@@ -299,6 +299,7 @@ fn force(cfg: &mut Config) {
         match (key.trim(), value.trim()) {
             ("store", "pg") => cfg.store = config::StoreKind::Pg,
             ("store", "partitioned") => cfg.store = config::StoreKind::PgPartitioned,
+            ("store", "mariadb") => cfg.store = config::StoreKind::MariaDb,
             ("outbox", "off") => cfg.outbox = config::OutboxMode::Off,
             ("batch", "off") => cfg.batch = None,
             ("cache", "off") => cfg.cached = false,

@@ -476,10 +476,11 @@ pub async fn finish_staged<G: Guard, DB: sqlx::Database, T, E>(
             guard.abort().await;
             note_outage(&error);
             trace_error(&span, &error);
+            let label = Outcome::of_error(&error).as_str();
             span.in_scope(|| {
-                tracing::warn!(target: "idempotent", scope, key, outcome = "error", messages, %error, "outgoing messages not written; rolled back")
+                tracing::warn!(target: "idempotent", scope, key, outcome = label, messages, %error, "outgoing messages not written; rolled back")
             });
-            count(scope, Outcome::of_error(&error).as_str());
+            count(scope, label);
             return Err(error);
         }
         staged = messages;
