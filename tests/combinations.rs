@@ -148,15 +148,16 @@
 //! 4036 with `IDEMPOTENT_CHECKER_FORCE=store=mariadb` (batches of 32, two
 //! consumers killed, two connection kills, a setting change) left every
 //! store session idle on the server (`Sleep`, no transaction) while the
-//! pool waited for one connection: the connection was dropped by an
-//! aborted task in the middle of a statement, and sqlx's release of it
-//! (`PoolConnection`'s drop: a ping before it goes back to the pool) waits
-//! without a bound for an answer the server never sends (sqlx issue 4349,
-//! fixes proposed in pull requests 4350 and 4363, not in sqlx 0.9.0). The
-//! pool then has one connection fewer until the process restarts; no
-//! effect is lost or doubled. The remedy on our side is to close, instead
-//! of release, a connection whose claim or batch was dropped unfinished
-//! (the stores' own transaction handling; see the issue's note).
+//! pool waited for one connection. The server holds nothing, so the
+//! connection is held on the client's side; the likeliest holder, not yet
+//! proven, is sqlx's release of a connection an aborted task dropped in
+//! the middle of a statement (`PoolConnection`'s drop pings it before it
+//! goes back to the pool, without a bound: sqlx issue 4349, fixes proposed
+//! in pull requests 4350 and 4363, not in sqlx 0.9.0). The pool then has
+//! one connection fewer until the process restarts; no effect is lost or
+//! doubled. The remedy on our side would be to close, instead of release,
+//! a connection whose claim or batch was dropped unfinished (the stores'
+//! own transaction handling).
 //!
 //! # Running it
 //!
