@@ -11,8 +11,16 @@
 //!   transaction dropped (its `ROLLBACK` goes out with the connection's
 //!   release).
 //!
+//! - (o) the end the stores could have with their own transaction
+//!   handling (no sqlx `Transaction`): `BEGIN` on a pool connection, the
+//!   same `INSERT`, then `SELECT set_config(..) WHERE ..; COMMIT` in one
+//!   simple query, and nothing at the release (no empty transaction to roll
+//!   back); a connection left unfinished would be closed instead of
+//!   released (`close_on_drop`), which never happens here.
+//!
 //! The rest of the claim's path did not change, so (n)/(p) is the change's
-//! whole cost. Interleaved repetitions at concurrency 1 and 8; the median
+//! whole cost, and (o)/(p) what is left of it without the `BEGIN` and
+//! `ROLLBACK` of the empty transaction. Interleaved repetitions at concurrency 1 and 8; the median
 //! of each variant's rate and the ratio of medians are printed.
 //!
 //! `cargo bench --bench commit_end -- [reps] [seconds per run]`
@@ -32,29 +40,60 @@ const PG_URL: &str = "postgres://postgres@127.0.0.1:5432/test";
 const COMMIT_DURABLE: &str = "SELECT set_config('synchronous_commit', 'on', true) \
      WHERE current_setting('synchronous_commit') = 'off'; COMMIT; BEGIN";
 
+/// (o)'s end: the same checks, no new transaction after the commit.
+const COMMIT_OWN: &str = "SELECT set_config('synchronous_commit', 'on', true) \
+     WHERE current_setting('synchronous_commit') = 'off'; COMMIT";
+
 #[derive(Clone, Copy, PartialEq)]
 enum End {
     Plain,
     Durable,
+    Own,
+}
+
+/// The marker `INSERT` of every variant.
+fn insert(table: &str) -> String {
+    format!("INSERT INTO {table} (scope, message_id, expires_at) VALUES ($1, $2, now() + interval '1 day')")
 }
 
 async fn one(pool: &PgPool, table: &str, key: &str, end: End) -> Result<(), sqlx::Error> {
-    let mut tx = pool.begin_with("BEGIN ISOLATION LEVEL READ COMMITTED").await?;
-    sqlx::query(AssertSqlSafe(format!(
-        "INSERT INTO {table} (scope, message_id, expires_at) VALUES ($1, $2, now() + interval '1 day')"
-    )))
-    .bind("bench")
-    .bind(key)
-    .execute(&mut *tx)
-    .await?;
-    match end {
-        End::Plain => tx.commit().await,
-        End::Durable => {
-            sqlx::raw_sql(AssertSqlSafe(COMMIT_DURABLE)).execute(&mut *tx).await?;
-            drop(tx);
-            Ok(())
-        }
+    if end == End::Own {
+        return own(pool, table, key).await;
     }
+    let mut tx = pool.begin_with("BEGIN ISOLATION LEVEL READ COMMITTED").await?;
+    sqlx::query(AssertSqlSafe(insert(table)))
+        .bind("bench")
+        .bind(key)
+        .execute(&mut *tx)
+        .await?;
+    if end == End::Plain {
+        return tx.commit().await;
+    }
+    sqlx::raw_sql(AssertSqlSafe(COMMIT_DURABLE)).execute(&mut *tx).await?;
+    drop(tx);
+    Ok(())
+}
+
+/// (o): the transaction on a pool connection, closed rather than released
+/// when it did not end.
+async fn own(pool: &PgPool, table: &str, key: &str) -> Result<(), sqlx::Error> {
+    let mut conn = pool.acquire().await?;
+    let ended = async {
+        sqlx::raw_sql("BEGIN ISOLATION LEVEL READ COMMITTED")
+            .execute(&mut *conn)
+            .await?;
+        sqlx::query(AssertSqlSafe(insert(table)))
+            .bind("bench")
+            .bind(key)
+            .execute(&mut *conn)
+            .await?;
+        sqlx::raw_sql(COMMIT_OWN).execute(&mut *conn).await.map(|_| ())
+    }
+    .await;
+    if ended.is_err() {
+        conn.close_on_drop();
+    }
+    ended
 }
 
 /// Transactions per second of `end` at `concurrency`, for `secs`.
@@ -110,20 +149,24 @@ async fn main() {
         .await
         .expect("version");
     println!("PostgreSQL {version}; {reps} interleaved repetitions of {secs} s per variant and concurrency");
-    println!("| concurrency | (p) plain COMMIT /s | (p2) A/A /s | (n) durable, checked /s | p2/p | n/p |");
-    println!("| --- | --- | --- | --- | --- | --- |");
+    println!(
+        "| concurrency | (p) plain COMMIT /s | (p2) A/A /s | (n) durable, checked /s | (o) own transaction /s | p2/p | n/p | o/p |"
+    );
+    println!("| --- | --- | --- | --- | --- | --- | --- | --- |");
     for concurrency in [1, 8] {
-        let (mut p, mut p2, mut n) = (Vec::new(), Vec::new(), Vec::new());
+        let (mut p, mut p2, mut n, mut o) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         for _ in 0..reps {
             p.push(rate(&pool, &table, End::Plain, concurrency, secs).await);
             n.push(rate(&pool, &table, End::Durable, concurrency, secs).await);
+            o.push(rate(&pool, &table, End::Own, concurrency, secs).await);
             p2.push(rate(&pool, &table, End::Plain, concurrency, secs).await);
         }
-        let (p, p2, n) = (median(p), median(p2), median(n));
+        let (p, p2, n, o) = (median(p), median(p2), median(n), median(o));
         println!(
-            "| {concurrency} | {p:.0} | {p2:.0} | {n:.0} | {:.3} | {:.3} |",
+            "| {concurrency} | {p:.0} | {p2:.0} | {n:.0} | {o:.0} | {:.3} | {:.3} | {:.3} |",
             p2 / p,
-            n / p
+            n / p,
+            o / p
         );
     }
     sqlx::query(AssertSqlSafe(format!("DROP TABLE {table}")))
