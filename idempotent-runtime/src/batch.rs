@@ -56,6 +56,7 @@ use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore, oneshot};
 
 use crate::Error;
 use crate::store::sql::SqlBackend;
+use crate::store::tx::Tx;
 
 tokio::task_local! {
     /// The batch member (one handler call of [`Batch::run_all`]) this task
@@ -172,9 +173,9 @@ impl Shared {
 
     /// Borrows the batch's transaction, if it is one of `DB` and nobody
     /// holds it.
-    pub(crate) fn take<DB: sqlx::Database>(&self) -> Option<sqlx::Transaction<'static, DB>> {
+    pub(crate) fn take<DB: SqlBackend>(&self) -> Option<Tx<DB>> {
         let boxed = self.take_any()?;
-        match boxed.downcast::<sqlx::Transaction<'static, DB>>() {
+        match boxed.downcast::<Tx<DB>>() {
             Ok(tx) => Some(*tx),
             Err(other) => {
                 self.put_any(other);
@@ -184,13 +185,13 @@ impl Shared {
     }
 
     /// Gives the transaction back after a claim, its body or its undo.
-    pub(crate) fn give_back<DB: sqlx::Database>(&self, tx: sqlx::Transaction<'static, DB>) {
+    pub(crate) fn give_back<DB: SqlBackend>(&self, tx: Tx<DB>) {
         self.put_any(Box::new(tx));
     }
 
     /// Gives the transaction back after `error`, which left it unusable:
     /// the batch is aborted.
-    pub(crate) fn fail<DB: sqlx::Database>(&self, tx: sqlx::Transaction<'static, DB>, error: sqlx::Error) -> Error {
+    pub(crate) fn fail<DB: SqlBackend>(&self, tx: Tx<DB>, error: sqlx::Error) -> Error {
         self.abort();
         self.give_back(tx);
         error.into()
@@ -465,8 +466,8 @@ impl std::fmt::Debug for Batch {
 /// transaction of `DB`.
 fn finish<DB: SqlBackend>(tx: Box<dyn Any + Send>, commit: bool) -> BoxFuture<Result<(), Error>> {
     Box::pin(async move {
-        match tx.downcast::<sqlx::Transaction<'static, DB>>() {
-            Ok(tx) if commit => DB::commit(*tx).await,
+        match tx.downcast::<Tx<DB>>() {
+            Ok(tx) if commit => tx.commit().await,
             Ok(tx) => Ok(tx.rollback().await?),
             Err(_) => Err(sqlx::Error::Protocol("the batch's transaction has another type".into()).into()),
         }
@@ -480,7 +481,7 @@ impl Batch {
     /// one by one without it).
     pub(crate) fn new<DB: SqlBackend>(
         namespace: &'static str,
-        tx: sqlx::Transaction<'static, DB>,
+        tx: Tx<DB>,
         writer: Option<OwnedSemaphorePermit>,
         bulk: Option<BulkClaim>,
     ) -> Batch {

@@ -399,3 +399,5 @@ pub(crate) mod sql;
 pub(crate) mod sqlite;
 #[cfg(feature = "sqlite")]
 pub(crate) mod sqlite_outbox;
+#[cfg(feature = "sqlx")]
+pub(crate) mod tx;

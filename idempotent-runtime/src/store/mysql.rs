@@ -57,7 +57,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use sqlx::mysql::MySqlDatabaseError;
-use sqlx::{AssertSqlSafe, MySql, MySqlPool, Row, Transaction};
+use sqlx::{AssertSqlSafe, MySql, MySqlPool, Row};
 
 use crate::Error;
 use crate::store::mysql_outbox::{MySqlOutboxSql, stage_outbox};
@@ -65,6 +65,7 @@ use crate::store::sql::{
     BatchClaim, ClaimSql, DEFAULT_OUTBOX_RETENTION, OutboxParts, SqlGuard, SqlStoreBuilder, claim_in_batch, ddl,
     sql_backend,
 };
+use crate::store::tx::Tx;
 use crate::store::{Claim, Replay, Request, Store, TransactionalStore};
 
 /// Begins a transaction at READ COMMITTED (for this transaction only; the
@@ -281,12 +282,12 @@ impl MySqlStore {
             .execute(&mut *tx)
             .await?
             .rows_affected();
-        tx.commit().await?;
+        tx.commit_plain().await?;
         Ok(deleted)
     }
 
-    pub(crate) async fn begin(&self) -> Result<Transaction<'static, MySql>, sqlx::Error> {
-        self.pool.begin_with(BEGIN_READ_COMMITTED).await
+    pub(crate) async fn begin(&self) -> Result<Tx<MySql>, sqlx::Error> {
+        Tx::begin(&self.pool, BEGIN_READ_COMMITTED).await
     }
 
     /// One claim transaction: `Ok(Fresh)` holding the marker, `Ok(Done)`
@@ -301,7 +302,7 @@ impl MySqlStore {
             // A `()` handler without fingerprint replays `()` whatever the
             // marker holds: no read. The dropped transaction's ROLLBACK is
             // queued and sent with the connection's release.
-            drop(tx);
+            tx.release();
             return Ok(Attempt::Done {
                 fingerprint: None,
                 result: None,
@@ -379,7 +380,7 @@ impl ClaimSql for MySqlStore {
 }
 
 enum Attempt {
-    Fresh(Transaction<'static, MySql>),
+    Fresh(Tx<MySql>),
     Done {
         fingerprint: Option<String>,
         result: Option<String>,
@@ -519,8 +520,21 @@ sql_backend!(
     MySql,
     sqlx::MySqlConnection,
     stage_outbox,
-    crate::store::sql::plain_commit
+    crate::store::sql::plain_commit,
+    retire
 );
+
+/// [`SqlBackend::retire`](crate::store::sql::SqlBackend::retire) on
+/// MySQL/MariaDB: the session kills itself (`KILL` of its own id, which any
+/// user may do); the errors this draws are the point.
+async fn retire(conn: &mut sqlx::MySqlConnection) {
+    let id: Result<u64, _> = sqlx::query_scalar("SELECT CONNECTION_ID()").fetch_one(&mut *conn).await;
+    if let Ok(id) = id {
+        let _ = sqlx::raw_sql(AssertSqlSafe(format!("KILL {id}")))
+            .execute(&mut *conn)
+            .await;
+    }
+}
 
 impl crate::janitor::PurgeExpired for MySqlStore {
     /// Expired markers, then dispatched outgoing messages past the

@@ -5,7 +5,9 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use sqlx::{AssertSqlSafe, MySql, MySqlConnection, Row, Transaction};
+use sqlx::{AssertSqlSafe, MySql, MySqlConnection, Row};
+
+use crate::store::tx::Tx;
 
 use crate::Error;
 use crate::outbox::{OutboxBatch, OutboxRow, OutboxStore, StagedRow};
@@ -91,7 +93,7 @@ fn micros(d: Duration) -> i64 {
 
 /// Rows a relay took, locked in its transaction.
 pub struct MySqlOutboxBatch {
-    tx: Transaction<'static, MySql>,
+    tx: Tx<MySql>,
     rows: Vec<OutboxRow>,
     sql: Arc<MySqlOutboxSql>,
 }

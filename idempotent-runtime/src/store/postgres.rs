@@ -13,6 +13,7 @@ use crate::store::sql::{
     BatchClaim, ClaimSql, DEFAULT_OUTBOX_RETENTION, OutboxParts, SqlGuard, SqlStoreBuilder, claim_in_batch, ddl,
     replay, sql_backend,
 };
+use crate::store::tx::Tx;
 use crate::store::{Claim, Replay, Request, Store, TransactionalStore};
 
 /// Begins the claim's transaction at Read Committed, whatever
@@ -426,16 +427,16 @@ impl PgStore {
     /// with a plain `BEGIN` until a session shows another default isolation
     /// than Read Committed (the statement refuses to run there), then with
     /// the level set in `BEGIN`. Whether the claim is fresh.
-    async fn claim_alone(&self, req: &Request<'_>) -> Result<(sqlx::Transaction<'static, Postgres>, bool), Error> {
+    async fn claim_alone(&self, req: &Request<'_>) -> Result<(Tx<Postgres>, bool), Error> {
         use std::sync::atomic::Ordering;
         if !self.set_isolation.load(Ordering::Relaxed) {
-            let mut tx = self.pool.begin_with(BEGIN_PLAIN).await?;
+            let mut tx = Tx::begin(&self.pool, BEGIN_PLAIN).await?;
             match self.claim_statement(&mut tx, req).await {
                 Ok(claimed) => return Ok((tx, claimed)),
                 Err(error) if not_read_committed(&error) => {
                     // Nothing was read or written: roll back (returning the
                     // connection first, for a pool of one) and begin again.
-                    drop(tx);
+                    tx.release();
                     if !self.set_isolation.swap(true, Ordering::Relaxed) {
                         tracing::info!(
                             target: "idempotent",
@@ -447,7 +448,7 @@ impl PgStore {
                 Err(error) => return Err(error.into()),
             }
         }
-        let mut tx = self.pool.begin_with(BEGIN_READ_COMMITTED).await?;
+        let mut tx = Tx::begin(&self.pool, BEGIN_READ_COMMITTED).await?;
         let claimed = self.claim_statement(&mut tx, req).await?;
         Ok((tx, claimed))
     }
@@ -509,7 +510,7 @@ impl Store for PgStore {
             // A `()` handler without fingerprint replays `()` whatever the
             // marker holds: no read. The dropped transaction's ROLLBACK is
             // queued and sent with the connection's release.
-            drop(tx);
+            tx.release();
             return Ok(Claim::Done(Replay::default()));
         }
         // A live marker exists: ON CONFLICT DO UPDATE locked it (a request
@@ -519,7 +520,7 @@ impl Store for PgStore {
         let marker = self.read_marker(&mut tx, req).await?;
         // Nothing to undo: dropping the transaction queues its ROLLBACK,
         // sent when the connection returns to the pool, saving a round trip.
-        drop(tx);
+        tx.release();
         replay(req, marker)
     }
 }
@@ -571,7 +572,7 @@ fn bulk_claim(sql: Arc<PgSql>) -> crate::batch::BulkClaim {
     Arc::new(move |tx, requests| {
         let sql = Arc::clone(&sql);
         Box::pin(async move {
-            let mut tx = match tx.downcast::<sqlx::Transaction<'static, Postgres>>() {
+            let mut tx = match tx.downcast::<Tx<Postgres>>() {
                 Ok(tx) => tx,
                 Err(other) => {
                     let error = sqlx::Error::Protocol("the batch's transaction is not PostgreSQL's".into());
@@ -672,7 +673,7 @@ impl PgStore {
         let mut attempts = 0;
         loop {
             attempts += 1;
-            let mut tx = self.pool.begin_with(BEGIN_READ_COMMITTED).await?;
+            let mut tx = Tx::begin(&self.pool, BEGIN_READ_COMMITTED).await?;
             sqlx::query(AssertSqlSafe(Arc::clone(&partitions.claim_lock)))
                 .bind(req.scope())
                 .bind(req.key())
@@ -690,7 +691,7 @@ impl PgStore {
                 Err(error) if attempts < 3 && Partitions::is_missing_partition(&error) => {
                     // Roll back first: the new partition is attached while
                     // this claim holds no lock on the table.
-                    drop(tx);
+                    tx.release();
                     partitions.create_for_ttl(&self.pool, req.ttl_millis()).await?;
                     continue;
                 }
@@ -705,7 +706,7 @@ impl PgStore {
                     None,
                 )));
             }
-            drop(tx);
+            tx.release();
             let fingerprint: Option<String> = row.try_get("fingerprint")?;
             req.check_fingerprint(fingerprint.as_deref())?;
             return Ok(Claim::Done(Replay::new(row.try_get("result")?)));
@@ -724,7 +725,7 @@ impl crate::batch::BatchStore for PgStore {
     /// join it: each keeps its own transaction (its claim may have to create
     /// a partition outside any transaction).
     async fn begin_batch(&self) -> Result<crate::batch::Batch, Error> {
-        let tx = self.pool.begin_with(BEGIN_READ_COMMITTED).await?;
+        let tx = Tx::begin(&self.pool, BEGIN_READ_COMMITTED).await?;
         let bulk = match self.sql.partitions {
             Some(_) => None,
             None => Some(bulk_claim(Arc::clone(&self.sql))),
@@ -735,7 +736,16 @@ impl crate::batch::BatchStore for PgStore {
 
 impl crate::store::StagesOutbox for PgStore {}
 
-sql_backend!(Postgres, sqlx::PgConnection, stage_outbox, commit);
+sql_backend!(Postgres, sqlx::PgConnection, stage_outbox, commit, retire);
+
+/// [`SqlBackend::retire`](crate::store::sql::SqlBackend::retire) on
+/// PostgreSQL: the backend terminates itself (allowed for a role's own
+/// sessions); the error this draws is the point.
+async fn retire(conn: &mut sqlx::PgConnection) {
+    let _ = sqlx::raw_sql("SELECT pg_terminate_backend(pg_backend_pid())")
+        .execute(conn)
+        .await;
+}
 
 impl crate::janitor::PurgeExpired for PgStore {
     /// Expired markers, then dispatched outgoing messages past the

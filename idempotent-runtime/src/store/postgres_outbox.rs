@@ -5,7 +5,9 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use sqlx::{AssertSqlSafe, PgConnection, Postgres, Row, Transaction};
+use sqlx::{AssertSqlSafe, PgConnection, Postgres, Row};
+
+use crate::store::tx::Tx;
 
 use crate::Error;
 use crate::outbox::{OutboxBatch, OutboxRow, OutboxStore, StagedRow};
@@ -89,7 +91,7 @@ pub(crate) async fn stage_outbox(
 
 /// Rows a relay took, locked in its transaction.
 pub struct PgOutboxBatch {
-    tx: Transaction<'static, Postgres>,
+    tx: Tx<Postgres>,
     rows: Vec<OutboxRow>,
     sql: Arc<PgOutboxSql>,
 }
@@ -157,7 +159,7 @@ impl OutboxStore for PgStore {
 
     async fn take_batch(&self, limit: u32, _lease: Duration) -> Result<PgOutboxBatch, Error> {
         let sql = Arc::clone(&self.outbox().sql);
-        let mut tx = self.pool().begin_with("BEGIN ISOLATION LEVEL READ COMMITTED").await?;
+        let mut tx = Tx::begin(self.pool(), "BEGIN ISOLATION LEVEL READ COMMITTED").await?;
         let rows = sqlx::query(AssertSqlSafe(sql.take.as_str()))
             .bind(i64::from(limit))
             .fetch_all(&mut *tx)

@@ -9,6 +9,7 @@ use sqlx::Transaction;
 use crate::Error;
 use crate::batch::{Joined, ROLLBACK_TO_SAVEPOINT, SAVEPOINT};
 use crate::outbox::{Outbox, StagedRow};
+use crate::store::tx::Tx;
 use crate::store::{Guard, TransactionGuard};
 use crate::table::TableName;
 
@@ -54,7 +55,11 @@ pub trait SqlBackend: sqlx::Database {
     /// returns `Ok` the message may be acknowledged.
     /// [`Error::TransactionAborted`] when a statement of the body had
     /// aborted the transaction (nothing was committed).
-    fn commit(tx: Transaction<'static, Self>) -> impl Future<Output = Result<(), Error>> + Send;
+    fn commit(tx: Transaction<'static, Self>) -> impl Future<Output = Result<(), Error>> + Send + 'static;
+
+    /// Makes the server end the session of `conn`, so that its release to
+    /// the pool fails and the pool closes it (see [`crate::store::tx`]).
+    fn retire(conn: &mut Self::Connection) -> impl Future<Output = ()> + Send + '_;
 }
 
 /// [`SqlBackend::commit`] where a failed statement leaves the transaction
@@ -68,7 +73,7 @@ pub(crate) async fn plain_commit<DB: sqlx::Database>(tx: Transaction<'static, DB
 /// Implements [`SqlBackend`] for a sqlx database: the statement is the
 /// backend's own (built in its file), the binding the same for all.
 macro_rules! sql_backend {
-    ($db:ty, $conn:ty, $stage:path, $commit:path) => {
+    ($db:ty, $conn:ty, $stage:path, $commit:path, $retire:path) => {
         impl $crate::store::sql::SqlBackend for $db {
             async fn write_result<'a>(
                 conn: &'a mut $conn,
@@ -110,8 +115,12 @@ macro_rules! sql_backend {
 
             fn commit(
                 tx: sqlx::Transaction<'static, $db>,
-            ) -> impl ::std::future::Future<Output = Result<(), $crate::Error>> + Send {
+            ) -> impl ::std::future::Future<Output = Result<(), $crate::Error>> + Send + 'static {
                 $commit(tx)
+            }
+
+            fn retire(conn: &mut $conn) -> impl ::std::future::Future<Output = ()> + Send + '_ {
+                $retire(conn)
             }
         }
     };
@@ -121,7 +130,7 @@ pub(crate) use sql_backend;
 /// The claim of a transactional store: the transaction that inserted the
 /// marker. The handler's body runs on it; dropping it rolls back.
 pub struct SqlGuard<DB: SqlBackend> {
-    tx: Transaction<'static, DB>,
+    tx: Tx<DB>,
     write_result_sql: Arc<str>,
     outbox: Arc<OutboxTable>,
     /// Outgoing messages were written: wake the relay after the commit.
@@ -195,7 +204,7 @@ pub(crate) fn pending_from(count: i64, oldest_secs: Option<f64>) -> (u64, Option
 
 impl<DB: SqlBackend> SqlGuard<DB> {
     pub(crate) fn new(
-        tx: Transaction<'static, DB>,
+        tx: Tx<DB>,
         write_result_sql: Arc<str>,
         outbox: Arc<OutboxTable>,
         req: &crate::store::Request<'_>,
@@ -279,7 +288,7 @@ pub(crate) async fn claim_in_batch<S: ClaimSql>(
 /// by the fresh claim's guard, after its savepoint).
 pub(crate) struct BatchClaim<DB: SqlBackend> {
     pub(crate) batch: Arc<crate::batch::Shared>,
-    pub(crate) tx: Transaction<'static, DB>,
+    pub(crate) tx: Tx<DB>,
     turn: crate::batch::Turn,
     ticket: Option<crate::batch::FreshTicket>,
 }
@@ -401,7 +410,7 @@ impl<DB: SqlBackend> Guard for SqlGuard<DB> {
             )
             .await?;
         }
-        DB::commit(self.tx).await?;
+        self.tx.commit().await?;
         if self.staged {
             self.outbox.waker.notify_one();
         }
@@ -439,7 +448,7 @@ impl<DB: SqlBackend> TransactionGuard for SqlGuard<DB> {
     type Database = DB;
 
     fn transaction(&mut self) -> &mut Transaction<'static, DB> {
-        &mut self.tx
+        self.tx.transaction()
     }
 
     async fn stage(&mut self, outbox: Outbox) -> Result<(), Error> {

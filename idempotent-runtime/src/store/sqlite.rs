@@ -15,6 +15,7 @@ use crate::store::sql::{
     replay, sql_backend,
 };
 use crate::store::sqlite_outbox::{SqliteOutboxSql, stage_outbox};
+use crate::store::tx::Tx;
 use crate::store::{Claim, Replay, Request, Store, TransactionalStore};
 
 /// The database clock in milliseconds since the Unix epoch.
@@ -215,9 +216,7 @@ impl SqliteStore {
 
     /// Takes this process's writer turn, then SQLite's write lock
     /// (`BEGIN IMMEDIATE`), retrying while another process holds it.
-    pub(crate) async fn begin_immediate(
-        &self,
-    ) -> Result<(sqlx::Transaction<'static, Sqlite>, tokio::sync::OwnedSemaphorePermit), Error> {
+    pub(crate) async fn begin_immediate(&self) -> Result<(Tx<Sqlite>, tokio::sync::OwnedSemaphorePermit), Error> {
         let writer = Arc::clone(&self.writer)
             .acquire_owned()
             .await
@@ -225,7 +224,7 @@ impl SqliteStore {
         let deadline = tokio::time::Instant::now() + BUSY_RETRY_FOR;
         let mut backoff = Duration::from_millis(2);
         loop {
-            match self.pool.begin_with("BEGIN IMMEDIATE").await {
+            match Tx::begin(&self.pool, "BEGIN IMMEDIATE").await {
                 Ok(tx) => return Ok((tx, writer)),
                 Err(error) if is_busy(&error) && tokio::time::Instant::now() < deadline => {
                     tokio::time::sleep(backoff).await;
@@ -353,8 +352,15 @@ sql_backend!(
     Sqlite,
     sqlx::SqliteConnection,
     stage_outbox,
-    crate::store::sql::plain_commit
+    crate::store::sql::plain_commit,
+    retire
 );
+
+/// [`SqlBackend::retire`](crate::store::sql::SqlBackend::retire) on SQLite:
+/// nothing to do. A SQLite connection runs its statements on its own
+/// worker thread, which finishes a statement its caller abandoned, so its
+/// release never waits on a peer; the fresh connection is kept.
+async fn retire(_conn: &mut sqlx::SqliteConnection) {}
 
 /// No janitor lock (the default, [`JanitorLock::unshared`](crate::store::JanitorLock::unshared)):
 /// SQLite runs one write transaction at a time, so janitors of several

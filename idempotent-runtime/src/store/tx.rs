@@ -1,0 +1,211 @@
+//! The transaction a SQL store holds for a claim, a batch or a relay round:
+//! a `sqlx::Transaction` that cannot take a pool connection with it when it
+//! is abandoned.
+//!
+//! A transaction dropped unfinished (its task aborted, a handler future
+//! cancelled, a consumer stopped) leaves sqlx to roll it back when its
+//! connection goes back to the pool, behind a `ping`. When the drop cut a
+//! statement short, that connection can be left mid-exchange and its ping
+//! never answers (sqlx issue 4349, seen on MariaDB by the combination
+//! checker): the pool's slot is never given back, and once every slot went
+//! that way every claim times out on `acquire`. [`Tx`] gives the release a
+//! deadline: an abandoned transaction's connection is pinged first, with a
+//! time limit; one that does not answer is swapped for a fresh connection
+//! and dropped (its socket closed, which makes the server roll its
+//! transaction back). The fresh connection has not run the pool's
+//! `after_connect`, so it is retired ([`SqlBackend::retire`]) before the
+//! pool takes it back: its release fails and the pool opens a proper one
+//! when it needs it. Commits and rollbacks run
+//! to their end in a task of their own, so cancelling a caller does not cut
+//! them short.
+
+use std::ops::{Deref, DerefMut};
+use std::time::Duration;
+
+use sqlx::{ConnectOptions, Connection, Pool, Transaction};
+
+use crate::Error;
+use crate::store::sql::SqlBackend;
+
+/// How long an abandoned transaction's connection may take to answer a
+/// ping before it is replaced. A healthy connection answers once the
+/// statement it was cut from has finished on the server.
+const PING_LIMIT: Duration = Duration::from_secs(5);
+
+/// How long opening the replacement connection may take.
+const CONNECT_LIMIT: Duration = Duration::from_secs(10);
+
+/// A store's transaction (see the module documentation). Dereferences to
+/// its connection, as `sqlx::Transaction` does; dropping it unfinished
+/// releases the connection with a deadline.
+pub(crate) struct Tx<DB: SqlBackend> {
+    /// `None` only once [`Tx::finish`] took it (which consumes the `Tx`).
+    tx: Option<Transaction<'static, DB>>,
+    pool: Pool<DB>,
+}
+
+impl<DB: SqlBackend> Tx<DB> {
+    /// Begins a transaction on `pool` with `begin` (the backend's `BEGIN`
+    /// statement).
+    /// `BEGIN` runs to its end in a task of its own (as commits do): a
+    /// caller cancelled meanwhile leaves a transaction that is dropped
+    /// between statements, which sqlx releases cleanly.
+    pub(crate) async fn begin(pool: &Pool<DB>, begin: &'static str) -> Result<Self, sqlx::Error> {
+        let owned = pool.clone();
+        let tx = detached_value(async move { owned.begin_with(begin).await }).await?;
+        Ok(Tx {
+            tx: Some(tx),
+            pool: pool.clone(),
+        })
+    }
+
+    /// The transaction, for a statement that ends it. Cancelling the caller
+    /// before the statement ends takes the connection with it: run it in a
+    /// task of its own ([`Tx::commit`], [`Tx::rollback`]).
+    fn finish(mut self) -> Result<Transaction<'static, DB>, sqlx::Error> {
+        self.tx
+            .take()
+            .ok_or_else(|| sqlx::Error::Protocol("the transaction was already finished".into()))
+    }
+
+    /// Drops a transaction known to be between statements (nothing was cut
+    /// short): sqlx rolls it back as it releases the connection, with no
+    /// ping of ours first.
+    pub(crate) fn release(self) {
+        drop(self.finish());
+    }
+
+    /// Rolls back, to the end even if the caller is cancelled.
+    pub(crate) async fn rollback(self) -> Result<(), sqlx::Error> {
+        let tx = self.finish()?;
+        detached(tx.rollback()).await
+    }
+
+    /// Commits as sqlx does (no durability check: for the stores' own
+    /// maintenance), to the end even if the caller is cancelled.
+    pub(crate) async fn commit_plain(self) -> Result<(), sqlx::Error> {
+        let tx = self.finish()?;
+        detached(tx.commit()).await
+    }
+
+    /// Commits durably ([`SqlBackend::commit`]), to the end even if the
+    /// caller is cancelled: the message is acknowledged only after this
+    /// returns `Ok`, and a cancelled caller's message is redelivered and
+    /// answered from the committed marker.
+    pub(crate) async fn commit(self) -> Result<(), Error> {
+        let tx = self.finish()?;
+        detached(DB::commit(tx)).await
+    }
+}
+
+/// Runs `work` in a task of its own and waits for it: dropping the waiter
+/// does not stop the work. Without a runtime (never, in a store's path),
+/// runs it in place.
+async fn detached<F, E>(work: F) -> Result<(), E>
+where
+    F: std::future::Future<Output = Result<(), E>> + Send + 'static,
+    E: From<sqlx::Error> + Send + 'static,
+{
+    detached_value(work).await
+}
+
+/// [`detached`] for work that returns a value.
+async fn detached_value<F, T, E>(work: F) -> Result<T, E>
+where
+    F: std::future::Future<Output = Result<T, E>> + Send + 'static,
+    T: Send + 'static,
+    E: From<sqlx::Error> + Send + 'static,
+{
+    match tokio::runtime::Handle::try_current() {
+        Ok(runtime) => match runtime.spawn(work).await {
+            Ok(outcome) => outcome,
+            Err(joined) if joined.is_panic() => {
+                Err(sqlx::Error::Protocol("a transaction's task panicked".into()).into())
+            }
+            Err(_) => Err(sqlx::Error::Protocol("a transaction's task was cancelled".into()).into()),
+        },
+        Err(_) => work.await,
+    }
+}
+
+impl<DB: SqlBackend> Tx<DB> {
+    /// The `sqlx::Transaction`, as a handler's body receives it.
+    pub(crate) fn transaction(&mut self) -> &mut Transaction<'static, DB> {
+        // `tx` is `None` only inside `finish`, which consumes `self`.
+        match &mut self.tx {
+            Some(tx) => tx,
+            None => unreachable!("a finished Tx is consumed"),
+        }
+    }
+}
+
+impl<DB: SqlBackend> Deref for Tx<DB> {
+    type Target = DB::Connection;
+
+    fn deref(&self) -> &Self::Target {
+        match &self.tx {
+            Some(tx) => tx,
+            None => unreachable!("a finished Tx is consumed"),
+        }
+    }
+}
+
+impl<DB: SqlBackend> DerefMut for Tx<DB> {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        self.transaction()
+    }
+}
+
+impl<DB: SqlBackend> std::fmt::Debug for Tx<DB> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tx")
+            .field("open", &self.tx.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+impl<DB: SqlBackend> Drop for Tx<DB> {
+    fn drop(&mut self) {
+        let Some(tx) = self.tx.take() else { return };
+        // Without a runtime sqlx cannot release it either: drop in place.
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(release_abandoned(tx, self.pool.clone()));
+        }
+    }
+}
+
+/// Releases an abandoned transaction's connection to the pool: as sqlx
+/// would if it answers a ping within [`PING_LIMIT`], or else after swapping
+/// it for a fresh connection (the abandoned one is closed).
+async fn release_abandoned<DB: SqlBackend>(mut tx: Transaction<'static, DB>, pool: Pool<DB>) {
+    match tokio::time::timeout(PING_LIMIT, tx.ping()).await {
+        // Answered, or failed (sqlx closes a connection whose ping fails):
+        // dropping `tx` rolls back and releases as usual.
+        Ok(_) => return,
+        Err(_elapsed) => {}
+    }
+    let options = pool.connect_options();
+    match tokio::time::timeout(CONNECT_LIMIT, options.connect()).await {
+        Ok(Ok(mut fresh)) => {
+            // `tx` now holds the fresh connection (no transaction open on
+            // it: the rollback at its release has nothing to do); the
+            // abandoned one is dropped here, closing its socket.
+            std::mem::swap(&mut *tx, &mut fresh);
+            drop(fresh);
+            DB::retire(&mut tx).await;
+            tracing::warn!(
+                target: "idempotent",
+                "an abandoned transaction's connection did not answer within {PING_LIMIT:?}: closed and replaced"
+            );
+        }
+        Ok(Err(error)) => tracing::warn!(
+            target: "idempotent",
+            %error,
+            "an abandoned transaction's connection did not answer, and no replacement could be opened: the pool may lose it"
+        ),
+        Err(_elapsed) => tracing::warn!(
+            target: "idempotent",
+            "an abandoned transaction's connection did not answer, and opening a replacement timed out: the pool may lose it"
+        ),
+    }
+}
