@@ -99,32 +99,36 @@ impl<DB: SqlBackend> Tx<DB> {
 }
 
 /// Runs `work` in a task of its own and waits for it: dropping the waiter
-/// does not stop the work. Without a runtime (never, in a store's path),
-/// runs it in place.
-async fn detached<F, E>(work: F) -> Result<(), E>
+/// does not stop the work. The work is spawned at once, so the returned
+/// future holds only its handle (the stores' futures stay small).
+fn detached<F, E>(work: F) -> impl std::future::Future<Output = Result<(), E>> + Send + 'static
 where
     F: std::future::Future<Output = Result<(), E>> + Send + 'static,
     E: From<sqlx::Error> + Send + 'static,
 {
-    detached_value(work).await
+    detached_value(work)
 }
 
 /// [`detached`] for work that returns a value.
-async fn detached_value<F, T, E>(work: F) -> Result<T, E>
+fn detached_value<F, T, E>(work: F) -> impl std::future::Future<Output = Result<T, E>> + Send + 'static
 where
     F: std::future::Future<Output = Result<T, E>> + Send + 'static,
     T: Send + 'static,
     E: From<sqlx::Error> + Send + 'static,
 {
-    match tokio::runtime::Handle::try_current() {
-        Ok(runtime) => match runtime.spawn(work).await {
-            Ok(outcome) => outcome,
-            Err(joined) if joined.is_panic() => {
-                Err(sqlx::Error::Protocol("a transaction's task panicked".into()).into())
-            }
-            Err(_) => Err(sqlx::Error::Protocol("a transaction's task was cancelled".into()).into()),
-        },
-        Err(_) => work.await,
+    // sqlx itself needs a Tokio runtime: without one, nothing is run.
+    let spawned = tokio::runtime::Handle::try_current().map(|runtime| runtime.spawn(work));
+    async move {
+        match spawned {
+            Ok(handle) => match handle.await {
+                Ok(outcome) => outcome,
+                Err(joined) if joined.is_panic() => {
+                    Err(sqlx::Error::Protocol("a transaction's task panicked".into()).into())
+                }
+                Err(_) => Err(sqlx::Error::Protocol("a transaction's task was cancelled".into()).into()),
+            },
+            Err(_) => Err(sqlx::Error::Protocol("a transaction needs a Tokio runtime".into()).into()),
+        }
     }
 }
 
