@@ -441,7 +441,15 @@ impl Store for MySqlStore {
     }
 
     async fn claim(&self, req: &Request<'_>) -> Result<Claim<Self::Guard>, Error> {
-        self.checked.get_or_init(|| warn_about_durability(&self.pool)).await;
+        // In a task of its own, like the claim's BEGIN: a claim cancelled
+        // during this query must not take the pool's connection with it
+        // (see `crate::store::tx`).
+        self.checked
+            .get_or_init(|| async {
+                let pool = self.pool.clone();
+                let _ = tokio::spawn(async move { warn_about_durability(&pool).await }).await;
+            })
+            .await;
         if crate::batch::in_batch(self.sql.namespace)
             && let Some(batch) = BatchClaim::join(self.sql.namespace).await?
         {

@@ -10,8 +10,9 @@
 //! checker): the pool's slot is never given back, and once every slot went
 //! that way every claim times out on `acquire`. [`Tx`] gives the release a
 //! deadline: an abandoned transaction's connection is pinged first, with a
-//! time limit; one that does not answer is swapped for a fresh connection
-//! and dropped (its socket closed, which makes the server roll its
+//! time limit; one that does not answer, or answers out of step (sqlx's own
+//! ping at the release would then wait forever), is swapped for a fresh
+//! connection and dropped (its socket closed, which makes the server roll its
 //! transaction back). The fresh connection has not run the pool's
 //! `after_connect`, so it is retired ([`SqlBackend::retire`]) before the
 //! pool takes it back: its release fails and the pool opens a proper one
@@ -179,15 +180,16 @@ impl<DB: SqlBackend> Drop for Tx<DB> {
 }
 
 /// Releases an abandoned transaction's connection to the pool: as sqlx
-/// would if it answers a ping within [`PING_LIMIT`], or else after swapping
-/// it for a fresh connection (the abandoned one is closed).
+/// would if it answers a ping within [`PING_LIMIT`], or else (no answer, or
+/// an answer out of step, which a ping at the release would meet again)
+/// after swapping it for a fresh connection, retired, and closing it.
 async fn release_abandoned<DB: SqlBackend>(mut tx: Transaction<'static, DB>, pool: Pool<DB>) {
-    match tokio::time::timeout(PING_LIMIT, tx.ping()).await {
-        // Answered, or failed (sqlx closes a connection whose ping fails):
-        // dropping `tx` rolls back and releases as usual.
-        Ok(_) => return,
-        Err(_elapsed) => {}
-    }
+    let failure = match tokio::time::timeout(PING_LIMIT, tx.ping()).await {
+        // In step: dropping `tx` rolls back and releases as usual.
+        Ok(Ok(())) => return,
+        Ok(Err(error)) => format!("answered a ping out of step ({error})"),
+        Err(_elapsed) => format!("did not answer a ping within {PING_LIMIT:?}"),
+    };
     let options = pool.connect_options();
     match tokio::time::timeout(CONNECT_LIMIT, options.connect()).await {
         Ok(Ok(mut fresh)) => {
@@ -196,20 +198,20 @@ async fn release_abandoned<DB: SqlBackend>(mut tx: Transaction<'static, DB>, poo
             // abandoned one is dropped here, closing its socket.
             std::mem::swap(&mut *tx, &mut fresh);
             drop(fresh);
-            DB::retire(&mut tx).await;
+            let _ = tokio::time::timeout(PING_LIMIT, DB::retire(&mut tx)).await;
             tracing::warn!(
                 target: "idempotent",
-                "an abandoned transaction's connection did not answer within {PING_LIMIT:?}: closed and replaced"
+                "an abandoned transaction's connection {failure}: closed, and its pool slot returned"
             );
         }
         Ok(Err(error)) => tracing::warn!(
             target: "idempotent",
             %error,
-            "an abandoned transaction's connection did not answer, and no replacement could be opened: the pool may lose it"
+            "an abandoned transaction's connection {failure}, and no replacement could be opened: the pool may lose it"
         ),
         Err(_elapsed) => tracing::warn!(
             target: "idempotent",
-            "an abandoned transaction's connection did not answer, and opening a replacement timed out: the pool may lose it"
+            "an abandoned transaction's connection {failure}, and opening a replacement timed out: the pool may lose it"
         ),
     }
 }
