@@ -5,9 +5,9 @@
 //!   free, and takes each one through decode → poison → handler → verdict →
 //!   settle, in a `tracing` span, with the counters, attempt accounting,
 //!   outage retries in place and the shutdown drain.
-//! - [`options`] is the configuration every consumer shares, and the one
+//! - [`options`] is the configuration every consumer shares; the one
 //!   builder ([`ConsumerBuilder`]) and consumer ([`Consumer`]) types that
-//!   each broker instantiates.
+//!   each broker instantiates set it and run the pipeline.
 //! - [`policy`] decides about bodies (decoders) and failures (verdicts,
 //!   backoff, reconnection); [`stats`] counts.
 //! - Each broker supplies only how it connects and receives, and how it
@@ -20,6 +20,7 @@ use std::time::{Duration, Instant};
 
 use futures_util::FutureExt;
 
+mod consumer;
 pub mod options;
 pub mod pipeline;
 pub mod policy;
@@ -32,7 +33,8 @@ pub mod rabbitmq;
 #[cfg(feature = "redis-streams")]
 pub mod redis_streams;
 
-pub use options::{BatchMode, Consumer, ConsumerBuilder, ConsumerOptions, DEFAULT_MAX_BODY_BYTES, MAX_BATCH_WAIT};
+pub use consumer::{Consumer, ConsumerBuilder};
+pub use options::{BatchMode, ConsumerOptions, DEFAULT_MAX_BODY_BYTES, MAX_BATCH_WAIT};
 pub use policy::{Backoff, Classify, Decoder, Json, Reconnect, RetryAll, RetryPolicy, Verdict};
 pub use stats::{ConsumerStats, RunStats};
 /// The cancellation token `run` stops on (re-exported from `tokio-util`).
