@@ -5,13 +5,12 @@
 //! adds only its own (queue, dead-letter destination...).
 
 use std::fmt;
-use std::future::Future;
 use std::time::Duration;
 
 use super::options::ConsumerOptions;
 use super::pipeline::{self, Broker};
 use super::policy::{Backoff, Classify, Json, Reconnect, RetryAll, Verdict};
-use super::{CancellationToken, ConsumerError, ConsumerStats, Decoder, DeliveryInfo, RetryPolicy, RunStats};
+use super::{CancellationToken, ConsumerError, ConsumerStats, Decoder, DeliveryInfo, Handler, RetryPolicy, RunStats};
 
 /// Configures a consumer of broker `B`; from the consumer type's
 /// `builder`. The setters here are every consumer's; each broker's module
@@ -290,23 +289,23 @@ impl<B: Broker, D, R> Consumer<B, D, R> {
     ///
     /// Returns an error for a configuration or topology the broker refuses,
     /// and for a connection it could not get back within the policy.
-    pub async fn run<M, H, Fut, T, E>(self, handler: H, shutdown: CancellationToken) -> Result<RunStats, ConsumerError>
+    ///
+    /// The handler is any [`Handler`] taking the message alone (the `Fn`
+    /// bound lets a closure's parameter types be inferred).
+    pub async fn run<M, H, Fut>(self, handler: H, shutdown: CancellationToken) -> Result<RunStats, ConsumerError>
     where
         M: Send + 'static,
         D: Decoder<M>,
-        R: RetryPolicy<E>,
-        H: Fn(M) -> Fut + Send + Sync + 'static,
-        Fut: Future<Output = Result<T, E>> + Send + 'static,
-        T: Send + 'static,
-        E: fmt::Display + Send + 'static,
+        R: RetryPolicy<H::Error>,
+        H: Handler<M, (M,)> + Fn(M) -> Fut,
     {
-        self.run_with_info(move |msg, _info| handler(msg), shutdown).await
+        self.run_handler(handler, shutdown).await
     }
 
     /// Like [`run`](Self::run), with the handler also given what the
     /// adapter knows about the delivery ([`DeliveryInfo`]: message id,
-    /// attempt number, redelivered flag).
-    pub async fn run_with_info<M, H, Fut, T, E>(
+    /// attempt number, redelivered flag): any [`Handler`] taking both.
+    pub async fn run_with_info<M, H, Fut>(
         self,
         handler: H,
         shutdown: CancellationToken,
@@ -314,11 +313,20 @@ impl<B: Broker, D, R> Consumer<B, D, R> {
     where
         M: Send + 'static,
         D: Decoder<M>,
-        R: RetryPolicy<E>,
-        H: Fn(M, DeliveryInfo) -> Fut + Send + Sync + 'static,
-        Fut: Future<Output = Result<T, E>> + Send + 'static,
-        T: Send + 'static,
-        E: fmt::Display + Send + 'static,
+        R: RetryPolicy<H::Error>,
+        H: Handler<M, (M, DeliveryInfo)> + Fn(M, DeliveryInfo) -> Fut,
+    {
+        self.run_handler(handler, shutdown).await
+    }
+
+    /// Runs `handler`, of either shape ([`Handler`]).
+    async fn run_handler<M, A, H>(self, handler: H, shutdown: CancellationToken) -> Result<RunStats, ConsumerError>
+    where
+        M: Send + 'static,
+        A: 'static,
+        D: Decoder<M>,
+        R: RetryPolicy<H::Error>,
+        H: Handler<M, A>,
     {
         pipeline::run(
             self.broker,

@@ -21,6 +21,7 @@ use std::time::{Duration, Instant};
 use futures_util::FutureExt;
 
 mod consumer;
+mod handler;
 pub mod options;
 pub mod pipeline;
 pub mod policy;
@@ -34,6 +35,7 @@ pub mod rabbitmq;
 pub mod redis_streams;
 
 pub use consumer::{Consumer, ConsumerBuilder};
+pub use handler::Handler;
 pub use options::{BatchMode, ConsumerOptions, DEFAULT_MAX_BODY_BYTES, MAX_BATCH_WAIT};
 pub use policy::{Backoff, Classify, Decoder, Json, Reconnect, RetryAll, RetryPolicy, Verdict};
 pub use stats::{ConsumerStats, RunStats};

@@ -1,8 +1,6 @@
 //! Batches: several deliveries gathered and run in one database
 //! transaction.
 
-use std::fmt;
-use std::future::Future;
 use std::sync::Arc;
 
 use tokio::time::Instant;
@@ -14,7 +12,7 @@ use super::span::delivery_span;
 use super::traits::{Delivery, Next, Session};
 use crate::broker::options::BatchMode;
 use crate::broker::stats::Recorder;
-use crate::broker::{Decoder, DeliveryInfo, RetryPolicy, TRACING_TARGET};
+use crate::broker::{Decoder, Handler, RetryPolicy, TRACING_TARGET};
 
 /// Gathers a batch: `first`, then what the session has ready, up to the
 /// batch's size, waiting at most its `max_wait`. Also returns what ended
@@ -59,14 +57,12 @@ pub(super) async fn gather<S: Session>(
 /// a dead letter's publish). A delivery the broker took for stuck would be
 /// redelivered, possibly on its last allowed delivery, while the batch
 /// commits its effect.
-pub(super) async fn process_batch<Dl, M, D, R, H, Fut, T, E>(worker: Arc<Worker<D, R, H>>, deliveries: Vec<Dl>)
+pub(super) async fn process_batch<Dl, M, A, D, R, H>(worker: Arc<Worker<D, R, H>>, deliveries: Vec<Dl>)
 where
     Dl: Delivery,
     D: Decoder<M>,
-    R: RetryPolicy<E>,
-    H: Fn(M, DeliveryInfo) -> Fut,
-    Fut: Future<Output = Result<T, E>>,
-    E: fmt::Display,
+    R: RetryPolicy<H::Error>,
+    H: Handler<M, A>,
 {
     let Some(mode) = &worker.options.batch else {
         for delivery in deliveries {
@@ -87,18 +83,12 @@ where
 /// [`process_batch`]'s work; each delivery is taken from the
 /// [`keep_alive`] of the batch ([`Kept::take`]) when its settlement
 /// begins.
-async fn run_batch<Dl, M, D, R, H, Fut, T, E>(
-    worker: &Worker<D, R, H>,
-    mode: &BatchMode,
-    deliveries: &[Dl],
-    kept: &Kept,
-) where
+async fn run_batch<Dl, M, A, D, R, H>(worker: &Worker<D, R, H>, mode: &BatchMode, deliveries: &[Dl], kept: &Kept)
+where
     Dl: Delivery,
     D: Decoder<M>,
-    R: RetryPolicy<E>,
-    H: Fn(M, DeliveryInfo) -> Fut,
-    Fut: Future<Output = Result<T, E>>,
-    E: fmt::Display,
+    R: RetryPolicy<H::Error>,
+    H: Handler<M, A>,
 {
     // The last delivery of a message, and what is poison, are settled
     // alone, as without batches.

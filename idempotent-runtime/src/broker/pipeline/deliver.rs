@@ -2,7 +2,6 @@
 //! the verdict on a failure, and the settlement (acknowledgement, retry,
 //! dead letter, release).
 
-use std::fmt;
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
@@ -15,19 +14,18 @@ use super::span::{delivery_span, trace_failure};
 use super::traits::{Delivery, Letter, Meta, Settle};
 use crate::broker::stats::{DeadKind, Outcome};
 use crate::broker::{
-    Called, Decoder, DeliveryInfo, RetryPolicy, TRACING_TARGET, Verdict, sleep_unless_cancelled, truncate_reason,
+    Called, Decoder, DeliveryInfo, Handler, RetryPolicy, TRACING_TARGET, Verdict, sleep_unless_cancelled,
+    truncate_reason,
 };
 use crate::signal::{Noted, Outcome as Idempotency};
 
 /// One delivery, from its span to its settlement.
-pub(super) async fn process<Dl, M, D, R, H, Fut, T, E>(worker: Arc<Worker<D, R, H>>, delivery: Dl)
+pub(super) async fn process<Dl, M, A, D, R, H>(worker: Arc<Worker<D, R, H>>, delivery: Dl)
 where
     Dl: Delivery,
     D: Decoder<M>,
-    R: RetryPolicy<E>,
-    H: Fn(M, DeliveryInfo) -> Fut,
-    Fut: Future<Output = Result<T, E>>,
-    E: fmt::Display,
+    R: RetryPolicy<H::Error>,
+    H: Handler<M, A>,
 {
     worker.handle_alone(&delivery).await;
 }
@@ -60,27 +58,23 @@ impl Beat {
 
 impl<D, R, H> Worker<D, R, H> {
     /// One delivery, in its span.
-    pub(super) async fn handle_alone<Dl, M, Fut, T, E>(&self, delivery: &Dl)
+    pub(super) async fn handle_alone<Dl, M, A>(&self, delivery: &Dl)
     where
         Dl: Delivery,
         D: Decoder<M>,
-        R: RetryPolicy<E>,
-        H: Fn(M, DeliveryInfo) -> Fut,
-        Fut: Future<Output = Result<T, E>>,
-        E: fmt::Display,
+        R: RetryPolicy<H::Error>,
+        H: Handler<M, A>,
     {
         let span = delivery_span(self, delivery);
         self.handle(delivery).instrument(span).await;
     }
 
-    pub(super) async fn handle<Dl, M, Fut, T, E>(&self, delivery: &Dl)
+    pub(super) async fn handle<Dl, M, A>(&self, delivery: &Dl)
     where
         Dl: Delivery,
         D: Decoder<M>,
-        R: RetryPolicy<E>,
-        H: Fn(M, DeliveryInfo) -> Fut,
-        Fut: Future<Output = Result<T, E>>,
-        E: fmt::Display,
+        R: RetryPolicy<H::Error>,
+        H: Handler<M, A>,
     {
         self.handle_from(delivery, None).await;
     }
@@ -98,14 +92,12 @@ impl<D, R, H> Worker<D, R, H> {
     /// one whose key was not processed is dead-lettered (`exhausted`); one
     /// whose check cannot tell yet (the store down, the key held by a
     /// transaction that may still commit) waits, in progress, as an outage.
-    pub(super) async fn handle_from<Dl, M, Fut, T, E>(&self, delivery: &Dl, mut ran: Option<(Called<E>, Noted)>)
+    pub(super) async fn handle_from<Dl, M, A>(&self, delivery: &Dl, mut ran: Option<(Called<H::Error>, Noted)>)
     where
         Dl: Delivery,
         D: Decoder<M>,
-        R: RetryPolicy<E>,
-        H: Fn(M, DeliveryInfo) -> Fut,
-        Fut: Future<Output = Result<T, E>>,
-        E: fmt::Display,
+        R: RetryPolicy<H::Error>,
+        H: Handler<M, A>,
     {
         let meta = delivery.meta();
         let attempt = meta.attempt;
@@ -326,15 +318,14 @@ impl<D, R, H> Worker<D, R, H> {
     /// describes: its outcome and what its `#[idempotent]` calls noted.
     /// With `check_only`, the calls only check whether their key is
     /// processed (see [`handle_from`](Self::handle_from)).
-    pub(super) fn call<M, Fut, T, E>(
+    pub(super) fn call<M, A>(
         &self,
         meta: &Meta,
         message: M,
         check_only: bool,
-    ) -> impl Future<Output = (Called<E>, Noted)>
+    ) -> impl Future<Output = (Called<H::Error>, Noted)>
     where
-        H: Fn(M, DeliveryInfo) -> Fut,
-        Fut: Future<Output = Result<T, E>>,
+        H: Handler<M, A>,
     {
         let info = DeliveryInfo {
             message_id: meta.message_id.clone(),
@@ -342,7 +333,7 @@ impl<D, R, H> Worker<D, R, H> {
             redelivered: meta.redelivered,
         };
         crate::broker::call(
-            crate::signal::checking(check_only, (self.handler)(message, info)),
+            crate::signal::checking(check_only, self.handler.call(message, info)),
             &self.recorder,
         )
     }

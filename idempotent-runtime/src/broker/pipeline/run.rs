@@ -1,8 +1,6 @@
 //! The run loop: connecting (again), taking deliveries while handler
 //! slots are free, and the shutdown drain.
 
-use std::fmt;
-use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -16,7 +14,7 @@ use super::traits::{Broker, Connect, Messaging, Next, Session};
 use crate::broker::options::ConsumerOptions;
 use crate::broker::stats::{ConnectionEvent, Recorder};
 use crate::broker::{
-    CancellationToken, ConsumerError, ConsumerStats, Decoder, DeliveryInfo, RetryPolicy, RunStats, TRACING_TARGET,
+    CancellationToken, ConsumerError, ConsumerStats, Decoder, Handler, RetryPolicy, RunStats, TRACING_TARGET,
     sleep_unless_cancelled,
 };
 
@@ -40,7 +38,7 @@ pub(super) struct Worker<D, R, H> {
 }
 
 /// Runs a consumer of `broker` until shutdown (or idle, or a fatal error).
-pub(crate) async fn run<B, M, D, R, H, Fut, T, E>(
+pub(crate) async fn run<B, M, A, D, R, H>(
     broker: B,
     options: ConsumerOptions,
     decoder: D,
@@ -52,12 +50,10 @@ pub(crate) async fn run<B, M, D, R, H, Fut, T, E>(
 where
     B: Broker,
     M: Send + 'static,
+    A: 'static,
     D: Decoder<M>,
-    R: RetryPolicy<E>,
-    H: Fn(M, DeliveryInfo) -> Fut + Send + Sync + 'static,
-    Fut: Future<Output = Result<T, E>> + Send + 'static,
-    T: Send + 'static,
-    E: fmt::Display + Send + 'static,
+    R: RetryPolicy<H::Error>,
+    H: Handler<M, A>,
 {
     let source = broker.source();
     let recorder = Recorder::new(B::NAME, &source, stats.clone());
