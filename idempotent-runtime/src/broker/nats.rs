@@ -103,6 +103,9 @@ pub use super::{
 };
 use super::{Consumer, ConsumerBuilder, TRACING_TARGET};
 
+#[cfg(feature = "sqlx")]
+pub(crate) mod publisher;
+
 /// Default lifetime of one pull request.
 pub const DEFAULT_FETCH_EXPIRY: Duration = Duration::from_secs(2);
 /// The shortest consumer `ack_wait` the adapter accepts: in-progress acks

@@ -102,7 +102,7 @@ use lapin::tcp::OwnedTLSConfig;
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties, ExchangeKind};
 
-use self::confirm::{ConfirmedPublisher, Unconfirmed};
+use self::publisher::{ConfirmedPublisher, Unconfirmed};
 use super::pipeline::{self, Broker, Connect, Letter, Meta, Next, Settle};
 pub use super::{
     Backoff, CancellationToken, Classify, ConsumerError, ConsumerOptions, ConsumerStats, Decoder, DeliveryInfo,
@@ -111,7 +111,7 @@ pub use super::{
 };
 use super::{Consumer, ConsumerBuilder, TRACING_TARGET, sleep_unless_cancelled};
 
-pub(crate) mod confirm;
+pub(crate) mod publisher;
 
 /// Header RabbitMQ quorum queues set to the number of earlier deliveries.
 const DELIVERY_COUNT: &str = "x-delivery-count";
@@ -338,7 +338,7 @@ impl Broker for Rabbit {
         let result = async {
             self.ensure_topology(&conn, &ready).await?;
             // Retries and dead letters are published on channels of their
-            // own (see `confirm`), not on this one.
+            // own (see `publisher`), not on this one.
             let channel = conn.create_channel().await.map_err(lost)?;
             channel
                 .basic_qos(self.prefetch, BasicQosOptions::default())
@@ -615,7 +615,7 @@ impl Delivery {
     }
 
     /// Publishes the delivery's body with `mandatory` and waits for the
-    /// broker's confirmation of this very message ([`confirm`]): `Ok` only
+    /// broker's confirmation of this very message ([`publisher`]): `Ok` only
     /// once the broker stored it in a queue.
     async fn publish(
         &self,

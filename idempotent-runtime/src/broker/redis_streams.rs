@@ -107,6 +107,9 @@ pub use super::{
 };
 use super::{Consumer, ConsumerBuilder, TRACING_TARGET, sleep_unless_cancelled};
 
+#[cfg(feature = "sqlx")]
+pub(crate) mod publisher;
+
 /// Default idle time after which a pending entry is reclaimed.
 pub const DEFAULT_CLAIM_IDLE: Duration = Duration::from_secs(30);
 /// Default longest wait of one `XREADGROUP ... BLOCK`.
