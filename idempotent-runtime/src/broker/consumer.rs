@@ -45,14 +45,14 @@ impl<B> ConsumerBuilder<B> {
 
 impl<B, D, R> ConsumerBuilder<B, D, R> {
     /// How many handlers run at once (each in its own task). Default
-    /// [`DEFAULT_CONCURRENCY`](super::options::DEFAULT_CONCURRENCY); `1` processes messages one at a time.
+    /// [`DEFAULT_CONCURRENCY`](super::DEFAULT_CONCURRENCY); `1` processes messages one at a time.
     pub fn concurrency(mut self, concurrency: usize) -> Self {
         self.options.concurrency = concurrency;
         self
     }
 
     /// How many times the handler may run on one message before it is
-    /// dead-lettered (at least 1). Default [`DEFAULT_MAX_ATTEMPTS`](super::options::DEFAULT_MAX_ATTEMPTS). Outage
+    /// dead-lettered (at least 1). Default [`DEFAULT_MAX_ATTEMPTS`](super::DEFAULT_MAX_ATTEMPTS). Outage
     /// retries in place do not count (see
     /// [`max_outage_retries`](Self::max_outage_retries) for when an outage
     /// does).
@@ -98,7 +98,7 @@ impl<B, D, R> ConsumerBuilder<B, D, R> {
     /// 1). A longer one is poison: dead-lettered at once with its size and
     /// the limit as the reason (`body of 1048577 bytes exceeds the limit of
     /// 1048576`), never decoded and never given to the handler. Default
-    /// [`DEFAULT_MAX_BODY_BYTES`](super::options::DEFAULT_MAX_BODY_BYTES) (1 MiB).
+    /// [`DEFAULT_MAX_BODY_BYTES`](super::DEFAULT_MAX_BODY_BYTES) (1 MiB).
     pub fn max_body_bytes(mut self, max: usize) -> Self {
         self.options.max_body_bytes = max;
         self
@@ -113,7 +113,7 @@ impl<B, D, R> ConsumerBuilder<B, D, R> {
 
     /// How long in-flight handlers get to finish once shutdown is requested;
     /// after it they are abandoned unsettled (the broker redelivers them).
-    /// Default [`DEFAULT_SHUTDOWN_TIMEOUT`](super::options::DEFAULT_SHUTDOWN_TIMEOUT).
+    /// Default [`DEFAULT_SHUTDOWN_TIMEOUT`](super::DEFAULT_SHUTDOWN_TIMEOUT).
     pub fn shutdown_timeout(mut self, timeout: Duration) -> Self {
         self.options.shutdown_timeout = timeout;
         self
@@ -167,7 +167,7 @@ impl<B, D, R> ConsumerBuilder<B, D, R> {
     }
 
     /// How long a batch waits for more deliveries after its first, at most
-    /// [`MAX_BATCH_WAIT`](super::options::MAX_BATCH_WAIT) (default zero: it takes what is ready and
+    /// [`MAX_BATCH_WAIT`](super::MAX_BATCH_WAIT) (default zero: it takes what is ready and
     /// closes). Only with [`batch`](Self::batch).
     pub fn batch_wait(mut self, wait: Duration) -> Self {
         match &mut self.options.batch {

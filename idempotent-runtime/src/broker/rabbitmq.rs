@@ -3,15 +3,15 @@
 //!
 //! [`RabbitConsumer`] connects to a broker (it owns its connection, so it
 //! can make it again), makes sure its queues exist, consumes one queue,
-//! decodes each delivery (JSON by default, see [`Decoder`]), calls the
+//! decodes each delivery (JSON by default, see [`Decoder`](super::Decoder)), calls the
 //! handler, and settles the delivery from the handler's result:
 //!
 //! | handler | what happens |
 //! | --- | --- |
 //! | `Ok` | the delivery is acknowledged, only now (so after the marker's commit) |
 //! | `Err`, attempts left and the error retryable | after a backoff, a copy carrying `x-idempotent-attempt: n + 1` is published to the queue with publisher confirms, then the original is acknowledged |
-//! | `Err` on the last attempt, or not retryable ([`RetryPolicy`]) | the body is published unchanged to the dead-letter queue with `x-idempotent-reason`, `-kind`, `-attempts` and `-source` headers, then acknowledged |
-//! | a dependency down (the `#[idempotent]` store failed, or [`Verdict::Outage`]) | the delivery is kept and the handler run again after a backoff, without spending an attempt |
+//! | `Err` on the last attempt, or not retryable ([`RetryPolicy`](super::RetryPolicy)) | the body is published unchanged to the dead-letter queue with `x-idempotent-reason`, `-kind`, `-attempts` and `-source` headers, then acknowledged |
+//! | a dependency down (the `#[idempotent]` store failed, or [`Verdict::Outage`](super::Verdict::Outage)) | the delivery is kept and the handler run again after a backoff, without spending an attempt |
 //! | undecodable body (poison) | dead-lettered at once, the decoder's error as reason |
 //! | panic | counts as a failed attempt |
 //!
@@ -64,7 +64,8 @@
 //! and the idempotent handler recognises the duplicates.
 //!
 //! ```no_run
-//! use idempotent_runtime::rabbitmq::{shutdown_on_signal, RabbitConsumer};
+//! use idempotent_runtime::broker::shutdown_on_signal;
+//! use idempotent_runtime::rabbitmq::RabbitConsumer;
 //!
 //! #[derive(serde::Deserialize)]
 //! struct PaymentMessage { message_id: String, order_id: String, amount: i64 }
@@ -104,10 +105,9 @@ use lapin::{BasicProperties, Channel, Connection, ConnectionProperties, Exchange
 
 use self::publisher::{ConfirmedPublisher, Unconfirmed};
 use super::pipeline::{self, Broker, Connect, Letter, Meta, Next, Settle};
-pub use super::{
-    Backoff, CancellationToken, Classify, ConsumerError, ConsumerOptions, ConsumerStats, Decoder, DeliveryInfo,
-    HEADER_ATTEMPT, HEADER_ATTEMPTS, HEADER_KIND, HEADER_REASON, HEADER_SOURCE, Json, Reconnect, RetryAll, RetryPolicy,
-    RunStats, Verdict, shutdown_on_signal,
+use super::{
+    CancellationToken, ConsumerError, ConsumerOptions, HEADER_ATTEMPT, HEADER_ATTEMPTS, HEADER_KIND, HEADER_REASON,
+    HEADER_SOURCE, Json, RetryAll,
 };
 use super::{Consumer, ConsumerBuilder, TRACING_TARGET, sleep_unless_cancelled};
 
