@@ -177,7 +177,7 @@ where
             );
             for ((index, delivery), span, _) in ran {
                 kept.take(index).await;
-                worker.handle(delivery).instrument(span).await;
+                worker.handle_from(delivery, None).instrument(span).await;
             }
         }
     }

@@ -66,17 +66,7 @@ impl<D, R, H> Worker<D, R, H> {
         H: Handler<M, A>,
     {
         let span = delivery_span(self, delivery);
-        self.handle(delivery).instrument(span).await;
-    }
-
-    pub(super) async fn handle<Dl, M, A>(&self, delivery: &Dl)
-    where
-        Dl: Delivery,
-        D: Decoder<M>,
-        R: RetryPolicy<H::Error>,
-        H: Handler<M, A>,
-    {
-        self.handle_from(delivery, None).await;
+        self.handle_from(delivery, None).instrument(span).await;
     }
 
     /// Handles a delivery from its handler's run: `ran` when the handler
@@ -267,11 +257,7 @@ impl<D, R, H> Worker<D, R, H> {
                 delay_ms = millis(delay),
                 "handler failed: retrying"
             );
-            let retried = if delivery.is_current() {
-                delivery.retry(attempt + 1, delay, &self.shutdown).await
-            } else {
-                Err(Settle::Lost("the connection it came on was lost".into()))
-            };
+            let retried = on_own_connection(delivery, || delivery.retry(attempt + 1, delay, &self.shutdown)).await;
             match retried {
                 Ok(()) => self.recorder.outcome(Outcome::Retried),
                 Err(Settle::Refused(why)) => {
@@ -370,11 +356,7 @@ impl<D, R, H> Worker<D, R, H> {
         if processed {
             self.recorder.note_processed();
         }
-        let acked = if delivery.is_current() {
-            delivery.ack().await
-        } else {
-            Err(Settle::Lost("the connection it came on was lost".into()))
-        };
+        let acked = on_own_connection(delivery, || delivery.ack()).await;
         match acked {
             Ok(()) => {
                 self.recorder.outcome(Outcome::Processed);
@@ -434,11 +416,7 @@ impl<D, R, H> Worker<D, R, H> {
         let last = delivery.meta().last;
         let mut failures = 0u32;
         loop {
-            let published = if delivery.is_current() {
-                delivery.dead_letter(&letter).await
-            } else {
-                Err(Settle::Lost("the connection it came on was lost".into()))
-            };
+            let published = on_own_connection(delivery, || delivery.dead_letter(&letter)).await;
             match published {
                 Ok(()) => {
                     self.recorder.outcome(outcome);
@@ -481,5 +459,19 @@ impl<D, R, H> Worker<D, R, H> {
                 }
             }
         }
+    }
+}
+
+/// Settles `delivery` with `settle`, on the connection it came on only:
+/// once that connection is lost, the broker redelivers it.
+async fn on_own_connection<Dl, F>(delivery: &Dl, settle: impl FnOnce() -> F) -> Result<(), Settle>
+where
+    Dl: Delivery,
+    F: Future<Output = Result<(), Settle>>,
+{
+    if delivery.is_current() {
+        settle().await
+    } else {
+        Err(Settle::Lost("the connection it came on was lost".into()))
     }
 }

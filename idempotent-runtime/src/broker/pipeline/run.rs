@@ -249,16 +249,8 @@ fn note_task(done: Result<(), tokio::task::JoinError>) {
 /// period aborts what is left (those deliveries stay unsettled and the
 /// broker redelivers them).
 async fn drain(tasks: &mut JoinSet<()>, timeout: Duration, abandon: &CancellationToken, source: &str) {
-    let deadline = tokio::time::sleep(timeout);
-    tokio::pin!(deadline);
-    loop {
-        tokio::select! {
-            done = tasks.join_next() => match done {
-                Some(done) => note_task(done),
-                None => return,
-            },
-            _ = &mut deadline => break,
-        }
+    if join_within(tasks, timeout).await {
+        return;
     }
     tracing::warn!(
         target: TRACING_TARGET,
@@ -267,18 +259,23 @@ async fn drain(tasks: &mut JoinSet<()>, timeout: Duration, abandon: &Cancellatio
         "shutdown timeout: abandoning in-flight handlers, their messages go back to the broker"
     );
     abandon.cancel();
-    let grace = tokio::time::sleep(ABANDON_GRACE);
-    tokio::pin!(grace);
+    if !join_within(tasks, ABANDON_GRACE).await {
+        tasks.shutdown().await;
+    }
+}
+
+/// Joins the tasks as they end, for at most `limit`: `true` once none is
+/// left, `false` when the time ran out first.
+async fn join_within(tasks: &mut JoinSet<()>, limit: Duration) -> bool {
+    let deadline = tokio::time::sleep(limit);
+    tokio::pin!(deadline);
     loop {
         tokio::select! {
             done = tasks.join_next() => match done {
                 Some(done) => note_task(done),
-                None => return,
+                None => return true,
             },
-            _ = &mut grace => {
-                tasks.shutdown().await;
-                return;
-            }
+            _ = &mut deadline => return false,
         }
     }
 }
