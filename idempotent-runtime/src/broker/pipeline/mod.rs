@@ -32,6 +32,12 @@
 //! to run the pipeline on a broker of your own, as
 //! [`rabbitmq`](super::rabbitmq), [`nats`](super::nats) and
 //! [`redis_streams`](super::redis_streams) do.
+//!
+//! The code, by concern: `traits` (what a broker implements, and what it
+//! exchanges with the pipeline), `run` (the loop and the drain), `deliver`
+//! (one delivery: decoding, the handler's call, the verdict, acknowledging,
+//! retrying, dead-lettering, releasing), `batch` (several deliveries in one
+//! database transaction) and `span` (a delivery's `tracing` span).
 
 #[cfg(feature = "sqlx")]
 mod batch;
