@@ -17,12 +17,13 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
+use idempotent_runtime::broker::{CancellationToken, shutdown_on_signal};
 use idempotent_runtime::lapin::options::{
     BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions, QueueDeleteOptions,
 };
 use idempotent_runtime::lapin::types::FieldTable;
 use idempotent_runtime::lapin::{BasicProperties, Connection, ConnectionProperties};
-use idempotent_runtime::rabbitmq::{CancellationToken, RabbitConsumer, shutdown_on_signal};
+use idempotent_runtime::rabbitmq::RabbitConsumer;
 use idempotent_runtime::sqlx::{self, SqliteConnection};
 use idempotent_runtime::{Janitor, SqliteStore, idempotent};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
@@ -124,7 +125,7 @@ async fn main() -> Result<(), BoxError> {
         .await?;
     let consumer = RabbitConsumer::builder(&amqp_url, &queue)
         .max_attempts(2)
-        .retry_backoff(idempotent_runtime::rabbitmq::Backoff::new(
+        .retry_backoff(idempotent_runtime::broker::Backoff::new(
             Duration::from_millis(10),
             Duration::from_millis(50),
         ))

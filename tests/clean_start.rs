@@ -13,12 +13,13 @@ mod common;
 use std::sync::OnceLock;
 use std::time::Duration;
 
+use idempotent_runtime::broker::CancellationToken;
 use idempotent_runtime::lapin::options::{
     BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions, QueueDeleteOptions,
 };
 use idempotent_runtime::lapin::types::{AMQPValue, FieldTable};
 use idempotent_runtime::lapin::{BasicProperties, Connection, ConnectionProperties};
-use idempotent_runtime::rabbitmq::{CancellationToken, RabbitConsumer, RabbitConsumerBuilder};
+use idempotent_runtime::rabbitmq::{RabbitConsumer, RabbitConsumerBuilder};
 use idempotent_runtime::{MySqlStore, PgStore, SqliteStore};
 use serde::{Deserialize, Serialize};
 

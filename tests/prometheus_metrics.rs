@@ -11,8 +11,9 @@ mod common;
 use std::net::SocketAddr;
 use std::time::Duration;
 
+use idempotent_runtime::broker::{Backoff, CancellationToken};
 use idempotent_runtime::redis::{self, AsyncCommands};
-use idempotent_runtime::redis_streams::{Backoff, CancellationToken, StreamConsumer};
+use idempotent_runtime::redis_streams::StreamConsumer;
 use idempotent_runtime::{Janitor, MemoryStore, idempotent};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
 use serde::{Deserialize, Serialize};

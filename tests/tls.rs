@@ -1000,7 +1000,8 @@ async fn note_from_nats(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nats_jetstream_consumer_over_verified_tls() {
     use idempotent_runtime::async_nats::jetstream::{self, consumer::pull, stream};
-    use idempotent_runtime::nats::{CancellationToken, JetStreamConsumer};
+    use idempotent_runtime::broker::CancellationToken;
+    use idempotent_runtime::nats::JetStreamConsumer;
     use std::sync::Arc;
 
     let pki = TestPki::new("idempotent tls test CA (nats)");
@@ -1233,10 +1234,11 @@ async fn note_from_rabbitmq(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rabbitmq_consumer_over_verified_tls() {
+    use idempotent_runtime::broker::CancellationToken;
     use idempotent_runtime::lapin::BasicProperties;
     use idempotent_runtime::lapin::options::{BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions};
     use idempotent_runtime::lapin::types::FieldTable;
-    use idempotent_runtime::rabbitmq::{CancellationToken, RabbitConsumer};
+    use idempotent_runtime::rabbitmq::RabbitConsumer;
     use std::sync::Arc;
 
     let pki = TestPki::new("idempotent tls test CA (rabbitmq)");

@@ -17,10 +17,11 @@ use idempotent_runtime::async_nats::jetstream::consumer::{AckPolicy, PullConsume
 use idempotent_runtime::async_nats::jetstream::message::StreamMessage;
 use idempotent_runtime::async_nats::jetstream::{self, stream};
 use idempotent_runtime::async_nats::{self, HeaderMap};
-use idempotent_runtime::nats::{
+use idempotent_runtime::broker::{
     Backoff, CancellationToken, ConsumerError, DeliveryInfo, HEADER_ATTEMPTS, HEADER_KIND, HEADER_MSG_ID,
-    HEADER_REASON, HEADER_SOURCE, JetStreamConsumer,
+    HEADER_REASON, HEADER_SOURCE,
 };
+use idempotent_runtime::nats::JetStreamConsumer;
 use serde::{Deserialize, Serialize};
 
 const NATS_URL: &str = "127.0.0.1:4222";

@@ -12,6 +12,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use idempotent_runtime::MemoryStore;
+use idempotent_runtime::broker::{
+    Backoff, CancellationToken, DeliveryInfo, HEADER_ATTEMPTS, HEADER_KIND, HEADER_REASON, Verdict,
+};
 use idempotent_runtime::lapin::message::BasicGetMessage;
 use idempotent_runtime::lapin::options::{
     BasicGetOptions, BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions, ExchangeDeleteOptions,
@@ -19,9 +22,7 @@ use idempotent_runtime::lapin::options::{
 };
 use idempotent_runtime::lapin::types::{AMQPValue, FieldTable, ShortString};
 use idempotent_runtime::lapin::{BasicProperties, Channel, Connection, ConnectionProperties, ExchangeKind};
-use idempotent_runtime::rabbitmq::{
-    Backoff, CancellationToken, DeliveryInfo, HEADER_ATTEMPTS, HEADER_KIND, HEADER_REASON, RabbitConsumer, Verdict,
-};
+use idempotent_runtime::rabbitmq::RabbitConsumer;
 use idempotent_runtime::store::{Claim, Guard, Request, Store};
 use serde::{Deserialize, Serialize};
 
@@ -273,7 +274,7 @@ async fn sigterm_stops_the_consumer_gracefully() {
     let ledger = Ledger::default();
     let consumer = RabbitConsumer::builder(AMQP_URL, &fx.queue).build().unwrap();
     let stats = consumer.stats();
-    let shutdown = idempotent_runtime::rabbitmq::shutdown_on_signal();
+    let shutdown = idempotent_runtime::broker::shutdown_on_signal();
     let handler_ledger = ledger.clone();
     let run = tokio::spawn(consumer.run(
         move |msg: Payment| {
@@ -416,7 +417,7 @@ async fn dead_letter_all(
     configure: impl FnOnce(
         idempotent_runtime::rabbitmq::RabbitConsumerBuilder,
     ) -> idempotent_runtime::rabbitmq::RabbitConsumerBuilder,
-) -> idempotent_runtime::rabbitmq::RunStats {
+) -> idempotent_runtime::broker::RunStats {
     let consumer = configure(RabbitConsumer::builder(AMQP_URL, &fx.queue).retry_backoff(fast_retries()))
         .retry_if(|_: &String| false)
         .build()

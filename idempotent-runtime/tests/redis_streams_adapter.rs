@@ -8,10 +8,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use idempotent_runtime::MemoryStore;
+use idempotent_runtime::broker::{CancellationToken, HEADER_KIND, HEADER_REASON};
 use idempotent_runtime::redis::{self, AsyncCommands};
-use idempotent_runtime::redis_streams::{
-    CancellationToken, HEADER_KIND, HEADER_REASON, StreamConsumer, StreamConsumerBuilder,
-};
+use idempotent_runtime::redis_streams::{StreamConsumer, StreamConsumerBuilder};
 
 const REDIS_URL: &str = "redis://127.0.0.1:6379/";
 const WAIT: Duration = Duration::from_secs(15);

@@ -5,11 +5,17 @@
 //!   free, and takes each one through decode → poison → handler → verdict →
 //!   settle, in a `tracing` span, with the counters, attempt accounting,
 //!   outage retries in place and the shutdown drain.
-//! - [`options`] is the configuration every consumer shares, and the one
-//!   builder ([`ConsumerBuilder`]) and consumer ([`Consumer`]) types that
-//!   each broker instantiates.
-//! - [`policy`] decides about bodies (decoders) and failures (verdicts,
-//!   backoff, reconnection); [`stats`] counts.
+//! - [`ConsumerOptions`] is the configuration every consumer shares; the
+//!   one builder ([`ConsumerBuilder`]) and consumer ([`Consumer`]) types
+//!   that each broker instantiates set it and run the pipeline with a
+//!   [`Handler`].
+//! - The policies decide about bodies ([`Decoder`]) and failures
+//!   ([`RetryPolicy`], [`Verdict`], [`Backoff`], [`Reconnect`]);
+//!   [`ConsumerStats`] counts.
+//!
+//! Every name the brokers share has one path, here
+//! (`idempotent_runtime::broker::Verdict`); a broker's module holds only its
+//! own (`rabbitmq::RabbitConsumer`...).
 //! - Each broker supplies only how it connects and receives, and how it
 //!   settles a delivery (ack, retry with delay, dead-letter, release):
 //!   [`rabbitmq`], [`nats`], [`redis_streams`].
@@ -20,10 +26,12 @@ use std::time::{Duration, Instant};
 
 use futures_util::FutureExt;
 
-pub mod options;
+mod consumer;
+mod handler;
+mod options;
 pub mod pipeline;
-pub mod policy;
-pub mod stats;
+mod policy;
+mod stats;
 
 #[cfg(feature = "nats")]
 pub mod nats;
@@ -32,7 +40,12 @@ pub mod rabbitmq;
 #[cfg(feature = "redis-streams")]
 pub mod redis_streams;
 
-pub use options::{BatchMode, Consumer, ConsumerBuilder, ConsumerOptions, DEFAULT_MAX_BODY_BYTES, MAX_BATCH_WAIT};
+pub use consumer::{Consumer, ConsumerBuilder};
+pub use handler::Handler;
+pub use options::{
+    BatchMode, ConsumerOptions, DEFAULT_CONCURRENCY, DEFAULT_MAX_ATTEMPTS, DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_SHUTDOWN_TIMEOUT, MAX_BATCH_WAIT,
+};
 pub use policy::{Backoff, Classify, Decoder, Json, Reconnect, RetryAll, RetryPolicy, Verdict};
 pub use stats::{ConsumerStats, RunStats};
 /// The cancellation token `run` stops on (re-exported from `tokio-util`).

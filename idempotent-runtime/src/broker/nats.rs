@@ -3,15 +3,15 @@
 //! graceful shutdown.
 //!
 //! [`JetStreamConsumer`] pulls from a durable JetStream pull consumer with
-//! explicit acks, decodes each message (JSON by default, see [`Decoder`]),
+//! explicit acks, decodes each message (JSON by default, see [`Decoder`](super::Decoder)),
 //! calls the handler, and settles the message from the handler's result:
 //!
 //! | handler | what happens |
 //! | --- | --- |
 //! | `Ok` | the message is acknowledged (`+ACK`, confirmed by the server), only now (so after the marker's commit) |
 //! | `Err`, attempts left and the error retryable | `-NAK` with an exponential delay: JetStream redelivers it and counts the delivery |
-//! | `Err` on the last attempt, or not retryable ([`RetryPolicy`]) | the payload is published unchanged to the dead-letter subject with `x-idempotent-reason`, `-kind`, `-attempts` and `-source` headers (and the original's headers), then the message is terminated (`+TERM`) |
-//! | a dependency down (the `#[idempotent]` store failed, or [`Verdict::Outage`]) | the message is kept (in progress) and the handler run again after a backoff, without spending a delivery |
+//! | `Err` on the last attempt, or not retryable ([`RetryPolicy`](super::RetryPolicy)) | the payload is published unchanged to the dead-letter subject with `x-idempotent-reason`, `-kind`, `-attempts` and `-source` headers (and the original's headers), then the message is terminated (`+TERM`) |
+//! | a dependency down (the `#[idempotent]` store failed, or [`Verdict::Outage`](super::Verdict::Outage)) | the message is kept (in progress) and the handler run again after a backoff, without spending a delivery |
 //! | undecodable payload (poison) | dead-lettered and terminated at once, the decoder's error as reason |
 //! | panic | counts as a failed attempt |
 //!
@@ -59,7 +59,8 @@
 //!
 //! ```no_run
 //! use idempotent_runtime::async_nats::jetstream::{self, consumer::PullConsumer};
-//! use idempotent_runtime::nats::{shutdown_on_signal, JetStreamConsumer};
+//! use idempotent_runtime::broker::shutdown_on_signal;
+//! use idempotent_runtime::nats::JetStreamConsumer;
 //!
 //! #[derive(serde::Deserialize)]
 //! struct PaymentMessage { message_id: String, order_id: String, amount: i64 }
@@ -96,12 +97,14 @@ use async_nats::jetstream::{self, AckKind};
 use futures_util::StreamExt;
 
 use super::pipeline::{self, Broker, Connect, Letter, Messaging, Meta, Next, Settle};
-pub use super::{
-    Backoff, CancellationToken, Classify, ConsumerError, ConsumerOptions, ConsumerStats, Decoder, DeliveryInfo,
-    HEADER_ATTEMPTS, HEADER_KIND, HEADER_MSG_ID, HEADER_REASON, HEADER_SOURCE, Json, Reconnect, RetryAll, RetryPolicy,
-    RunStats, Verdict, shutdown_on_signal,
+use super::{
+    CancellationToken, ConsumerError, ConsumerOptions, HEADER_ATTEMPTS, HEADER_KIND, HEADER_MSG_ID, HEADER_REASON,
+    HEADER_SOURCE, Json, RetryAll,
 };
 use super::{Consumer, ConsumerBuilder, TRACING_TARGET};
+
+#[cfg(feature = "sqlx")]
+pub(crate) mod publisher;
 
 /// Default lifetime of one pull request.
 pub const DEFAULT_FETCH_EXPIRY: Duration = Duration::from_secs(2);

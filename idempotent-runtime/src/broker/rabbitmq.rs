@@ -3,15 +3,15 @@
 //!
 //! [`RabbitConsumer`] connects to a broker (it owns its connection, so it
 //! can make it again), makes sure its queues exist, consumes one queue,
-//! decodes each delivery (JSON by default, see [`Decoder`]), calls the
+//! decodes each delivery (JSON by default, see [`Decoder`](super::Decoder)), calls the
 //! handler, and settles the delivery from the handler's result:
 //!
 //! | handler | what happens |
 //! | --- | --- |
 //! | `Ok` | the delivery is acknowledged, only now (so after the marker's commit) |
 //! | `Err`, attempts left and the error retryable | after a backoff, a copy carrying `x-idempotent-attempt: n + 1` is published to the queue with publisher confirms, then the original is acknowledged |
-//! | `Err` on the last attempt, or not retryable ([`RetryPolicy`]) | the body is published unchanged to the dead-letter queue with `x-idempotent-reason`, `-kind`, `-attempts` and `-source` headers, then acknowledged |
-//! | a dependency down (the `#[idempotent]` store failed, or [`Verdict::Outage`]) | the delivery is kept and the handler run again after a backoff, without spending an attempt |
+//! | `Err` on the last attempt, or not retryable ([`RetryPolicy`](super::RetryPolicy)) | the body is published unchanged to the dead-letter queue with `x-idempotent-reason`, `-kind`, `-attempts` and `-source` headers, then acknowledged |
+//! | a dependency down (the `#[idempotent]` store failed, or [`Verdict::Outage`](super::Verdict::Outage)) | the delivery is kept and the handler run again after a backoff, without spending an attempt |
 //! | undecodable body (poison) | dead-lettered at once, the decoder's error as reason |
 //! | panic | counts as a failed attempt |
 //!
@@ -64,7 +64,8 @@
 //! and the idempotent handler recognises the duplicates.
 //!
 //! ```no_run
-//! use idempotent_runtime::rabbitmq::{shutdown_on_signal, RabbitConsumer};
+//! use idempotent_runtime::broker::shutdown_on_signal;
+//! use idempotent_runtime::rabbitmq::RabbitConsumer;
 //!
 //! #[derive(serde::Deserialize)]
 //! struct PaymentMessage { message_id: String, order_id: String, amount: i64 }
@@ -102,16 +103,15 @@ use lapin::tcp::OwnedTLSConfig;
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties, ExchangeKind};
 
-use self::confirm::{ConfirmedPublisher, Unconfirmed};
+use self::publisher::{ConfirmedPublisher, Unconfirmed};
 use super::pipeline::{self, Broker, Connect, Letter, Meta, Next, Settle};
-pub use super::{
-    Backoff, CancellationToken, Classify, ConsumerError, ConsumerOptions, ConsumerStats, Decoder, DeliveryInfo,
-    HEADER_ATTEMPT, HEADER_ATTEMPTS, HEADER_KIND, HEADER_REASON, HEADER_SOURCE, Json, Reconnect, RetryAll, RetryPolicy,
-    RunStats, Verdict, shutdown_on_signal,
+use super::{
+    CancellationToken, ConsumerError, ConsumerOptions, HEADER_ATTEMPT, HEADER_ATTEMPTS, HEADER_KIND, HEADER_REASON,
+    HEADER_SOURCE, Json, RetryAll,
 };
 use super::{Consumer, ConsumerBuilder, TRACING_TARGET, sleep_unless_cancelled};
 
-pub(crate) mod confirm;
+pub(crate) mod publisher;
 
 /// Header RabbitMQ quorum queues set to the number of earlier deliveries.
 const DELIVERY_COUNT: &str = "x-delivery-count";
@@ -338,7 +338,7 @@ impl Broker for Rabbit {
         let result = async {
             self.ensure_topology(&conn, &ready).await?;
             // Retries and dead letters are published on channels of their
-            // own (see `confirm`), not on this one.
+            // own (see `publisher`), not on this one.
             let channel = conn.create_channel().await.map_err(lost)?;
             channel
                 .basic_qos(self.prefetch, BasicQosOptions::default())
@@ -615,7 +615,7 @@ impl Delivery {
     }
 
     /// Publishes the delivery's body with `mandatory` and waits for the
-    /// broker's confirmation of this very message ([`confirm`]): `Ok` only
+    /// broker's confirmation of this very message ([`publisher`]): `Ok` only
     /// once the broker stored it in a queue.
     async fn publish(
         &self,

@@ -5,14 +5,14 @@
 //!
 //! [`StreamConsumer`] reads a stream as one consumer of a consumer group
 //! (`XREADGROUP`), decodes each entry's body field (JSON by default, see
-//! [`Decoder`]), calls the handler, and settles the entry:
+//! [`Decoder`](super::Decoder)), calls the handler, and settles the entry:
 //!
 //! | handler | what happens |
 //! | --- | --- |
 //! | `Ok` | the entry is acknowledged (`XACK`), only now (so after the marker's commit) |
 //! | `Err`, attempts left and the error retryable | after a backoff, a copy carrying `x-idempotent-attempt: n + 1` is added to the stream and the original acknowledged, in one script |
-//! | `Err` on the last attempt, or not retryable ([`RetryPolicy`]) | the entry is added unchanged to the dead-letter stream with `x-idempotent-reason`, `-kind`, `-attempts` and `-source` fields, and acknowledged, in one script |
-//! | a dependency down (the `#[idempotent]` store failed, or [`Verdict::Outage`]) | the entry is kept (its idle time reset) and the handler run again after a backoff, without spending an attempt |
+//! | `Err` on the last attempt, or not retryable ([`RetryPolicy`](super::RetryPolicy)) | the entry is added unchanged to the dead-letter stream with `x-idempotent-reason`, `-kind`, `-attempts` and `-source` fields, and acknowledged, in one script |
+//! | a dependency down (the `#[idempotent]` store failed, or [`Verdict::Outage`](super::Verdict::Outage)) | the entry is kept (its idle time reset) and the handler run again after a backoff, without spending an attempt |
 //! | undecodable body, or no body field (poison) | dead-lettered at once |
 //! | panic | counts as a failed attempt |
 //!
@@ -22,7 +22,7 @@
 //! field (`body` unless [`body_field`](ConsumerBuilder::body_field) says
 //! otherwise) holds the message, the optional `message_id` field (see
 //! [`message_id_field`](ConsumerBuilder::message_id_field)) is reported as
-//! [`DeliveryInfo::message_id`]. Other fields are kept on copies and dead
+//! [`DeliveryInfo::message_id`](super::DeliveryInfo::message_id). Other fields are kept on copies and dead
 //! letters.
 //!
 //! # Consumers that die
@@ -65,7 +65,8 @@
 //! `claim_idle`, and the idempotent handler recognises the duplicates.
 //!
 //! ```no_run
-//! use idempotent_runtime::redis_streams::{shutdown_on_signal, StreamConsumer};
+//! use idempotent_runtime::broker::shutdown_on_signal;
+//! use idempotent_runtime::redis_streams::StreamConsumer;
 //!
 //! #[derive(serde::Deserialize)]
 //! struct PaymentMessage { message_id: String, order_id: String, amount: i64 }
@@ -100,12 +101,14 @@ use redis::{AsyncConnectionConfig, Script, Value};
 use tokio::time::Instant;
 
 use super::pipeline::{self, Broker, Connect, Letter, Messaging, Meta, Next, Settle};
-pub use super::{
-    Backoff, CancellationToken, Classify, ConsumerError, ConsumerOptions, ConsumerStats, Decoder, DeliveryInfo,
-    HEADER_ATTEMPT, HEADER_ATTEMPTS, HEADER_KIND, HEADER_REASON, HEADER_SOURCE, Json, Reconnect, RetryAll, RetryPolicy,
-    RunStats, Verdict, shutdown_on_signal,
+use super::{
+    CancellationToken, ConsumerError, ConsumerOptions, HEADER_ATTEMPT, HEADER_ATTEMPTS, HEADER_KIND, HEADER_REASON,
+    HEADER_SOURCE, Json, RetryAll,
 };
 use super::{Consumer, ConsumerBuilder, TRACING_TARGET, sleep_unless_cancelled};
+
+#[cfg(feature = "sqlx")]
+pub(crate) mod publisher;
 
 /// Default idle time after which a pending entry is reclaimed.
 pub const DEFAULT_CLAIM_IDLE: Duration = Duration::from_secs(30);

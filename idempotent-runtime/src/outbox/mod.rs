@@ -68,11 +68,13 @@ pub use relay::{
     OutboxBatch, OutboxRow, OutboxStats, OutboxStore, PublishError, Publisher, Relay, RelayBuilder, RelayHandle,
 };
 
-#[cfg(any(feature = "rabbitmq", feature = "nats", feature = "redis-streams"))]
-mod publishers;
-
-#[cfg(any(feature = "rabbitmq", feature = "nats", feature = "redis-streams"))]
-pub use publishers::*;
+// The relay's publishers live beside their broker's consumer.
+#[cfg(feature = "nats")]
+pub use crate::broker::nats::publisher::JetStreamPublisher;
+#[cfg(feature = "rabbitmq")]
+pub use crate::broker::rabbitmq::publisher::RabbitPublisher;
+#[cfg(feature = "redis-streams")]
+pub use crate::broker::redis_streams::publisher::StreamPublisher;
 
 /// The longest destination, ordering key or message id, in bytes.
 pub const MAX_OUTBOX_NAME_BYTES: usize = 255;

@@ -1,6 +1,6 @@
-//! Publishing with publisher confirms, each publish's outcome its own: the
-//! one way the consumer (retries, dead letters) and the outbox relay
-//! (`outbox::RabbitPublisher`) publish to RabbitMQ.
+//! Publishing to RabbitMQ, for the consumer (retries, dead letters) and the
+//! outbox relay ([`RabbitPublisher`]) alike: one confirmed publish,
+//! [`ConfirmedPublisher::publish`], each publish's outcome its own.
 //!
 //! A `mandatory` message no queue takes comes back as a `basic.return`,
 //! sent by the broker before the `basic.ack` of the same publish. lapin 4
@@ -21,12 +21,23 @@
 //! caller stopped waiting) is never used again: dropping it closes it.
 
 use std::fmt;
+#[cfg(feature = "sqlx")]
+use std::sync::Arc;
 use std::sync::{Mutex, MutexGuard};
 
+#[cfg(feature = "sqlx")]
+use lapin::ConnectionProperties;
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
+#[cfg(feature = "sqlx")]
+use lapin::tcp::OwnedTLSConfig;
 use lapin::types::ShortString;
+#[cfg(feature = "sqlx")]
+use lapin::types::{AMQPValue, FieldTable, LongString};
 use lapin::{BasicProperties, Channel, Confirmation, Connection};
 use tokio::sync::Semaphore;
+
+#[cfg(feature = "sqlx")]
+use crate::outbox::{OutboxRow, PublishError, Publisher};
 
 /// At most this many publishes in flight (so channels) per connection,
 /// fewer when the broker allows fewer channels.
@@ -184,6 +195,154 @@ impl ConfirmedPublisher {
     }
 }
 
+/// Publishes outbox rows to RabbitMQ: on an exchange (the default
+/// exchange unless [`exchange`](Self::exchange) names one) with the
+/// row's destination as routing key, persistent, with the row's
+/// `message_id`, and `mandatory`: a row is dispatched only once the
+/// broker confirmed it *and* routed it to a queue (an unroutable
+/// message is returned and the row retried, not silently dropped).
+/// Each row's outcome is its own, however many rows are in flight:
+/// every publish has a channel of the connection to itself until the
+/// broker confirmed it.
+///
+/// It connects on the first publish and again after a lost connection.
+///
+/// ```no_run
+/// # async fn run(store: idempotent_runtime::PgStore) {
+/// use idempotent_runtime::outbox::{RabbitPublisher, Relay};
+/// let publisher = RabbitPublisher::new("amqp://127.0.0.1:5672/%2f").exchange("events");
+/// let relay = Relay::builder(store, publisher).spawn();
+/// # relay.shutdown().await;
+/// # }
+/// ```
+#[cfg(feature = "sqlx")]
+pub struct RabbitPublisher {
+    uri: String,
+    exchange: String,
+    properties: ConnectionProperties,
+    tls: OwnedTLSConfig,
+    link: tokio::sync::Mutex<Option<Arc<ConfirmedPublisher>>>,
+}
+
+#[cfg(feature = "sqlx")]
+impl fmt::Debug for RabbitPublisher {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RabbitPublisher")
+            .field("exchange", &self.exchange)
+            .finish_non_exhaustive()
+    }
+}
+
+#[cfg(feature = "sqlx")]
+impl RabbitPublisher {
+    /// A publisher to the broker at `uri` (`amqp://` or `amqps://`), on
+    /// the default exchange: destinations are queue names.
+    pub fn new(uri: impl Into<String>) -> RabbitPublisher {
+        RabbitPublisher {
+            uri: uri.into(),
+            exchange: String::new(),
+            properties: ConnectionProperties::default(),
+            tls: OwnedTLSConfig::default(),
+            link: tokio::sync::Mutex::new(None),
+        }
+    }
+
+    /// Publishes on `exchange`: destinations are its routing keys.
+    pub fn exchange(mut self, exchange: impl Into<String>) -> RabbitPublisher {
+        self.exchange = exchange.into();
+        self
+    }
+
+    /// The TLS settings of an `amqps://` connection (feature
+    /// `tls-rustls`).
+    pub fn tls_config(mut self, tls: OwnedTLSConfig) -> RabbitPublisher {
+        self.tls = tls;
+        self
+    }
+
+    /// The open connection, connecting first if there is none.
+    async fn link(&self) -> Result<Arc<ConfirmedPublisher>, PublishError> {
+        let mut link = self.link.lock().await;
+        if let Some(publisher) = link.as_ref()
+            && publisher.connection().status().connected()
+        {
+            return Ok(Arc::clone(publisher));
+        }
+        let runtime =
+            lapin::runtime::default_runtime().map_err(|err| PublishError(format!("no runtime for lapin: {err}")))?;
+        let conn = Connection::connect_with_config(&self.uri, self.properties.clone(), self.tls.clone(), runtime)
+            .await
+            .map_err(|err| PublishError(format!("cannot connect to RabbitMQ: {err}")))?;
+        let publisher = Arc::new(ConfirmedPublisher::new(conn));
+        *link = Some(Arc::clone(&publisher));
+        Ok(publisher)
+    }
+
+    /// Forgets `stale`'s connection once it is lost (not a newer one).
+    async fn forget(&self, stale: &Arc<ConfirmedPublisher>) {
+        let mut link = self.link.lock().await;
+        if link.as_ref().is_some_and(|current| Arc::ptr_eq(current, stale)) && !stale.connection().status().connected()
+        {
+            link.take();
+        }
+    }
+}
+
+#[cfg(feature = "sqlx")]
+impl Publisher for RabbitPublisher {
+    fn system(&self) -> &'static str {
+        "rabbitmq"
+    }
+
+    /// `{exchange}:{routing key}`, as OpenTelemetry's RabbitMQ
+    /// conventions put it on the producer side (the routing key alone
+    /// on the default exchange).
+    fn destination_name(&self, row: &OutboxRow) -> String {
+        match (self.exchange.as_str(), row.destination.as_str()) {
+            ("", "") => "amq.default".to_owned(),
+            ("", key) => key.to_owned(),
+            (exchange, "") => exchange.to_owned(),
+            (exchange, key) => format!("{exchange}:{key}"),
+        }
+    }
+
+    async fn publish(&self, row: &OutboxRow) -> Result<(), PublishError> {
+        let publisher = self.link().await?;
+        let mut headers = FieldTable::default();
+        for (name, value) in &row.headers {
+            headers.insert(
+                ShortString::from(name.as_str()),
+                AMQPValue::LongString(LongString::from(value.as_bytes())),
+            );
+        }
+        let properties = BasicProperties::default()
+            .with_message_id(row.message_id.as_str().into())
+            .with_delivery_mode(2)
+            .with_headers(headers);
+        let published = publisher
+            .publish(
+                self.exchange.as_str().into(),
+                row.destination.as_str().into(),
+                &row.payload,
+                properties,
+            )
+            .await;
+        match published {
+            Ok(()) => Ok(()),
+            Err(Unconfirmed::Returned { .. }) => Err(PublishError(format!(
+                "no queue is bound to routing key `{}` on exchange `{}`: the message was returned",
+                row.destination, self.exchange
+            ))),
+            Err(Unconfirmed::Nacked) => Err(PublishError("RabbitMQ refused the message (nack)".into())),
+            Err(Unconfirmed::NotConfirmed) => Err(PublishError("RabbitMQ did not confirm the message".into())),
+            Err(Unconfirmed::Failed(why)) => {
+                self.forget(&publisher).await;
+                Err(PublishError(why))
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -195,6 +354,19 @@ mod tests {
         // A channel that is not in confirm mode: the broker may not hold
         // the message, so the publish is not a success.
         assert_eq!(outcome(Confirmation::NotRequested), Err(Unconfirmed::NotConfirmed));
+    }
+
+    /// The consumer's retries and dead letters and the outbox relay publish
+    /// through this one function: a publish that got no confirmation
+    /// proves nothing, for either of them.
+    #[test]
+    fn a_publish_without_a_confirmation_is_not_stored() {
+        let unconfirmed = outcome(Confirmation::NotRequested);
+        assert!(unconfirmed.is_err(), "NotRequested accepted as stored");
+        assert_eq!(
+            unconfirmed.map_err(|why| why.to_string()),
+            Err("the broker did not confirm the message".to_owned())
+        );
     }
 
     #[test]

@@ -1,0 +1,222 @@
+//! Batches: several deliveries gathered and run in one database
+//! transaction.
+
+use std::sync::Arc;
+
+use tokio::time::Instant;
+use tracing::{Instrument, Span};
+
+use super::deliver::{Beat, process};
+use super::run::Worker;
+use super::span::delivery_span;
+use super::traits::{Delivery, Next, Session};
+use crate::broker::options::BatchMode;
+use crate::broker::stats::Recorder;
+use crate::broker::{Decoder, Handler, RetryPolicy, TRACING_TARGET};
+
+/// Gathers a batch: `first`, then what the session has ready, up to the
+/// batch's size, waiting at most its `max_wait`. Also returns what ended
+/// the gathering when it was not a delivery (end, lost connection), for the
+/// run loop.
+pub(super) async fn gather<S: Session>(
+    session: &mut S,
+    first: S::Delivery,
+    mode: &BatchMode,
+    recorder: &Recorder,
+) -> (Vec<S::Delivery>, Option<Next<S::Delivery>>) {
+    let mut deliveries = vec![first];
+    let deadline = Instant::now() + mode.max_wait;
+    while deliveries.len() < mode.max {
+        // `timeout_at` polls `next` before looking at the clock: with no
+        // wait, this takes exactly what is ready.
+        match tokio::time::timeout_at(deadline, session.next(mode.max - deliveries.len())).await {
+            Ok(Next::Delivery(delivery)) => {
+                recorder.received();
+                deliveries.push(delivery);
+            }
+            Ok(Next::Idle) | Err(_) => break,
+            Ok(other) => return (deliveries, Some(other)),
+        }
+    }
+    (deliveries, None)
+}
+
+/// A batch of deliveries in one database transaction (see
+/// [`ConsumerBuilder::batch`](super::ConsumerBuilder::batch)): the handlers
+/// run together in the [`Batch`](crate::batch::Batch)
+/// ([`run_all`](crate::batch::Batch::run_all)); after the commit each
+/// delivery is settled on its handler's outcome, as alone. A batch that cannot begin or commit ran for nothing (its
+/// transaction rolled back): its deliveries then run again, one per
+/// transaction.
+///
+/// Every delivery of the batch is kept alive (its
+/// [`progress`](Delivery::progress) sent at its heartbeat) from the moment
+/// it is gathered until its settlement begins, whatever runs meanwhile: the
+/// other members' handlers after its own returned, the commit, the
+/// settlement of the members before it (a retry's backoff, outage retries,
+/// a dead letter's publish). A delivery the broker took for stuck would be
+/// redelivered, possibly on its last allowed delivery, while the batch
+/// commits its effect.
+pub(super) async fn process_batch<Dl, M, A, D, R, H>(worker: Arc<Worker<D, R, H>>, deliveries: Vec<Dl>)
+where
+    Dl: Delivery,
+    D: Decoder<M>,
+    R: RetryPolicy<H::Error>,
+    H: Handler<M, A>,
+{
+    let Some(mode) = &worker.options.batch else {
+        for delivery in deliveries {
+            process(Arc::clone(&worker), delivery).await;
+        }
+        return;
+    };
+    let kept = Kept::new(deliveries.len());
+    // On the heap: the batch's work holds every handler's future.
+    let work = Box::pin(run_batch(&worker, mode, &deliveries, &kept));
+    tokio::select! {
+        biased;
+        () = work => {}
+        () = keep_alive(&deliveries, &kept) => {}
+    }
+}
+
+/// [`process_batch`]'s work; each delivery is taken from the
+/// [`keep_alive`] of the batch ([`Kept::take`]) when its settlement
+/// begins.
+async fn run_batch<Dl, M, A, D, R, H>(worker: &Worker<D, R, H>, mode: &BatchMode, deliveries: &[Dl], kept: &Kept)
+where
+    Dl: Delivery,
+    D: Decoder<M>,
+    R: RetryPolicy<H::Error>,
+    H: Handler<M, A>,
+{
+    // The last delivery of a message, and what is poison, are settled
+    // alone, as without batches.
+    let mut ready = Vec::with_capacity(deliveries.len());
+    for (index, delivery) in deliveries.iter().enumerate() {
+        let decoded = match (delivery.meta().last, worker.refused_body(delivery)) {
+            (false, None) => worker.decoder.decode(delivery.body()).ok(),
+            _ => None,
+        };
+        match decoded {
+            Some(message) => ready.push(((index, delivery), message)),
+            None => {
+                kept.take(index).await;
+                worker.handle_alone(delivery).await;
+            }
+        }
+    }
+    if ready.is_empty() {
+        return;
+    }
+    let batch = match (mode.begin)().await {
+        Ok(batch) => batch,
+        Err(error) => {
+            tracing::warn!(
+                target: TRACING_TARGET,
+                %error,
+                deliveries = ready.len(),
+                "cannot begin a batch: running its deliveries one by one"
+            );
+            for ((index, delivery), _) in ready {
+                kept.take(index).await;
+                worker.handle_alone(delivery).await;
+            }
+            return;
+        }
+    };
+    let (members, messages): (Vec<(usize, &Dl)>, Vec<M>) = ready.into_iter().unzip();
+    let spans: Vec<Span> = members
+        .iter()
+        .map(|(_, delivery)| delivery_span(worker, *delivery))
+        .collect();
+    // Their progress is the batch's keep-alive's.
+    let calls = members
+        .iter()
+        .zip(messages)
+        .zip(&spans)
+        .map(|((&(_, delivery), message), span)| {
+            worker
+                .unless_abandoned(worker.call(delivery.meta(), message, false))
+                .instrument(span.clone())
+        })
+        .collect();
+    let outcomes = batch.run_all(calls).await;
+    let members = members.into_iter().zip(spans);
+    if outcomes.iter().any(Option::is_none) {
+        // Shutdown timeout: nothing of the batch commits.
+        batch.rollback().await;
+        for ((index, delivery), span) in members {
+            kept.take(index).await;
+            worker.let_go(delivery).instrument(span).await;
+        }
+        return;
+    }
+    let ran: Vec<_> = members
+        .zip(outcomes)
+        .filter_map(|((member, span), outcome)| outcome.map(|outcome| (member, span, outcome)))
+        .collect();
+    let size = ran.len();
+    let fresh = batch.fresh_claims();
+    match batch.commit().await {
+        Ok(()) => {
+            worker.recorder.batch(size);
+            tracing::debug!(target: TRACING_TARGET, deliveries = size, fresh, "batch committed");
+            for ((index, delivery), span, outcome) in ran {
+                kept.take(index).await;
+                worker.handle_from(delivery, Some(outcome)).instrument(span).await;
+            }
+        }
+        Err(error) => {
+            worker.recorder.batch_aborted();
+            tracing::warn!(
+                target: TRACING_TARGET,
+                %error,
+                deliveries = size,
+                "batch not committed (nothing of it took effect): running its deliveries one by one"
+            );
+            for ((index, delivery), span, _) in ran {
+                kept.take(index).await;
+                worker.handle_from(delivery, None).instrument(span).await;
+            }
+        }
+    }
+}
+
+/// Which deliveries of a batch its [`keep_alive`] still sends progress
+/// for: each until its settlement begins (from then on, the settlement
+/// keeps it alive, as a delivery alone).
+struct Kept(tokio::sync::Mutex<Vec<bool>>);
+
+impl Kept {
+    fn new(deliveries: usize) -> Kept {
+        Kept(tokio::sync::Mutex::new(vec![true; deliveries]))
+    }
+
+    /// Takes delivery `index` out of the keep-alive, once the progress
+    /// being sent (if any) has been: none of its progress follows its
+    /// settlement (a JetStream "in progress" after a delayed `nak` would
+    /// cut the delay short).
+    async fn take(&self, index: usize) {
+        if let Some(kept) = self.0.lock().await.get_mut(index) {
+            *kept = false;
+        }
+    }
+}
+
+/// Sends the progress of every delivery of a batch still [`Kept`], at the
+/// shortest of their heartbeats; never returns (pending for ever when they
+/// have no heartbeat).
+async fn keep_alive<Dl: Delivery>(deliveries: &[Dl], kept: &Kept) {
+    let mut beat = Beat::new(deliveries.iter().filter_map(Delivery::heartbeat).min());
+    loop {
+        beat.tick().await;
+        let kept = kept.0.lock().await;
+        let alive = deliveries
+            .iter()
+            .zip(kept.iter())
+            .filter(|(_, kept)| **kept)
+            .map(|(delivery, _)| delivery.progress());
+        futures_util::future::join_all(alive).await;
+    }
+}
