@@ -116,7 +116,11 @@ fn main() {
             let dir = workspace.join("target/idempotent-bench");
             (dir.clone(), dir, None)
         }
-        None => (workspace.join("docs"), workspace.join("docs/archive"), Some(date_stamp())),
+        None => (
+            workspace.join("docs"),
+            workspace.join("docs/archive"),
+            Some(date_stamp()),
+        ),
     };
     let dated = |name: &str| match &stamp {
         Some(stamp) => results_dir.join(format!("{name}-{stamp}.md")),
