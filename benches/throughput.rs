@@ -2,9 +2,9 @@
 //! patterns (issue 6).
 //!
 //! ```text
-//! cargo bench --bench throughput                    # full run (~10-15 min), writes docs/
+//! cargo bench --bench throughput                    # full run (~10-15 min): plots in docs/, results in docs/archive/
 //! cargo bench --bench throughput -- --quick         # ~1 min (or IDEMPOTENT_BENCH_QUICK=1)
-//! cargo bench --bench throughput -- --compile-cost  # build time of 100 handlers, with/without the attribute
+//! cargo bench --bench throughput -- --compile-cost  # build time of 100 handlers, with/without the attribute (docs/archive/)
 //! cargo bench --bench throughput -- --only=pg,redis # sections: pg, batch, cache, rtt, sqlite, mysql, redis, memory, size, purge
 //! cargo bench --bench throughput -- --out=DIR       # where the markdown and SVG files go
 //! IDEMPOTENT_BENCH_ROWS=d cargo bench --bench throughput -- --only=pg   # one variant alone (to profile it)
@@ -80,7 +80,10 @@ struct Config {
     timing: Timing,
     concurrencies: Vec<usize>,
     dups: Vec<u32>,
+    /// Where the plots go.
     out_dir: PathBuf,
+    /// Where the markdown output goes.
+    results_file: PathBuf,
     sections: Option<Vec<String>>,
 }
 
@@ -102,18 +105,29 @@ fn main() {
     let env_quick = std::env::var("IDEMPOTENT_BENCH_QUICK").is_ok_and(|v| !v.is_empty() && v != "0");
     let quick = env_quick || args.iter().any(|a| a == "--quick");
     let workspace = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
-    let out_dir = args
-        .iter()
-        .find_map(|a| a.strip_prefix("--out="))
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            if quick {
-                workspace.join("target/idempotent-bench")
-            } else {
-                workspace.join("docs")
-            }
-        });
+    // `--out=DIR`: every file in DIR. Otherwise a quick run writes to
+    // `target/idempotent-bench/`, and a full run draws the plots of the
+    // current results page (`docs/*.svg`, shown by `docs/performance.md`)
+    // and files its dated output in `docs/archive/`.
+    let out_arg = args.iter().find_map(|a| a.strip_prefix("--out=")).map(PathBuf::from);
+    let (out_dir, results_dir, stamp) = match out_arg {
+        Some(dir) => (dir.clone(), dir, None),
+        None if quick => {
+            let dir = workspace.join("target/idempotent-bench");
+            (dir.clone(), dir, None)
+        }
+        None => (
+            workspace.join("docs"),
+            workspace.join("docs/archive"),
+            Some(date_stamp()),
+        ),
+    };
+    let dated = |name: &str| match &stamp {
+        Some(stamp) => results_dir.join(format!("{name}-{stamp}.md")),
+        None => results_dir.join(format!("{name}.md")),
+    };
     std::fs::create_dir_all(&out_dir).unwrap();
+    std::fs::create_dir_all(&results_dir).unwrap();
 
     if args.iter().any(|a| a == "--compile-cost") {
         let mut md = format!("## Compile time: 100 handlers\n\n{}\n", machine_line());
@@ -125,7 +139,7 @@ fn main() {
             }
         }
         println!("{md}");
-        std::fs::write(out_dir.join("compile-cost.md"), md).unwrap();
+        std::fs::write(dated("compile-cost"), md).unwrap();
         return;
     }
 
@@ -169,6 +183,7 @@ fn main() {
         concurrencies: vec![1, 8, 32],
         dups: vec![0, 20],
         out_dir,
+        results_file: dated("benchmark-results"),
         sections: args
             .iter()
             .find_map(|a| a.strip_prefix("--only="))
@@ -778,7 +793,7 @@ async fn run(cfg: Config) {
         loadavg(),
         started.elapsed().as_secs_f64()
     ));
-    let file = cfg.out_dir.join("benchmark-results.md");
+    let file = cfg.results_file.clone();
     std::fs::write(&file, &doc.md).unwrap();
     eprintln!("wrote {}", file.display());
     if let Some(env) = env {
@@ -1169,6 +1184,19 @@ fn machine_line() -> String {
         .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
         .unwrap_or_default();
     format!("Machine: {cpu}, {cores} cores (`nproc`), {mem} RAM; the databases run on the same machine. Date: {date}.")
+}
+
+/// `YYYY-MM-DD-HHMM` (UTC), the suffix of a full run's files in
+/// `docs/archive/`.
+fn date_stamp() -> String {
+    std::process::Command::new("date")
+        .arg("-u")
+        .arg("+%Y-%m-%d-%H%M")
+        .output()
+        .ok()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
+        .filter(|s| !s.is_empty())
+        .unwrap_or_else(|| "undated".into())
 }
 
 fn loadavg() -> String {

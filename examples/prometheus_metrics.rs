@@ -12,7 +12,7 @@
 //! until they are settled, prints what the endpoint serves and stops; with
 //! `-- --serve` it keeps consuming until Ctrl-C, for Prometheus to scrape.
 //! Needs RabbitMQ (`.ci/run` starts it; `AMQP_URL` overrides the default).
-//! README "Metrics" lists every metric and its labels.
+//! docs/observability.md, "Metrics", lists every metric and its labels.
 
 use std::net::SocketAddr;
 use std::time::Duration;

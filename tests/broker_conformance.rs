@@ -621,8 +621,8 @@ pub struct Order {
     pub note: String,
 }
 
-/// The README's consumer: an order's note inserted in the marker's
-/// transaction, its errors classified as the README does.
+/// The consumer of docs/brokers.md: an order's note inserted in the marker's
+/// transaction, its errors classified as docs/brokers.md does.
 struct Orders {
     store: PgStore,
     table: String,
@@ -652,7 +652,7 @@ fn classify_as_the_readme(err: &AppError) -> idempotent_runtime::broker::Verdict
 
 pub async fn a_database_data_error_is_rejected_at_once<F: Fixture>() {
     // The order: a note holding a NUL byte, which PostgreSQL
-    // refuses (22021) on every attempt. Classified as the README does, it
+    // refuses (22021) on every attempt. Classified as docs/brokers.md does, it
     // is dead-lettered at once (`rejected`), with no effect, while the
     // other order is processed.
     let fx = F::setup("nul").await;

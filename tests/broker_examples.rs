@@ -1,4 +1,4 @@
-//! The broker examples of the README (`cargo run --example rabbitmq_payments`,
+//! The broker examples of docs/brokers.md (`cargo run --example rabbitmq_payments`,
 //! `nats_payments`, `redis_streams_payments`, `outbox_chain`) against the
 //! real RabbitMQ, NATS JetStream, Redis and PostgreSQL of `.ci/run`: each
 //! must exit 0 and print the proof (every payment once, none twice, a

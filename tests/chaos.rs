@@ -14,7 +14,7 @@
 //!
 //! The fast runs are part of the default test command. The soak runs with
 //! `IDEMPOTENT_SOAK=1 cargo test --test chaos soak -- --nocapture` and prints
-//! its figures (the README quotes the last one); `IDEMPOTENT_SOAK_MESSAGES`
+//! its figures (docs/testing.md quotes the last one); `IDEMPOTENT_SOAK_MESSAGES`
 //! sizes it (default 100 000) and `IDEMPOTENT_SOAK_BROKER` picks `rabbitmq`
 //! (default) or `nats`.
 

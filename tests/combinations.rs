@@ -1,6 +1,6 @@
 //! The combination checker (issue 27): random configurations of the
 //! library, run under faults against the real services, checked against
-//! the invariants of `DESIGN.md` ("Invariants every combination keeps").
+//! the invariants of the README's "Guarantees" (the design's "Invariants every combination keeps").
 //!
 //! # What one configuration is
 //!
@@ -48,7 +48,7 @@
 //!
 //! The faults a newcomer met (issue 33), from a stream of their own so
 //! that the rest of a seed's schedule is what it was before them: the
-//! consumers classify errors as the README tells users to
+//! consumers classify errors as docs/brokers.md tells users to
 //! (`Verdict::of_sqlx` for the database's, `Error::verdict` for the
 //! library's) and limit bodies to 2 KiB (`max_body_bytes`). About 1 message
 //! in 100 on transactional stores is refused by the database on every run

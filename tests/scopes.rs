@@ -209,7 +209,7 @@ async fn free_functions_of_two_modules_keep_their_own_markers_in_postgres() {
     }
     assert_eq!(log.runs(), ["billing::process", "shipping::process"]);
     // The default scope is the function's path: this is the text that
-    // renaming or moving the function changes (see the README).
+    // renaming or moving the function changes (see docs/handlers.md, "Scopes").
     let scopes: Vec<String> = sqlx::query_scalar(AssertSqlSafe(format!(
         "SELECT scope FROM {table} WHERE message_id = $1 ORDER BY scope"
     )))

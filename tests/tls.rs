@@ -376,7 +376,7 @@ async fn postgres_over_verified_tls_commits_the_effect_once() {
     let pki = TestPki::new("idempotent tls test CA (postgres store)");
     let pg = PrivatePostgres::start(&pki);
 
-    // The URL form of the README: verify-full against the test CA.
+    // The URL form of docs/operations.md ("TLS"): verify-full against the test CA.
     let url = pg.url(
         SERVER_NAME,
         &format!("sslmode=verify-full&sslrootcert={}", pg.ca_file.display()),
@@ -666,7 +666,7 @@ async fn mysql_over_verified_tls_commits_the_effect_once_and_refuses_the_rest() 
     .unwrap_err();
     assert_certificate_refused(&err, "NotValidForName");
 
-    // The URL form of the README, and an idempotent handler on it.
+    // The URL form of docs/operations.md ("TLS"), and an idempotent handler on it.
     let url = format!(
         "mysql://root@{SERVER_NAME}:{}/app?ssl-mode=VERIFY_IDENTITY&ssl-ca={}",
         db.port,

@@ -1,4 +1,4 @@
--- Tried and not adopted (docs/benchmarks.md, 2026-12-02 morning): DO NOTHING, then an expired marker taken over by an UPDATE in a second CTE gated on the first (fresh: a new key every time).
+-- Tried and not adopted (docs/archive/benchmarks.md, 2026-12-02 morning): DO NOTHING, then an expired marker taken over by an UPDATE in a second CTE gated on the first (fresh: a new key every time).
 \set k random(1, 1000000000000)
 \set ttl 604800000
 BEGIN;

@@ -292,7 +292,7 @@ async fn dead_letter_all(fx: &Fixture, consumer: PullConsumer, dead: u64) -> usi
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dead_letters_captured_by_the_input_stream_are_stored_not_deduplicated() {
-    // The README allows the dead-letter subject in the consumed stream when
+    // docs/brokers.md allows the dead-letter subject in the consumed stream when
     // the consumer's filter leaves it out. The dead letter of a message
     // carrying `Nats-Msg-Id` used to copy that id: the stream, which has
     // just stored the original under it, acked the dead letter as a

@@ -435,7 +435,7 @@ async fn dead_letter_all(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dead_letters_reach_every_queue_an_exchange_routes_them_to() {
-    // The README allows a dead-letter exchange with a routing key: direct,
+    // docs/brokers.md allows a dead-letter exchange with a routing key: direct,
     // topic and fanout exchanges each deliver it to their bound queues.
     let fx = Fixture::new("dlx").await;
     let (direct_q, topic_q, fan_a, fan_b) = (unique("direct"), unique("topic"), unique("fan.a"), unique("fan.b"));
@@ -862,7 +862,7 @@ async fn a_missing_queue_is_declared_and_a_refusal_declares_nothing() {
     let admin = conn.create_channel().await.unwrap();
     admin.confirm_select(ConfirmSelectOptions::default()).await.unwrap();
 
-    // As the README runs it against an empty broker: queue and dead-letter
+    // As docs/brokers.md runs it against an empty broker: queue and dead-letter
     // queue are declared, the message is processed.
     let queue = unique("declared");
     let dlq = format!("{queue}.dlq");

@@ -44,7 +44,7 @@ pub enum AppError {
     Outage(String),
 }
 
-/// The consumers' classification, as the README tells users to write it.
+/// The consumers' classification, as docs/brokers.md tells users to write it.
 pub fn classify(error: &AppError) -> idempotent_runtime::broker::Verdict {
     use idempotent_runtime::broker::Verdict;
     match error {

@@ -37,7 +37,7 @@
 //!   only reports. MariaDB resolves an update clause again at every
 //!   execution of the prepared statement, fresh inserts included, and the
 //!   four conditional assignments that used to take the marker over here
-//!   cost 2–6 % of the rate (docs/benchmarks.md, "mid-morning").
+//!   cost 2–6 % of the rate (docs/archive/benchmarks.md, "mid-morning").
 //! * An expired marker is taken over by the `UPDATE`, under the exclusive
 //!   lock the claim statement took: no other claim can see or change the
 //!   marker in between, and a concurrent claim of the same key waits, then

@@ -25,7 +25,7 @@ pub(crate) const BEGIN_READ_COMMITTED: &str = "BEGIN ISOLATION LEVEL READ COMMIT
 /// ([`AT_READ_COMMITTED`]). Setting the level in `BEGIN` marks the
 /// settings changed, and at the end of every such transaction PostgreSQL
 /// (before 16) walks all of them to reset them (`AtEOXact_GUC`: 2.2-2.7 us
-/// of server CPU per fresh message under pgbench; docs/benchmarks.md).
+/// of server CPU per fresh message under pgbench; docs/archive/benchmarks.md).
 const BEGIN_PLAIN: &str = "BEGIN";
 
 /// The first condition of every claim statement: true at Read Committed;
@@ -169,7 +169,7 @@ impl SqlStoreBuilder<PgPool> {
     /// Partitions the marker table by expiry, one partition per `period`
     /// (a whole number of seconds; bounds are multiples of it since the Unix
     /// epoch, so a day is midnight to midnight UTC): the janitor then drops
-    /// whole expired partitions instead of deleting rows. See the README,
+    /// whole expired partitions instead of deleting rows. See docs/operations.md,
     /// "Partitioned retention". The table must be created partitioned (by
     /// `migrate`); a store refuses a table of the other layout.
     pub fn partitioned(mut self, period: std::time::Duration) -> Self {
@@ -223,7 +223,7 @@ impl PgStore {
             // The plain upsert: the cheapest statement for a fresh message
             // (a one-statement "claim or read" CTE was measured: it saved a
             // round trip per duplicate but cost ~38 us of server CPU on every
-            // fresh message; see docs/benchmarks.md).
+            // fresh message; see docs/archive/benchmarks.md).
             claim: format!(
                 "INSERT INTO {t} AS m (scope, message_id, processed_at, expires_at, fingerprint) \
                  SELECT $1, $2, now(), now() + $3 * interval '1 millisecond', $4 \
@@ -235,7 +235,7 @@ impl PgStore {
             // testing its `WHERE`: on a duplicate, a transaction id, a row
             // lock and its WAL record that a request reading nothing back
             // does not need (under pgbench 106-111 us of server CPU per
-            // duplicate, 75-85 with this guard; docs/benchmarks.md). The
+            // duplicate, 75-85 with this guard; docs/archive/benchmarks.md). The
             // `NOT EXISTS` leaves a live marker alone and inserts nothing;
             // a missing or expired marker goes on to the upsert as above,
             // and a claim committed concurrently (not in this statement's

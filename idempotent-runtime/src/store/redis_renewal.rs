@@ -6,7 +6,7 @@
 //! deregisters it when it completes, aborts or is dropped: a body that ends
 //! within a third of its lease, the common case, costs no task, no timer
 //! and no wake-up. A task spawned and aborted per claim cost about 28 µs of
-//! client CPU per message (docs/benchmarks.md, Redis section).
+//! client CPU per message (docs/archive/benchmarks.md, Redis section).
 //!
 //! The task wakes every third of the shortest lease registered so far and
 //! extends each lease that has gone a third of its length without being
