@@ -358,38 +358,27 @@ impl Seq {
     }
 }
 
-impl ser::SerializeSeq for Seq {
-    type Ok = Canon;
-    type Error = CanonError;
-    fn serialize_element<T: Serialize + ?Sized>(&mut self, value: &T) -> Result<()> {
-        self.push(value)
-    }
-    fn end(self) -> Result<Canon> {
-        Ok(self.finish())
-    }
+/// The three sequence shapes serde hands a serializer all build a [`Seq`].
+macro_rules! seq_serializer {
+    ($($trait:ident :: $method:ident),*) => {$(
+        impl ser::$trait for Seq {
+            type Ok = Canon;
+            type Error = CanonError;
+            fn $method<T: Serialize + ?Sized>(&mut self, value: &T) -> Result<()> {
+                self.push(value)
+            }
+            fn end(self) -> Result<Canon> {
+                Ok(self.finish())
+            }
+        }
+    )*};
 }
 
-impl ser::SerializeTuple for Seq {
-    type Ok = Canon;
-    type Error = CanonError;
-    fn serialize_element<T: Serialize + ?Sized>(&mut self, value: &T) -> Result<()> {
-        self.push(value)
-    }
-    fn end(self) -> Result<Canon> {
-        Ok(self.finish())
-    }
-}
-
-impl ser::SerializeTupleStruct for Seq {
-    type Ok = Canon;
-    type Error = CanonError;
-    fn serialize_field<T: Serialize + ?Sized>(&mut self, value: &T) -> Result<()> {
-        self.push(value)
-    }
-    fn end(self) -> Result<Canon> {
-        Ok(self.finish())
-    }
-}
+seq_serializer!(
+    SerializeSeq::serialize_element,
+    SerializeTuple::serialize_element,
+    SerializeTupleStruct::serialize_field
+);
 
 /// A map or struct being built.
 struct MapBuilder {
