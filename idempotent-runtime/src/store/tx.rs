@@ -12,13 +12,14 @@
 //! deadline: an abandoned transaction's connection is pinged first, with a
 //! time limit; one that does not answer, or answers out of step (sqlx's own
 //! ping at the release would then wait forever), is swapped for a fresh
-//! connection and dropped (its socket closed, which makes the server roll its
-//! transaction back). The fresh connection has not run the pool's
+//! connection and dropped (its socket closed, which makes the server roll
+//! its transaction back). The fresh connection has not run the pool's
 //! `after_connect`, so it is retired ([`SqlBackend::retire`]) before the
 //! pool takes it back: its release fails and the pool opens a proper one
-//! when it needs it. Commits and rollbacks run
-//! to their end in a task of their own, so cancelling a caller does not cut
-//! them short.
+//! when it needs it.
+//!
+//! `BEGIN`, `COMMIT` and `ROLLBACK` run to their end in tasks of their own
+//! (in the caller's span), so cancelling a caller does not cut them short.
 
 use std::ops::{Deref, DerefMut};
 use std::time::Duration;
@@ -47,10 +48,9 @@ pub(crate) struct Tx<DB: SqlBackend> {
 
 impl<DB: SqlBackend> Tx<DB> {
     /// Begins a transaction on `pool` with `begin` (the backend's `BEGIN`
-    /// statement).
-    /// `BEGIN` runs to its end in a task of its own (as commits do): a
-    /// caller cancelled meanwhile leaves a transaction that is dropped
-    /// between statements, which sqlx releases cleanly.
+    /// statement), in a task of its own: a caller cancelled meanwhile
+    /// leaves a transaction that is dropped between statements, which sqlx
+    /// releases cleanly.
     pub(crate) async fn begin(pool: &Pool<DB>, begin: &'static str) -> Result<Self, sqlx::Error> {
         let owned = pool.clone();
         let tx = detached_value(async move { owned.begin_with(begin).await }).await?;
@@ -117,8 +117,10 @@ where
     T: Send + 'static,
     E: From<sqlx::Error> + Send + 'static,
 {
+    use tracing::Instrument;
     // sqlx itself needs a Tokio runtime: without one, nothing is run.
-    let spawned = tokio::runtime::Handle::try_current().map(|runtime| runtime.spawn(work));
+    let spawned =
+        tokio::runtime::Handle::try_current().map(|runtime| runtime.spawn(work.instrument(tracing::Span::current())));
     async move {
         match spawned {
             Ok(handle) => match handle.await {
