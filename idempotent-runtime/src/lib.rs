@@ -58,6 +58,8 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 #![warn(missing_docs)]
 
+#[cfg(any(feature = "sqlx", feature = "rabbitmq", feature = "nats", feature = "redis-streams"))]
+mod backoff;
 #[cfg(feature = "sqlx")]
 pub mod batch;
 mod call;

@@ -52,7 +52,6 @@
 //! retried (bounded, with a small jittered backoff); these errors reach the
 //! caller only when the retries are exhausted.
 
-use std::hash::{BuildHasher, Hasher};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -60,6 +59,7 @@ use sqlx::mysql::MySqlDatabaseError;
 use sqlx::{AssertSqlSafe, MySql, MySqlPool, Row};
 
 use crate::Error;
+use crate::backoff::Backoff;
 use crate::store::mysql_outbox::{MySqlOutboxSql, stage_outbox};
 use crate::store::sql::{
     BatchClaim, ClaimSql, DEFAULT_OUTBOX_RETENTION, OutboxParts, SqlGuard, SqlStoreBuilder, claim_in_batch, ddl,
@@ -395,6 +395,11 @@ fn error_number(error: &sqlx::Error) -> Option<u16> {
         .map(MySqlDatabaseError::number)
 }
 
+/// The wait before retrying a transaction InnoDB aborted: 2 ms doubling up
+/// to 100 ms, jittered so that the transactions that deadlocked do not meet
+/// again.
+const DEADLOCK_BACKOFF: Backoff = Backoff::new(Duration::from_millis(2), Duration::from_millis(100));
+
 /// Bounded retries of a transaction that InnoDB aborted for a deadlock or a
 /// lock wait timeout.
 #[derive(Default)]
@@ -419,18 +424,9 @@ impl Retry {
         let attempt = self.deadlocks + self.lock_wait_timeouts;
         tracing::debug!(target: "idempotent", %error, attempt, what, "retrying the MySQL transaction");
         drop(error);
-        tokio::time::sleep(backoff(attempt)).await;
+        tokio::time::sleep(DEADLOCK_BACKOFF.jittered(attempt)).await;
         Ok(())
     }
-}
-
-/// 2 ms doubling up to 100 ms, times a random factor in [0.5, 1.5) so that
-/// the transactions that deadlocked do not meet again.
-fn backoff(attempt: u32) -> Duration {
-    let base = 2u64 << attempt.saturating_sub(1).min(6);
-    let base = Duration::from_millis(base.min(100));
-    let jitter = std::collections::hash_map::RandomState::new().build_hasher().finish() % 1000;
-    base.mul_f64(0.5 + jitter as f64 / 1000.0)
 }
 
 impl Store for MySqlStore {

@@ -10,6 +10,7 @@ use sqlx::{AssertSqlSafe, Row, Sqlite, SqlitePool};
 use tokio::sync::Semaphore;
 
 use crate::Error;
+use crate::backoff::Backoff;
 use crate::store::sql::{
     BatchClaim, ClaimSql, DEFAULT_OUTBOX_RETENTION, OutboxParts, SqlGuard, SqlStoreBuilder, claim_in_batch, ddl,
     replay, sql_backend,
@@ -24,6 +25,10 @@ pub(crate) const NOW_MS: &str = "CAST((julianday('now') - 2440587.5) * 86400000.
 /// How long a claim keeps retrying when another process holds the database's
 /// write lock past the pool's busy timeout.
 const BUSY_RETRY_FOR: Duration = Duration::from_secs(60);
+
+/// The wait between two tries at SQLite's write lock: 2 ms doubling up to
+/// 100 ms.
+const BUSY_BACKOFF: Backoff = Backoff::new(Duration::from_millis(2), Duration::from_millis(100));
 
 /// A SQLite store: the marker is inserted in the same `BEGIN IMMEDIATE`
 /// transaction as the handler's effect, so both commit or neither does.
@@ -222,13 +227,13 @@ impl SqliteStore {
             .await
             .map_err(|_| Error::Config("the SQLite writer queue was closed".into()))?;
         let deadline = tokio::time::Instant::now() + BUSY_RETRY_FOR;
-        let mut backoff = Duration::from_millis(2);
+        let mut attempt = 0;
         loop {
             match Tx::begin(&self.pool, "BEGIN IMMEDIATE").await {
                 Ok(tx) => return Ok((tx, writer)),
                 Err(error) if is_busy(&error) && tokio::time::Instant::now() < deadline => {
-                    tokio::time::sleep(backoff).await;
-                    backoff = (backoff * 2).min(Duration::from_millis(100));
+                    attempt += 1;
+                    tokio::time::sleep(BUSY_BACKOFF.delay(attempt)).await;
                 }
                 Err(error) => return Err(error.into()),
             }
