@@ -153,7 +153,7 @@ pub(crate) struct OutboxTable {
 }
 
 /// A store's outbox: the guards' view of the table, the relay's statements
-/// `S` (each backend's `*_outbox.rs`), and the DDL `migrate()` runs.
+/// `S` (each backend's `outbox.rs`), and the DDL `migrate()` runs.
 #[derive(Debug)]
 pub(crate) struct OutboxParts<S> {
     pub(crate) table: Arc<OutboxTable>,
@@ -588,7 +588,7 @@ pub(crate) struct Settings {
     pub(crate) outbox_retention: std::time::Duration,
     /// PostgreSQL only: markers partitioned by expiry.
     #[cfg(feature = "postgres")]
-    pub(crate) partitions: Option<crate::store::postgres_partitions::PartitionSettings>,
+    pub(crate) partitions: Option<crate::store::postgres::partitions::PartitionSettings>,
 }
 
 impl Default for Settings {

@@ -7,14 +7,17 @@ use sqlx::{AssertSqlSafe, PgPool, Postgres, Row};
 
 use crate::Error;
 use crate::batch::{BulkOutcome, BulkRequest, Gathered};
-use crate::store::postgres_outbox::{PgOutboxSql, stage_outbox};
-use crate::store::postgres_partitions::{PartitionSettings, Partitions};
+use crate::store::postgres::outbox::{PgOutboxSql, stage_outbox};
+use crate::store::postgres::partitions::{PartitionSettings, Partitions};
 use crate::store::sql::{
     BatchClaim, ClaimSql, DEFAULT_OUTBOX_RETENTION, OutboxParts, SqlGuard, SqlStoreBuilder, claim_in_batch, ddl,
     replay, sql_backend,
 };
 use crate::store::tx::Tx;
 use crate::store::{Claim, Replay, Request, Store, TransactionalStore};
+
+pub(crate) mod outbox;
+pub(crate) mod partitions;
 
 /// Begins the claim's transaction at Read Committed, whatever
 /// `default_transaction_isolation` says.
@@ -195,14 +198,14 @@ impl SqlStoreBuilder<PgPool> {
     }
 }
 
-/// The store's outbox table (statements in `postgres_outbox.rs`).
+/// The store's outbox table (statements in `outbox.rs`).
 type PgOutbox = OutboxParts<PgOutboxSql>;
 
 fn pg_outbox(settings: &(crate::table::TableName, std::time::Duration)) -> PgOutbox {
     OutboxParts::new(
         settings,
         '"',
-        include_str!("../../sql/postgres_outbox.sql"),
+        include_str!("../../../sql/postgres_outbox.sql"),
         PgOutboxSql::new,
     )
 }
@@ -216,8 +219,8 @@ impl PgStore {
     ) -> PgStore {
         let t = table.quoted('"');
         let template = match partitions {
-            Some(_) => include_str!("../../sql/postgres_partitioned.sql"),
-            None => include_str!("../../sql/postgres.sql"),
+            Some(_) => include_str!("../../../sql/postgres_partitioned.sql"),
+            None => include_str!("../../../sql/postgres.sql"),
         };
         let sql = PgSql {
             // The plain upsert: the cheapest statement for a fresh message
@@ -661,7 +664,7 @@ fn namespace(pool: &PgPool, table: &crate::table::TableName) -> &'static str {
 }
 
 impl PgStore {
-    /// The claim on a partitioned table (see `postgres_partitions.rs`): a
+    /// The claim on a partitioned table (see `partitions.rs`): a
     /// per-key advisory lock, then "find a live marker or insert one" in a
     /// fresh snapshot. A claim whose expiry has no partition yet creates it
     /// (outside its transaction) and tries again.

@@ -60,13 +60,15 @@ use sqlx::{AssertSqlSafe, MySql, MySqlPool, Row};
 
 use crate::Error;
 use crate::backoff::Backoff;
-use crate::store::mysql_outbox::{MySqlOutboxSql, stage_outbox};
+use crate::store::mysql::outbox::{MySqlOutboxSql, stage_outbox};
 use crate::store::sql::{
     BatchClaim, ClaimSql, DEFAULT_OUTBOX_RETENTION, OutboxParts, SqlGuard, SqlStoreBuilder, claim_in_batch, ddl,
     sql_backend,
 };
 use crate::store::tx::Tx;
 use crate::store::{Claim, Replay, Request, Store, TransactionalStore};
+
+pub(crate) mod outbox;
 
 /// Begins a transaction at READ COMMITTED (for this transaction only; the
 /// pooled connection's session level is left alone).
@@ -148,14 +150,14 @@ impl SqlStoreBuilder<MySqlPool> {
     }
 }
 
-/// The store's outbox table (statements in `mysql_outbox.rs`).
+/// The store's outbox table (statements in `outbox.rs`).
 type MySqlOutbox = OutboxParts<MySqlOutboxSql>;
 
 fn mysql_outbox(settings: &(crate::table::TableName, Duration)) -> MySqlOutbox {
     OutboxParts::new(
         settings,
         '`',
-        include_str!("../../sql/mysql_outbox.sql"),
+        include_str!("../../../sql/mysql_outbox.sql"),
         MySqlOutboxSql::new,
     )
 }
@@ -182,7 +184,7 @@ impl MySqlStore {
             write_result: format!("UPDATE {t} SET result = ? WHERE scope = ? AND message_id = ?").into(),
             undo: format!("DELETE FROM {t} WHERE scope = ? AND message_id = ?").into(),
             purge: format!("DELETE FROM {t} WHERE {expired} LIMIT ?").into(),
-            ddl: ddl(include_str!("../../sql/mysql.sql"), &table, '`'),
+            ddl: ddl(include_str!("../../../sql/mysql.sql"), &table, '`'),
             purge_batch: u64::from(purge_batch),
             namespace: namespace(&pool, &table),
             table,

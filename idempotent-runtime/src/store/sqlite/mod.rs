@@ -15,9 +15,11 @@ use crate::store::sql::{
     BatchClaim, ClaimSql, DEFAULT_OUTBOX_RETENTION, OutboxParts, SqlGuard, SqlStoreBuilder, claim_in_batch, ddl,
     replay, sql_backend,
 };
-use crate::store::sqlite_outbox::{SqliteOutboxSql, stage_outbox};
+use crate::store::sqlite::outbox::{SqliteOutboxSql, stage_outbox};
 use crate::store::tx::Tx;
 use crate::store::{Claim, Replay, Request, Store, TransactionalStore};
+
+pub(crate) mod outbox;
 
 /// The database clock in milliseconds since the Unix epoch.
 pub(crate) const NOW_MS: &str = "CAST((julianday('now') - 2440587.5) * 86400000.0 AS INTEGER)";
@@ -46,14 +48,14 @@ pub struct SqliteStore {
     outbox: Arc<SqliteOutbox>,
 }
 
-/// The store's outbox table (statements in `sqlite_outbox.rs`).
+/// The store's outbox table (statements in `outbox.rs`).
 type SqliteOutbox = OutboxParts<SqliteOutboxSql>;
 
 fn sqlite_outbox(settings: &(crate::table::TableName, Duration)) -> SqliteOutbox {
     OutboxParts::new(
         settings,
         '"',
-        include_str!("../../sql/sqlite_outbox.sql"),
+        include_str!("../../../sql/sqlite_outbox.sql"),
         SqliteOutboxSql::new,
     )
 }
@@ -114,7 +116,7 @@ impl SqliteStore {
                  SELECT scope, message_id FROM {t} WHERE expires_at <= {NOW_MS} LIMIT ?1)"
             )
             .into(),
-            ddl: ddl(include_str!("../../sql/sqlite.sql"), &table, '"'),
+            ddl: ddl(include_str!("../../../sql/sqlite.sql"), &table, '"'),
             purge_batch: i64::from(purge_batch),
             namespace: namespace(&pool, &table),
             table,
