@@ -317,6 +317,7 @@ impl<DB: SqlBackend> BatchClaim<DB> {
     }
 
     /// A claim the batch's statement made fresh: its body's turn.
+    #[cfg(feature = "postgres")]
     pub(crate) async fn claimed(namespace: &'static str, ticket: crate::batch::FreshTicket) -> Result<Self, Error> {
         match Self::join(namespace).await {
             Ok(Some(mut claim)) => {
