@@ -35,6 +35,15 @@ pub trait SqlBackend: sqlx::Database {
         key: &'a str,
     ) -> impl Future<Output = Result<(), sqlx::Error>> + Send + 'a;
 
+    /// Runs `sql` (a backend's claim statement returning a row when the
+    /// claim is fresh) with `(scope, key, ttl in ms, fingerprint)`: `true`
+    /// when it returned a row.
+    fn claim_returning<'a>(
+        conn: &'a mut Self::Connection,
+        sql: Arc<str>,
+        req: &'a crate::store::Request<'a>,
+    ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send + 'a;
+
     /// Runs `sql` (the backend's "read the marker" statement) with
     /// `(scope, key)`: the live marker's `(fingerprint, result)`.
     fn read_marker<'a>(
@@ -98,6 +107,21 @@ macro_rules! sql_backend {
                     .execute(conn)
                     .await?;
                 Ok(())
+            }
+
+            async fn claim_returning<'a>(
+                conn: &'a mut $conn,
+                sql: ::std::sync::Arc<str>,
+                req: &'a $crate::store::Request<'a>,
+            ) -> Result<bool, sqlx::Error> {
+                Ok(sqlx::query(sqlx::AssertSqlSafe(sql))
+                    .bind(req.scope())
+                    .bind(req.key())
+                    .bind(req.ttl_millis())
+                    .bind(req.fingerprint().map(|f| f.as_str()))
+                    .fetch_optional(conn)
+                    .await?
+                    .is_some())
             }
 
             async fn read_marker<'a>(
@@ -491,22 +515,23 @@ impl<DB: SqlBackend> std::fmt::Debug for SqlGuard<DB> {
     }
 }
 
+impl<DB: SqlBackend> SqlGuard<DB> {
+    /// Stores the body's result (when not unit) in the claimed marker.
+    async fn write_result(&mut self, result: Option<String>) -> Result<(), sqlx::Error> {
+        match result {
+            Some(result) => {
+                let sql = Arc::clone(&self.write_result_sql);
+                DB::write_result(&mut self.tx, sql, result, &self.scope, &self.key).await
+            }
+            None => Ok(()),
+        }
+    }
+}
+
 impl<DB: SqlBackend> Guard for SqlGuard<DB> {
     async fn complete(mut self, result: Option<String>) -> Result<(), Error> {
         if let Some(joined) = self.batch.take() {
-            let written = match result {
-                Some(result) => {
-                    DB::write_result(
-                        &mut self.tx,
-                        Arc::clone(&self.write_result_sql),
-                        result,
-                        &self.scope,
-                        &self.key,
-                    )
-                    .await
-                }
-                None => Ok(()),
-            };
+            let written = self.write_result(result).await;
             let batch = Arc::clone(&joined.shared);
             if let Err(error) = written {
                 let error = batch.fail(self.tx, error);
@@ -522,16 +547,7 @@ impl<DB: SqlBackend> Guard for SqlGuard<DB> {
             joined.disarm();
             return Ok(());
         }
-        if let Some(result) = result {
-            DB::write_result(
-                &mut self.tx,
-                Arc::clone(&self.write_result_sql),
-                result,
-                &self.scope,
-                &self.key,
-            )
-            .await?;
-        }
+        self.write_result(result).await?;
         self.tx.commit().await?;
         if self.staged {
             self.outbox.waker.notify_one();

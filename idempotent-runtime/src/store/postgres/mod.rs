@@ -523,14 +523,7 @@ impl ClaimSql for PgStore {
         } else {
             &self.sql.claim_no_read
         };
-        Ok(sqlx::query(AssertSqlSafe(Arc::clone(claim)))
-            .bind(req.scope())
-            .bind(req.key())
-            .bind(req.ttl_millis())
-            .bind(req.fingerprint().map(|f| f.as_str()))
-            .fetch_optional(conn)
-            .await?
-            .is_some())
+        <Postgres as crate::store::sql::SqlBackend>::claim_returning(conn, Arc::clone(claim), req).await
     }
 
     fn marker_sql(&self) -> &MarkerSql {

@@ -281,14 +281,7 @@ impl ClaimSql for SqliteStore {
     type Db = Sqlite;
 
     async fn claim_statement(&self, conn: &mut sqlx::SqliteConnection, req: &Request<'_>) -> Result<bool, sqlx::Error> {
-        Ok(sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.claim)))
-            .bind(req.scope())
-            .bind(req.key())
-            .bind(req.ttl_millis())
-            .bind(req.fingerprint().map(|f| f.as_str()))
-            .fetch_optional(conn)
-            .await?
-            .is_some())
+        <Sqlite as crate::store::sql::SqlBackend>::claim_returning(conn, Arc::clone(&self.sql.claim), req).await
     }
 
     fn marker_sql(&self) -> &MarkerSql {
