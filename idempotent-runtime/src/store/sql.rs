@@ -258,6 +258,35 @@ where
     }
 }
 
+/// The outgoing messages a relay's `take` statement returned, their
+/// columns by name; `columns` reads the three whose types differ between
+/// backends: `(id, ordering_key, attempts)`.
+pub(crate) fn outbox_rows<R>(
+    rows: Vec<R>,
+    columns: impl Fn(&R) -> Result<(i64, Option<String>, i64), sqlx::Error>,
+) -> Result<Vec<crate::outbox::OutboxRow>, sqlx::Error>
+where
+    R: sqlx::Row,
+    &'static str: sqlx::ColumnIndex<R>,
+    for<'r> String: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+    for<'r> Vec<u8>: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+{
+    rows.into_iter()
+        .map(|row| {
+            let (id, ordering_key, attempts) = columns(&row)?;
+            Ok(crate::outbox::OutboxRow::new(
+                id,
+                row.try_get("message_id")?,
+                row.try_get("destination")?,
+                ordering_key,
+                row.try_get::<String, _>("headers")?.as_str(),
+                row.try_get("payload")?,
+                attempts,
+            ))
+        })
+        .collect()
+}
+
 /// `(count, age of the oldest in seconds)` as [`OutboxStore::pending`]
 /// returns it.
 ///
