@@ -36,7 +36,7 @@ use idempotent_runtime::sqlx::{self, AssertSqlSafe, PgPool};
 const PG_URL: &str = "postgres://postgres@127.0.0.1:5432/test";
 
 /// The store's end of a claim (`COMMIT_DURABLE` in
-/// `idempotent-runtime/src/store/postgres.rs`).
+/// `idempotent-runtime/src/store/postgres/mod.rs`).
 const COMMIT_DURABLE: &str = "SELECT set_config('synchronous_commit', 'on', true) \
      WHERE current_setting('synchronous_commit') = 'off'; COMMIT; BEGIN";
 

@@ -22,7 +22,7 @@ pub const MYSQL_URL: &str = "mysql://root@127.0.0.1:3306/test";
 /// The scope every variant writes (the macro's handler names it too).
 const SCOPE: &str = "handle";
 /// What `MySqlStore` sends to begin its transaction (`BEGIN_READ_COMMITTED`
-/// in `store/mysql.rs`): READ COMMITTED for this transaction only.
+/// in `store/mysql/mod.rs`): READ COMMITTED for this transaction only.
 const BEGIN_READ_COMMITTED: &str = "SET TRANSACTION ISOLATION LEVEL READ COMMITTED; START TRANSACTION";
 
 /// A pool and the tables this run created (dropped at the end).

@@ -76,7 +76,11 @@ type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
 type Finish = fn(Box<dyn Any + Send>, bool) -> BoxFuture<Result<(), Error>>;
 
 /// A claim waiting in a batch for the one statement that claims them all.
+///
+/// Only `PgStore` has such a statement (its fields are read there); the
+/// other stores' batches never gather.
 #[derive(Debug, Clone)]
+#[cfg_attr(not(feature = "postgres"), allow(dead_code))]
 pub(crate) struct BulkRequest {
     pub(crate) scope: String,
     pub(crate) key: String,
@@ -85,8 +89,10 @@ pub(crate) struct BulkRequest {
     pub(crate) needs_read: bool,
 }
 
-/// What the batch's one claim statement found for a request.
+/// What the batch's one claim statement found for a request (made by
+/// `PgStore`'s statement only).
 #[derive(Debug)]
+#[cfg_attr(not(feature = "postgres"), allow(dead_code))]
 pub(crate) enum BulkOutcome {
     /// Claimed: the body runs in the batch once it has the transaction.
     Fresh,
@@ -109,7 +115,8 @@ pub(crate) type BulkClaim = Arc<
         + Sync,
 >;
 
-/// The answer a gathered claim gets.
+/// The answer a gathered claim gets (read by `gather`, for `PgStore`).
+#[cfg_attr(not(feature = "postgres"), allow(dead_code))]
 pub(crate) enum Gathered {
     Fresh(FreshTicket),
     Done {
@@ -231,6 +238,7 @@ impl Shared {
 
     /// Waits until the fresh claims of the statement have ended (or the
     /// batch is aborted).
+    #[cfg(feature = "postgres")]
     async fn settle(&self) {
         loop {
             let settled = self.settled.notified();
@@ -323,6 +331,7 @@ pub(crate) async fn turn(namespace: &'static str) -> Result<Option<(Arc<Shared>,
 
 /// Gathers this claim for the batch's one claim statement, when the batch
 /// (of this store) is gathering; `None` otherwise.
+#[cfg(feature = "postgres")]
 pub(crate) async fn gather(namespace: &'static str, req: &crate::store::Request<'_>) -> Option<Gathered> {
     let member = member(namespace)?;
     let shared = member.shared;

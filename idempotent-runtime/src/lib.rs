@@ -57,7 +57,20 @@
 //! and `async_nats` (`tls://`) speak TLS with rustls and ring in any case.
 #![cfg_attr(docsrs, feature(doc_cfg))]
 #![warn(missing_docs)]
+// `sqlx` is the internal feature the SQL stores turn on; on its own it
+// builds their shared layer (the claim guard, batches, the outbox) with no
+// store to use it, so that layer's crate-private parts are dead there and
+// only there. Any store feature uses all of it.
+#![cfg_attr(
+    all(
+        feature = "sqlx",
+        not(any(feature = "postgres", feature = "mysql", feature = "sqlite"))
+    ),
+    allow(dead_code, unused_imports, unused_macros)
+)]
 
+#[cfg(any(feature = "sqlx", feature = "rabbitmq", feature = "nats", feature = "redis-streams"))]
+mod backoff;
 #[cfg(feature = "sqlx")]
 pub mod batch;
 mod call;

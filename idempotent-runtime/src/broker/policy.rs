@@ -7,6 +7,8 @@ use std::time::Duration;
 
 use serde::de::DeserializeOwned;
 
+pub use crate::backoff::Backoff;
+
 /// Turns a delivery's body into the handler's message type.
 ///
 /// Implemented by [`Json`] (the default) for every `DeserializeOwned` type,
@@ -261,39 +263,6 @@ where
     }
 }
 
-/// Exponential backoff between attempts: `initial`, `2 × initial`, ... up to
-/// `max`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Backoff {
-    /// Delay after the first failed attempt.
-    pub initial: Duration,
-    /// Upper bound of the delay.
-    pub max: Duration,
-}
-
-impl Backoff {
-    /// A backoff from `initial` doubling up to `max`.
-    pub fn new(initial: Duration, max: Duration) -> Self {
-        Backoff {
-            initial,
-            max: max.max(initial),
-        }
-    }
-
-    /// The delay after failed attempt number `attempt` (1-based).
-    pub fn delay(&self, attempt: u32) -> Duration {
-        let exp = attempt.saturating_sub(1).min(20);
-        self.initial.saturating_mul(1u32 << exp).min(self.max)
-    }
-}
-
-impl Default for Backoff {
-    /// 1 second, doubling up to 30 seconds.
-    fn default() -> Self {
-        Backoff::new(Duration::from_secs(1), Duration::from_secs(30))
-    }
-}
-
 /// How a consumer gets its broker connection back after losing it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Reconnect {
@@ -337,17 +306,6 @@ impl Default for Reconnect {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn backoff_doubles_up_to_max() {
-        let b = Backoff::new(Duration::from_millis(100), Duration::from_millis(500));
-        assert_eq!(b.delay(1), Duration::from_millis(100));
-        assert_eq!(b.delay(2), Duration::from_millis(200));
-        assert_eq!(b.delay(3), Duration::from_millis(400));
-        assert_eq!(b.delay(4), Duration::from_millis(500));
-        assert_eq!(b.delay(u32::MAX), Duration::from_millis(500));
-        assert_eq!(b.delay(0), Duration::from_millis(100));
-    }
 
     #[test]
     fn json_decoder_reports_missing_field() {

@@ -29,6 +29,7 @@ use tracing::Instrument;
 use tracing::field::Empty;
 
 use crate::Error;
+use crate::backoff::Backoff;
 
 /// `tracing` target of the relay's spans and events.
 const TARGET: &str = "idempotent::outbox";
@@ -233,8 +234,7 @@ impl Relay {
             publisher,
             batch: 100,
             poll: Duration::from_secs(1),
-            retry_initial: Duration::from_millis(200),
-            retry_max: Duration::from_secs(60),
+            retry: Backoff::new(Duration::from_millis(200), Duration::from_secs(60)),
             publish_timeout: Duration::from_secs(30),
         }
     }
@@ -247,8 +247,7 @@ pub struct RelayBuilder<S, P> {
     publisher: P,
     batch: u32,
     poll: Duration,
-    retry_initial: Duration,
-    retry_max: Duration,
+    retry: Backoff,
     publish_timeout: Duration,
 }
 
@@ -269,8 +268,7 @@ impl<S: OutboxStore, P: Publisher> RelayBuilder<S, P> {
     /// Delay before a failed row is tried again: `initial` doubling up to
     /// `max` per failed attempt (default 200 ms to 60 s).
     pub fn retry_backoff(mut self, initial: Duration, max: Duration) -> Self {
-        self.retry_initial = initial;
-        self.retry_max = max.max(initial);
+        self.retry = Backoff::new(initial, max);
         self
     }
 
@@ -375,7 +373,7 @@ async fn round<S: OutboxStore, P: Publisher>(relay: &RelayBuilder<S, P>, counter
         match result {
             Ok(()) => dispatched.push(row.id),
             Err(error) => {
-                let delay = backoff(relay.retry_initial, relay.retry_max, row.attempts + 1);
+                let delay = relay.retry.delay(row.attempts + 1);
                 tracing::warn!(
                     target: TARGET,
                     message_id = %row.message_id,
@@ -451,10 +449,4 @@ async fn report_pending<S: OutboxStore>(store: &S, counters: &Counters) {
             metrics::gauge!("idempotent_outbox_oldest_pending_seconds").set(oldest_ms as f64 / 1000.0);
         }
     }
-}
-
-fn backoff(initial: Duration, max: Duration, attempt: u32) -> Duration {
-    initial
-        .saturating_mul(1u32 << attempt.saturating_sub(1).min(20))
-        .min(max)
 }

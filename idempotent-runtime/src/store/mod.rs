@@ -361,34 +361,28 @@ pub use crate::table::{MAX_TABLE_NAME_BYTES, TableName};
 pub use cached::{CacheStats, CachedGuard, CachedStore, DEFAULT_CACHE_MAX_AGE};
 pub use memory::{MemoryGuard, MemoryStore};
 #[cfg(feature = "mysql")]
-pub use mysql::{MySqlStore, MySqlStoreBuilder};
+pub use mysql::outbox::MySqlOutboxBatch;
 #[cfg(feature = "mysql")]
-pub use mysql_outbox::MySqlOutboxBatch;
+pub use mysql::{MySqlStore, MySqlStoreBuilder};
+#[cfg(feature = "postgres")]
+pub use postgres::outbox::PgOutboxBatch;
 #[cfg(feature = "postgres")]
 pub use postgres::{PgStore, PgStoreBuilder};
-#[cfg(feature = "postgres")]
-pub use postgres_outbox::PgOutboxBatch;
 #[cfg(feature = "redis")]
 pub use redis::{RedisGuard, RedisStore, RedisStoreBuilder};
 #[cfg(feature = "sqlx")]
 pub use sql::{DEFAULT_OUTBOX_RETENTION, DEFAULT_OUTBOX_TABLE, DEFAULT_PURGE_BATCH, SqlGuard, SqlStoreBuilder};
 #[cfg(feature = "sqlite")]
-pub use sqlite::{SqliteStore, SqliteStoreBuilder};
+pub use sqlite::outbox::SqliteOutboxBatch;
 #[cfg(feature = "sqlite")]
-pub use sqlite_outbox::SqliteOutboxBatch;
+pub use sqlite::{SqliteStore, SqliteStoreBuilder};
 
 pub(crate) mod cached;
 pub(crate) mod memory;
 #[cfg(feature = "mysql")]
 pub(crate) mod mysql;
-#[cfg(feature = "mysql")]
-pub(crate) mod mysql_outbox;
 #[cfg(feature = "postgres")]
 pub(crate) mod postgres;
-#[cfg(feature = "postgres")]
-pub(crate) mod postgres_outbox;
-#[cfg(feature = "postgres")]
-pub(crate) mod postgres_partitions;
 #[cfg(feature = "redis")]
 pub(crate) mod redis;
 #[cfg(feature = "redis")]
@@ -397,7 +391,5 @@ mod redis_renewal;
 pub(crate) mod sql;
 #[cfg(feature = "sqlite")]
 pub(crate) mod sqlite;
-#[cfg(feature = "sqlite")]
-pub(crate) mod sqlite_outbox;
 #[cfg(feature = "sqlx")]
 pub(crate) mod tx;

@@ -35,6 +35,24 @@ pub trait SqlBackend: sqlx::Database {
         key: &'a str,
     ) -> impl Future<Output = Result<(), sqlx::Error>> + Send + 'a;
 
+    /// Runs `sql` (a backend's claim statement returning a row when the
+    /// claim is fresh) with `(scope, key, ttl in ms, fingerprint)`: `true`
+    /// when it returned a row.
+    fn claim_returning<'a>(
+        conn: &'a mut Self::Connection,
+        sql: Arc<str>,
+        req: &'a crate::store::Request<'a>,
+    ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send + 'a;
+
+    /// Runs `sql` (the backend's "read the marker" statement) with
+    /// `(scope, key)`: the live marker's `(fingerprint, result)`.
+    fn read_marker<'a>(
+        conn: &'a mut Self::Connection,
+        sql: Arc<str>,
+        scope: &'a str,
+        key: &'a str,
+    ) -> impl Future<Output = Result<(Option<String>, Option<String>), sqlx::Error>> + Send + 'a;
+
     /// Runs `sql` with `(scope, key)` (a batch claim's marker undo), or
     /// with no parameter when both are `None` (savepoints).
     fn execute_keyed<'a>(
@@ -89,6 +107,36 @@ macro_rules! sql_backend {
                     .execute(conn)
                     .await?;
                 Ok(())
+            }
+
+            async fn claim_returning<'a>(
+                conn: &'a mut $conn,
+                sql: ::std::sync::Arc<str>,
+                req: &'a $crate::store::Request<'a>,
+            ) -> Result<bool, sqlx::Error> {
+                Ok(sqlx::query(sqlx::AssertSqlSafe(sql))
+                    .bind(req.scope())
+                    .bind(req.key())
+                    .bind(req.ttl_millis())
+                    .bind(req.fingerprint().map(|f| f.as_str()))
+                    .fetch_optional(conn)
+                    .await?
+                    .is_some())
+            }
+
+            async fn read_marker<'a>(
+                conn: &'a mut $conn,
+                sql: ::std::sync::Arc<str>,
+                scope: &'a str,
+                key: &'a str,
+            ) -> Result<(Option<String>, Option<String>), sqlx::Error> {
+                use sqlx::Row as _;
+                let row = sqlx::query(sqlx::AssertSqlSafe(sql))
+                    .bind(scope)
+                    .bind(key)
+                    .fetch_one(conn)
+                    .await?;
+                Ok((row.try_get("fingerprint")?, row.try_get("result")?))
             }
 
             async fn execute_keyed<'a>(
@@ -153,7 +201,7 @@ pub(crate) struct OutboxTable {
 }
 
 /// A store's outbox: the guards' view of the table, the relay's statements
-/// `S` (each backend's `*_outbox.rs`), and the DDL `migrate()` runs.
+/// `S` (each backend's `outbox.rs`), and the DDL `migrate()` runs.
 #[derive(Debug)]
 pub(crate) struct OutboxParts<S> {
     pub(crate) table: Arc<OutboxTable>,
@@ -191,6 +239,54 @@ pub(crate) fn millis(d: std::time::Duration) -> i64 {
     i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
 }
 
+/// Runs `delete` (one statement deleting at most `batch` rows, returning
+/// how many it deleted) until it deletes fewer than `batch`; returns the
+/// total. How every SQL store purges markers and dispatched outgoing
+/// messages: bounded statements, so that no transaction holds many locks.
+pub(crate) async fn delete_in_batches<F, Fut>(batch: u64, mut delete: F) -> Result<u64, Error>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<u64, Error>>,
+{
+    let mut total = 0;
+    loop {
+        let deleted = delete().await?;
+        total += deleted;
+        if deleted < batch {
+            return Ok(total);
+        }
+    }
+}
+
+/// The outgoing messages a relay's `take` statement returned, their
+/// columns by name; `columns` reads the three whose types differ between
+/// backends: `(id, ordering_key, attempts)`.
+pub(crate) fn outbox_rows<R>(
+    rows: Vec<R>,
+    columns: impl Fn(&R) -> Result<(i64, Option<String>, i64), sqlx::Error>,
+) -> Result<Vec<crate::outbox::OutboxRow>, sqlx::Error>
+where
+    R: sqlx::Row,
+    &'static str: sqlx::ColumnIndex<R>,
+    for<'r> String: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+    for<'r> Vec<u8>: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+{
+    rows.into_iter()
+        .map(|row| {
+            let (id, ordering_key, attempts) = columns(&row)?;
+            Ok(crate::outbox::OutboxRow::new(
+                id,
+                row.try_get("message_id")?,
+                row.try_get("destination")?,
+                ordering_key,
+                row.try_get::<String, _>("headers")?.as_str(),
+                row.try_get("payload")?,
+                attempts,
+            ))
+        })
+        .collect()
+}
+
 /// `(count, age of the oldest in seconds)` as [`OutboxStore::pending`]
 /// returns it.
 ///
@@ -223,11 +319,43 @@ impl<DB: SqlBackend> SqlGuard<DB> {
     }
 }
 
+/// The statements on one marker (by scope and key) that every SQL store
+/// has, in its backend's SQL.
+#[derive(Debug)]
+pub(crate) struct MarkerSql {
+    /// The live marker's `(fingerprint, result)`, by `(scope, key)`.
+    pub(crate) read: Arc<str>,
+    /// Stores the result: `(result, scope, key)`.
+    pub(crate) write_result: Arc<str>,
+    /// Deletes a marker claimed in a batch whose body failed, by `(scope,
+    /// key)`.
+    pub(crate) undo: Arc<str>,
+}
+
+impl MarkerSql {
+    /// The statements on the marker table `t` (quoted), with the backend's
+    /// placeholder for parameter `n` (1-based): `$n`, `?n` or `?`.
+    pub(crate) fn new(t: &str, param: impl Fn(u8) -> String) -> Self {
+        let (p1, p2, p3) = (param(1), param(2), param(3));
+        MarkerSql {
+            read: format!("SELECT fingerprint, result FROM {t} WHERE scope = {p1} AND message_id = {p2}").into(),
+            write_result: format!("UPDATE {t} SET result = {p1} WHERE scope = {p2} AND message_id = {p3}").into(),
+            undo: format!("DELETE FROM {t} WHERE scope = {p1} AND message_id = {p2}").into(),
+        }
+    }
+}
+
 /// The statements of a SQL store's claim, for the claim code its backends
-/// share (the batch path).
+/// share.
 pub(crate) trait ClaimSql: Sync {
     /// The store's database.
     type Db: SqlBackend;
+
+    /// The statements on one marker.
+    fn marker_sql(&self) -> &MarkerSql;
+
+    /// The store's outbox table, as its guards write it.
+    fn outbox_table(&self) -> &Arc<OutboxTable>;
 
     /// Inserts the marker, or takes over an expired one: `true` when the
     /// claim is fresh.
@@ -242,11 +370,57 @@ pub(crate) trait ClaimSql: Sync {
         &'a self,
         conn: &'a mut <Self::Db as sqlx::Database>::Connection,
         req: &'a crate::store::Request<'a>,
-    ) -> impl Future<Output = Result<(Option<String>, Option<String>), sqlx::Error>> + Send + 'a;
+    ) -> impl Future<Output = Result<(Option<String>, Option<String>), sqlx::Error>> + Send + 'a {
+        Self::Db::read_marker(conn, Arc::clone(&self.marker_sql().read), req.scope(), req.key())
+    }
 
     /// A fresh claim's statements: the marker's undo (by scope and key),
     /// the result's write, and the outbox table.
-    fn guard_parts(&self) -> (Arc<str>, Arc<str>, Arc<OutboxTable>);
+    fn guard_parts(&self) -> (Arc<str>, Arc<str>, Arc<OutboxTable>) {
+        let marker = self.marker_sql();
+        (
+            Arc::clone(&marker.undo),
+            Arc::clone(&marker.write_result),
+            Arc::clone(self.outbox_table()),
+        )
+    }
+
+    /// The guard of a claim made fresh on its own transaction `tx` (the
+    /// SQLite writer's turn `writer` held with it).
+    fn fresh_guard(
+        &self,
+        tx: Tx<Self::Db>,
+        req: &crate::store::Request<'_>,
+        writer: Option<tokio::sync::OwnedSemaphorePermit>,
+    ) -> crate::store::Claim<SqlGuard<Self::Db>> {
+        let write_result = Arc::clone(&self.marker_sql().write_result);
+        crate::store::Claim::Fresh(SqlGuard::new(
+            tx,
+            write_result,
+            Arc::clone(self.outbox_table()),
+            req,
+            writer,
+        ))
+    }
+}
+
+/// The claim of `req` in the batch this task runs in, when that batch is
+/// on the store of `namespace` (see [`crate::batch`]); `None` otherwise
+/// (the common case costs one look at the task's batch), or for a call
+/// nested in a body holding the batch's turn: the claim then takes its own
+/// transaction.
+pub(crate) async fn claim_in_running_batch<S: ClaimSql>(
+    store: &S,
+    namespace: &'static str,
+    req: &crate::store::Request<'_>,
+) -> Result<Option<crate::store::Claim<SqlGuard<S::Db>>>, Error> {
+    if !crate::batch::in_batch(namespace) {
+        return Ok(None);
+    }
+    match BatchClaim::join(namespace).await? {
+        Some(batch) => claim_in_batch(store, batch, req).await.map(Some),
+        None => Ok(None),
+    }
 }
 
 /// The replay of a live marker `(fingerprint, result)`, after checking its
@@ -317,6 +491,7 @@ impl<DB: SqlBackend> BatchClaim<DB> {
     }
 
     /// A claim the batch's statement made fresh: its body's turn.
+    #[cfg(feature = "postgres")]
     pub(crate) async fn claimed(namespace: &'static str, ticket: crate::batch::FreshTicket) -> Result<Self, Error> {
         match Self::join(namespace).await {
             Ok(Some(mut claim)) => {
@@ -369,22 +544,23 @@ impl<DB: SqlBackend> std::fmt::Debug for SqlGuard<DB> {
     }
 }
 
+impl<DB: SqlBackend> SqlGuard<DB> {
+    /// Stores the body's result (when not unit) in the claimed marker.
+    async fn write_result(&mut self, result: Option<String>) -> Result<(), sqlx::Error> {
+        match result {
+            Some(result) => {
+                let sql = Arc::clone(&self.write_result_sql);
+                DB::write_result(&mut self.tx, sql, result, &self.scope, &self.key).await
+            }
+            None => Ok(()),
+        }
+    }
+}
+
 impl<DB: SqlBackend> Guard for SqlGuard<DB> {
     async fn complete(mut self, result: Option<String>) -> Result<(), Error> {
         if let Some(joined) = self.batch.take() {
-            let written = match result {
-                Some(result) => {
-                    DB::write_result(
-                        &mut self.tx,
-                        Arc::clone(&self.write_result_sql),
-                        result,
-                        &self.scope,
-                        &self.key,
-                    )
-                    .await
-                }
-                None => Ok(()),
-            };
+            let written = self.write_result(result).await;
             let batch = Arc::clone(&joined.shared);
             if let Err(error) = written {
                 let error = batch.fail(self.tx, error);
@@ -400,16 +576,7 @@ impl<DB: SqlBackend> Guard for SqlGuard<DB> {
             joined.disarm();
             return Ok(());
         }
-        if let Some(result) = result {
-            DB::write_result(
-                &mut self.tx,
-                Arc::clone(&self.write_result_sql),
-                result,
-                &self.scope,
-                &self.key,
-            )
-            .await?;
-        }
+        self.write_result(result).await?;
         self.tx.commit().await?;
         if self.staged {
             self.outbox.waker.notify_one();
@@ -588,7 +755,7 @@ pub(crate) struct Settings {
     pub(crate) outbox_retention: std::time::Duration,
     /// PostgreSQL only: markers partitioned by expiry.
     #[cfg(feature = "postgres")]
-    pub(crate) partitions: Option<crate::store::postgres_partitions::PartitionSettings>,
+    pub(crate) partitions: Option<crate::store::postgres::partitions::PartitionSettings>,
 }
 
 impl Default for Settings {

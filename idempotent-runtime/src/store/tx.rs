@@ -72,6 +72,7 @@ impl<DB: SqlBackend> Tx<DB> {
     /// Drops a transaction known to be between statements (nothing was cut
     /// short): sqlx rolls it back as it releases the connection, with no
     /// ping of ours first.
+    #[cfg(any(feature = "postgres", feature = "mysql"))]
     pub(crate) fn release(self) {
         drop(self.finish());
     }
@@ -84,6 +85,7 @@ impl<DB: SqlBackend> Tx<DB> {
 
     /// Commits as sqlx does (no durability check: for the stores' own
     /// maintenance), to the end even if the caller is cancelled.
+    #[cfg(feature = "mysql")]
     pub(crate) async fn commit_plain(self) -> Result<(), sqlx::Error> {
         let tx = self.finish()?;
         detached(tx.commit()).await

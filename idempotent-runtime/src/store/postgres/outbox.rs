@@ -12,7 +12,7 @@ use crate::store::tx::Tx;
 use crate::Error;
 use crate::outbox::{OutboxBatch, OutboxRow, OutboxStore, StagedRow};
 use crate::store::postgres::PgStore;
-use crate::store::sql::{millis, pending_from};
+use crate::store::sql::{delete_in_batches, millis, outbox_rows, pending_from};
 
 /// The relay's statements for one outbox table.
 #[derive(Debug)]
@@ -134,19 +134,15 @@ impl PgStore {
     pub async fn purge_dispatched(&self) -> Result<u64, Error> {
         let outbox = self.outbox();
         let batch = self.purge_batch();
-        let mut total = 0;
-        loop {
-            let deleted = sqlx::query(AssertSqlSafe(outbox.sql.purge.as_str()))
+        delete_in_batches(batch as u64, || async move {
+            Ok(sqlx::query(AssertSqlSafe(outbox.sql.purge.as_str()))
                 .bind(millis(outbox.retention))
                 .bind(batch)
                 .execute(self.pool())
                 .await?
-                .rows_affected();
-            total += deleted;
-            if deleted < batch as u64 {
-                return Ok(total);
-            }
-        }
+                .rows_affected())
+        })
+        .await
     }
 }
 
@@ -164,20 +160,13 @@ impl OutboxStore for PgStore {
             .bind(i64::from(limit))
             .fetch_all(&mut *tx)
             .await?;
-        let rows = rows
-            .into_iter()
-            .map(|row| {
-                Ok(OutboxRow::new(
-                    row.try_get("id")?,
-                    row.try_get("message_id")?,
-                    row.try_get("destination")?,
-                    row.try_get("ordering_key")?,
-                    row.try_get::<String, _>("headers")?.as_str(),
-                    row.try_get("payload")?,
-                    i64::from(row.try_get::<i32, _>("attempts")?),
-                ))
-            })
-            .collect::<Result<Vec<_>, sqlx::Error>>()?;
+        let rows = outbox_rows(rows, |row| {
+            Ok((
+                row.try_get("id")?,
+                row.try_get("ordering_key")?,
+                i64::from(row.try_get::<i32, _>("attempts")?),
+            ))
+        })?;
         Ok(PgOutboxBatch { tx, rows, sql })
     }
 

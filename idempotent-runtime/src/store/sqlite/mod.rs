@@ -6,17 +6,20 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
-use sqlx::{AssertSqlSafe, Row, Sqlite, SqlitePool};
+use sqlx::{AssertSqlSafe, Sqlite, SqlitePool};
 use tokio::sync::Semaphore;
 
 use crate::Error;
+use crate::backoff::Backoff;
 use crate::store::sql::{
-    BatchClaim, ClaimSql, DEFAULT_OUTBOX_RETENTION, OutboxParts, SqlGuard, SqlStoreBuilder, claim_in_batch, ddl,
-    replay, sql_backend,
+    ClaimSql, DEFAULT_OUTBOX_RETENTION, MarkerSql, OutboxParts, SqlGuard, SqlStoreBuilder, claim_in_running_batch, ddl,
+    delete_in_batches, replay, sql_backend,
 };
-use crate::store::sqlite_outbox::{SqliteOutboxSql, stage_outbox};
+use crate::store::sqlite::outbox::{SqliteOutboxSql, stage_outbox};
 use crate::store::tx::Tx;
 use crate::store::{Claim, Replay, Request, Store, TransactionalStore};
+
+pub(crate) mod outbox;
 
 /// The database clock in milliseconds since the Unix epoch.
 pub(crate) const NOW_MS: &str = "CAST((julianday('now') - 2440587.5) * 86400000.0 AS INTEGER)";
@@ -24,6 +27,10 @@ pub(crate) const NOW_MS: &str = "CAST((julianday('now') - 2440587.5) * 86400000.
 /// How long a claim keeps retrying when another process holds the database's
 /// write lock past the pool's busy timeout.
 const BUSY_RETRY_FOR: Duration = Duration::from_secs(60);
+
+/// The wait between two tries at SQLite's write lock: 2 ms doubling up to
+/// 100 ms.
+const BUSY_BACKOFF: Backoff = Backoff::new(Duration::from_millis(2), Duration::from_millis(100));
 
 /// A SQLite store: the marker is inserted in the same `BEGIN IMMEDIATE`
 /// transaction as the handler's effect, so both commit or neither does.
@@ -41,14 +48,14 @@ pub struct SqliteStore {
     outbox: Arc<SqliteOutbox>,
 }
 
-/// The store's outbox table (statements in `sqlite_outbox.rs`).
+/// The store's outbox table (statements in `outbox.rs`).
 type SqliteOutbox = OutboxParts<SqliteOutboxSql>;
 
 fn sqlite_outbox(settings: &(crate::table::TableName, Duration)) -> SqliteOutbox {
     OutboxParts::new(
         settings,
         '"',
-        include_str!("../../sql/sqlite_outbox.sql"),
+        include_str!("../../../sql/sqlite_outbox.sql"),
         SqliteOutboxSql::new,
     )
 }
@@ -58,10 +65,8 @@ struct SqliteSql {
     table: crate::table::TableName,
     namespace: &'static str,
     claim: Arc<str>,
-    read: Arc<str>,
-    write_result: Arc<str>,
-    /// Deletes a marker claimed in a batch whose body failed.
-    undo: Arc<str>,
+    /// Reads, completes and undoes one marker.
+    marker: MarkerSql,
     purge: Arc<str>,
     ddl: Vec<String>,
     purge_batch: i64,
@@ -101,15 +106,13 @@ impl SqliteStore {
                  RETURNING 1"
             )
             .into(),
-            read: format!("SELECT fingerprint, result FROM {t} WHERE scope = ?1 AND message_id = ?2").into(),
-            write_result: format!("UPDATE {t} SET result = ?1 WHERE scope = ?2 AND message_id = ?3").into(),
-            undo: format!("DELETE FROM {t} WHERE scope = ?1 AND message_id = ?2").into(),
+            marker: MarkerSql::new(&t, |n| format!("?{n}")),
             purge: format!(
                 "DELETE FROM {t} WHERE (scope, message_id) IN (\
                  SELECT scope, message_id FROM {t} WHERE expires_at <= {NOW_MS} LIMIT ?1)"
             )
             .into(),
-            ddl: ddl(include_str!("../../sql/sqlite.sql"), &table, '"'),
+            ddl: ddl(include_str!("../../../sql/sqlite.sql"), &table, '"'),
             purge_batch: i64::from(purge_batch),
             namespace: namespace(&pool, &table),
             table,
@@ -198,8 +201,7 @@ impl SqliteStore {
     /// Deletes expired markers in batches of the configured size, each in
     /// its own short write transaction; returns how many were deleted.
     pub async fn purge_expired(&self) -> Result<u64, Error> {
-        let mut total = 0;
-        loop {
+        delete_in_batches(self.sql.purge_batch as u64, || async move {
             let (mut tx, _writer) = self.begin_immediate().await?;
             let deleted = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.purge)))
                 .bind(self.sql.purge_batch)
@@ -207,11 +209,9 @@ impl SqliteStore {
                 .await?
                 .rows_affected();
             tx.commit().await?;
-            total += deleted;
-            if deleted < self.sql.purge_batch as u64 {
-                return Ok(total);
-            }
-        }
+            Ok(deleted)
+        })
+        .await
     }
 
     /// Takes this process's writer turn, then SQLite's write lock
@@ -222,13 +222,13 @@ impl SqliteStore {
             .await
             .map_err(|_| Error::Config("the SQLite writer queue was closed".into()))?;
         let deadline = tokio::time::Instant::now() + BUSY_RETRY_FOR;
-        let mut backoff = Duration::from_millis(2);
+        let mut attempt = 0;
         loop {
             match Tx::begin(&self.pool, "BEGIN IMMEDIATE").await {
                 Ok(tx) => return Ok((tx, writer)),
                 Err(error) if is_busy(&error) && tokio::time::Instant::now() < deadline => {
-                    tokio::time::sleep(backoff).await;
-                    backoff = (backoff * 2).min(Duration::from_millis(100));
+                    attempt += 1;
+                    tokio::time::sleep(BUSY_BACKOFF.delay(attempt)).await;
                 }
                 Err(error) => return Err(error.into()),
             }
@@ -254,21 +254,13 @@ impl Store for SqliteStore {
     }
 
     async fn claim(&self, req: &Request<'_>) -> Result<Claim<Self::Guard>, Error> {
-        if crate::batch::in_batch(self.sql.namespace)
-            && let Some(batch) = BatchClaim::join(self.sql.namespace).await?
-        {
-            return claim_in_batch(self, batch, req).await;
+        if let Some(claim) = claim_in_running_batch(self, self.sql.namespace, req).await? {
+            return Ok(claim);
         }
         let (mut tx, writer) = self.begin_immediate().await?;
         let claimed = self.claim_statement(&mut tx, req).await?;
         if claimed {
-            return Ok(Claim::Fresh(SqlGuard::new(
-                tx,
-                Arc::clone(&self.sql.write_result),
-                Arc::clone(&self.outbox.table),
-                req,
-                Some(writer),
-            )));
+            return Ok(self.fresh_guard(tx, req, Some(writer)));
         }
         if !req.needs_read() {
             // A `()` handler without fingerprint replays `()` whatever the
@@ -289,35 +281,15 @@ impl ClaimSql for SqliteStore {
     type Db = Sqlite;
 
     async fn claim_statement(&self, conn: &mut sqlx::SqliteConnection, req: &Request<'_>) -> Result<bool, sqlx::Error> {
-        Ok(sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.claim)))
-            .bind(req.scope())
-            .bind(req.key())
-            .bind(req.ttl_millis())
-            .bind(req.fingerprint().map(|f| f.as_str()))
-            .fetch_optional(conn)
-            .await?
-            .is_some())
+        <Sqlite as crate::store::sql::SqlBackend>::claim_returning(conn, Arc::clone(&self.sql.claim), req).await
     }
 
-    async fn read_marker(
-        &self,
-        conn: &mut sqlx::SqliteConnection,
-        req: &Request<'_>,
-    ) -> Result<(Option<String>, Option<String>), sqlx::Error> {
-        let row = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.read)))
-            .bind(req.scope())
-            .bind(req.key())
-            .fetch_one(conn)
-            .await?;
-        Ok((row.try_get("fingerprint")?, row.try_get("result")?))
+    fn marker_sql(&self) -> &MarkerSql {
+        &self.sql.marker
     }
 
-    fn guard_parts(&self) -> (Arc<str>, Arc<str>, Arc<crate::store::sql::OutboxTable>) {
-        (
-            Arc::clone(&self.sql.undo),
-            Arc::clone(&self.sql.write_result),
-            Arc::clone(&self.outbox.table),
-        )
+    fn outbox_table(&self) -> &Arc<crate::store::sql::OutboxTable> {
+        &self.outbox.table
     }
 }
 

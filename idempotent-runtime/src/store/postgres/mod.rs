@@ -7,14 +7,17 @@ use sqlx::{AssertSqlSafe, PgPool, Postgres, Row};
 
 use crate::Error;
 use crate::batch::{BulkOutcome, BulkRequest, Gathered};
-use crate::store::postgres_outbox::{PgOutboxSql, stage_outbox};
-use crate::store::postgres_partitions::{PartitionSettings, Partitions};
+use crate::store::postgres::outbox::{PgOutboxSql, stage_outbox};
+use crate::store::postgres::partitions::{PartitionSettings, Partitions};
 use crate::store::sql::{
-    BatchClaim, ClaimSql, DEFAULT_OUTBOX_RETENTION, OutboxParts, SqlGuard, SqlStoreBuilder, claim_in_batch, ddl,
-    replay, sql_backend,
+    BatchClaim, ClaimSql, DEFAULT_OUTBOX_RETENTION, MarkerSql, OutboxParts, SqlGuard, SqlStoreBuilder,
+    claim_in_running_batch, ddl, delete_in_batches, replay, sql_backend,
 };
 use crate::store::tx::Tx;
 use crate::store::{Claim, Replay, Request, Store, TransactionalStore};
+
+pub(crate) mod outbox;
+pub(crate) mod partitions;
 
 /// Begins the claim's transaction at Read Committed, whatever
 /// `default_transaction_isolation` says.
@@ -134,10 +137,8 @@ struct PgSql {
     /// The claim of a request that reads nothing back: the same statement,
     /// guarded so that a live marker is left unlocked.
     claim_no_read: Arc<str>,
-    read: Arc<str>,
-    write_result: Arc<str>,
-    /// Deletes a marker claimed in a batch whose body failed.
-    undo: Arc<str>,
+    /// Reads, completes and undoes one marker.
+    marker: MarkerSql,
     /// Claims a batch's keys in one statement.
     bulk_claim: Arc<str>,
     /// Reads the live markers a batch's duplicates need.
@@ -195,14 +196,14 @@ impl SqlStoreBuilder<PgPool> {
     }
 }
 
-/// The store's outbox table (statements in `postgres_outbox.rs`).
+/// The store's outbox table (statements in `outbox.rs`).
 type PgOutbox = OutboxParts<PgOutboxSql>;
 
 fn pg_outbox(settings: &(crate::table::TableName, std::time::Duration)) -> PgOutbox {
     OutboxParts::new(
         settings,
         '"',
-        include_str!("../../sql/postgres_outbox.sql"),
+        include_str!("../../../sql/postgres_outbox.sql"),
         PgOutboxSql::new,
     )
 }
@@ -216,8 +217,8 @@ impl PgStore {
     ) -> PgStore {
         let t = table.quoted('"');
         let template = match partitions {
-            Some(_) => include_str!("../../sql/postgres_partitioned.sql"),
-            None => include_str!("../../sql/postgres.sql"),
+            Some(_) => include_str!("../../../sql/postgres_partitioned.sql"),
+            None => include_str!("../../../sql/postgres.sql"),
         };
         let sql = PgSql {
             // The plain upsert: the cheapest statement for a fresh message
@@ -249,9 +250,7 @@ impl PgStore {
                 no_live_marker(&t, "$1", "$2")
             )
             .into(),
-            read: format!("SELECT fingerprint, result FROM {t} WHERE scope = $1 AND message_id = $2").into(),
-            write_result: format!("UPDATE {t} SET result = $1 WHERE scope = $2 AND message_id = $3").into(),
-            undo: format!("DELETE FROM {t} WHERE scope = $1 AND message_id = $2").into(),
+            marker: MarkerSql::new(&t, |n| format!("${n}")),
             // A batch's claims in one statement, in key order (concurrent
             // batches lock their markers in one order: no deadlock). A
             // request that reads nothing back (`$5` false) has
@@ -407,18 +406,14 @@ impl PgStore {
             partitions.create_ahead(&self.pool).await?;
             return partitions.drop_expired(&self.pool).await;
         }
-        let mut total = 0;
-        loop {
-            let deleted = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.purge)))
+        delete_in_batches(self.sql.purge_batch as u64, || async move {
+            Ok(sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.purge)))
                 .bind(self.sql.purge_batch)
                 .execute(&self.pool)
                 .await?
-                .rows_affected();
-            total += deleted;
-            if deleted < self.sql.purge_batch as u64 {
-                return Ok(total);
-            }
-        }
+                .rows_affected())
+        })
+        .await
     }
 }
 
@@ -488,9 +483,9 @@ impl Store for PgStore {
                 Some(Gathered::Failed(error)) => return Err(error),
                 Some(Gathered::Alone) | None => {}
             }
-            if let Some(batch) = BatchClaim::join(self.sql.namespace).await? {
-                return claim_in_batch(self, batch, req).await;
-            }
+        }
+        if let Some(claim) = claim_in_running_batch(self, self.sql.namespace, req).await? {
+            return Ok(claim);
         }
         // Read Committed whatever the server's or role's default: at
         // Repeatable Read or Serializable a concurrent duplicate fails with
@@ -498,13 +493,7 @@ impl Store for PgStore {
         // claim and then replaying its result.
         let (mut tx, claimed) = self.claim_alone(req).await?;
         if claimed {
-            return Ok(Claim::Fresh(SqlGuard::new(
-                tx,
-                Arc::clone(&self.sql.write_result),
-                Arc::clone(&self.outbox.table),
-                req,
-                None,
-            )));
+            return Ok(self.fresh_guard(tx, req, None));
         }
         if !req.needs_read() {
             // A `()` handler without fingerprint replays `()` whatever the
@@ -534,35 +523,15 @@ impl ClaimSql for PgStore {
         } else {
             &self.sql.claim_no_read
         };
-        Ok(sqlx::query(AssertSqlSafe(Arc::clone(claim)))
-            .bind(req.scope())
-            .bind(req.key())
-            .bind(req.ttl_millis())
-            .bind(req.fingerprint().map(|f| f.as_str()))
-            .fetch_optional(conn)
-            .await?
-            .is_some())
+        <Postgres as crate::store::sql::SqlBackend>::claim_returning(conn, Arc::clone(claim), req).await
     }
 
-    async fn read_marker(
-        &self,
-        conn: &mut sqlx::PgConnection,
-        req: &Request<'_>,
-    ) -> Result<(Option<String>, Option<String>), sqlx::Error> {
-        let row = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.read)))
-            .bind(req.scope())
-            .bind(req.key())
-            .fetch_one(conn)
-            .await?;
-        Ok((row.try_get("fingerprint")?, row.try_get("result")?))
+    fn marker_sql(&self) -> &MarkerSql {
+        &self.sql.marker
     }
 
-    fn guard_parts(&self) -> (Arc<str>, Arc<str>, Arc<crate::store::sql::OutboxTable>) {
-        (
-            Arc::clone(&self.sql.undo),
-            Arc::clone(&self.sql.write_result),
-            Arc::clone(&self.outbox.table),
-        )
+    fn outbox_table(&self) -> &Arc<crate::store::sql::OutboxTable> {
+        &self.outbox.table
     }
 }
 
@@ -661,7 +630,7 @@ fn namespace(pool: &PgPool, table: &crate::table::TableName) -> &'static str {
 }
 
 impl PgStore {
-    /// The claim on a partitioned table (see `postgres_partitions.rs`): a
+    /// The claim on a partitioned table (see `partitions.rs`): a
     /// per-key advisory lock, then "find a live marker or insert one" in a
     /// fresh snapshot. A claim whose expiry has no partition yet creates it
     /// (outside its transaction) and tries again.

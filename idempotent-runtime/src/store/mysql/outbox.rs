@@ -12,7 +12,7 @@ use crate::store::tx::Tx;
 use crate::Error;
 use crate::outbox::{OutboxBatch, OutboxRow, OutboxStore, StagedRow};
 use crate::store::mysql::MySqlStore;
-use crate::store::sql::pending_from;
+use crate::store::sql::{outbox_rows, pending_from};
 
 /// Rows written per `INSERT` (5 parameters each, well under MySQL's 65535).
 const STAGE_CHUNK: usize = 1000;
@@ -162,21 +162,14 @@ impl OutboxStore for MySqlStore {
             .bind(limit)
             .fetch_all(&mut *tx)
             .await?;
-        let rows = rows
-            .into_iter()
-            .map(|row| {
-                let ordering_key: Option<Vec<u8>> = row.try_get("ordering_key")?;
-                Ok(OutboxRow::new(
-                    i64::try_from(row.try_get::<u64, _>("id")?).unwrap_or(i64::MAX),
-                    row.try_get("message_id")?,
-                    row.try_get("destination")?,
-                    ordering_key.map(|key| String::from_utf8_lossy(&key).into_owned()),
-                    row.try_get::<String, _>("headers")?.as_str(),
-                    row.try_get("payload")?,
-                    i64::from(row.try_get::<i32, _>("attempts")?),
-                ))
-            })
-            .collect::<Result<Vec<_>, sqlx::Error>>()?;
+        let rows = outbox_rows(rows, |row| {
+            let ordering_key: Option<Vec<u8>> = row.try_get("ordering_key")?;
+            Ok((
+                i64::try_from(row.try_get::<u64, _>("id")?).unwrap_or(i64::MAX),
+                ordering_key.map(|key| String::from_utf8_lossy(&key).into_owned()),
+                i64::from(row.try_get::<i32, _>("attempts")?),
+            ))
+        })?;
         Ok(MySqlOutboxBatch { tx, rows, sql })
     }
 

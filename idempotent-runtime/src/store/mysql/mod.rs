@@ -52,21 +52,23 @@
 //! retried (bounded, with a small jittered backoff); these errors reach the
 //! caller only when the retries are exhausted.
 
-use std::hash::{BuildHasher, Hasher};
 use std::sync::Arc;
 use std::time::Duration;
 
 use sqlx::mysql::MySqlDatabaseError;
-use sqlx::{AssertSqlSafe, MySql, MySqlPool, Row};
+use sqlx::{AssertSqlSafe, MySql, MySqlPool};
 
 use crate::Error;
-use crate::store::mysql_outbox::{MySqlOutboxSql, stage_outbox};
+use crate::backoff::Backoff;
+use crate::store::mysql::outbox::{MySqlOutboxSql, stage_outbox};
 use crate::store::sql::{
-    BatchClaim, ClaimSql, DEFAULT_OUTBOX_RETENTION, OutboxParts, SqlGuard, SqlStoreBuilder, claim_in_batch, ddl,
-    sql_backend,
+    ClaimSql, DEFAULT_OUTBOX_RETENTION, MarkerSql, OutboxParts, SqlGuard, SqlStoreBuilder, claim_in_running_batch, ddl,
+    delete_in_batches, sql_backend,
 };
 use crate::store::tx::Tx;
 use crate::store::{Claim, Replay, Request, Store, TransactionalStore};
+
+pub(crate) mod outbox;
 
 /// Begins a transaction at READ COMMITTED (for this transaction only; the
 /// pooled connection's session level is left alone).
@@ -125,10 +127,8 @@ struct MySqlSql {
     claim: Arc<str>,
     /// Takes over an expired marker, locked by the claim statement.
     take_over: Arc<str>,
-    read: Arc<str>,
-    write_result: Arc<str>,
-    /// Deletes a marker claimed in a batch whose body failed.
-    undo: Arc<str>,
+    /// Reads, completes and undoes one marker.
+    marker: MarkerSql,
     purge: Arc<str>,
     ddl: Vec<String>,
     purge_batch: u64,
@@ -148,14 +148,14 @@ impl SqlStoreBuilder<MySqlPool> {
     }
 }
 
-/// The store's outbox table (statements in `mysql_outbox.rs`).
+/// The store's outbox table (statements in `outbox.rs`).
 type MySqlOutbox = OutboxParts<MySqlOutboxSql>;
 
 fn mysql_outbox(settings: &(crate::table::TableName, Duration)) -> MySqlOutbox {
     OutboxParts::new(
         settings,
         '`',
-        include_str!("../../sql/mysql_outbox.sql"),
+        include_str!("../../../sql/mysql_outbox.sql"),
         MySqlOutboxSql::new,
     )
 }
@@ -178,11 +178,9 @@ impl MySqlStore {
                  expires_at = UTC_TIMESTAMP(3) + INTERVAL ? MICROSECOND WHERE scope = ? AND message_id = ?"
             )
             .into(),
-            read: format!("SELECT fingerprint, result FROM {t} WHERE scope = ? AND message_id = ?").into(),
-            write_result: format!("UPDATE {t} SET result = ? WHERE scope = ? AND message_id = ?").into(),
-            undo: format!("DELETE FROM {t} WHERE scope = ? AND message_id = ?").into(),
+            marker: MarkerSql::new(&t, |_| "?".to_owned()),
             purge: format!("DELETE FROM {t} WHERE {expired} LIMIT ?").into(),
-            ddl: ddl(include_str!("../../sql/mysql.sql"), &table, '`'),
+            ddl: ddl(include_str!("../../../sql/mysql.sql"), &table, '`'),
             purge_batch: u64::from(purge_batch),
             namespace: namespace(&pool, &table),
             table,
@@ -255,20 +253,16 @@ impl MySqlStore {
     /// first when given) until it deletes less than a batch, each batch its
     /// own READ COMMITTED transaction retried on deadlocks.
     pub(crate) async fn delete_in_batches(&self, statement: &str, age_micros: Option<i64>) -> Result<u64, Error> {
-        let mut total = 0;
-        loop {
+        delete_in_batches(self.sql.purge_batch, || async move {
             let mut retry = Retry::default();
-            let deleted = loop {
+            loop {
                 match self.delete_batch(statement, age_micros).await {
-                    Ok(deleted) => break deleted,
+                    Ok(deleted) => return Ok(deleted),
                     Err(error) => retry.after(error, "purge").await?,
                 }
-            };
-            total += deleted;
-            if deleted < self.sql.purge_batch {
-                return Ok(total);
             }
-        }
+        })
+        .await
     }
 
     async fn delete_batch(&self, statement: &str, age_micros: Option<i64>) -> Result<u64, sqlx::Error> {
@@ -357,25 +351,12 @@ impl ClaimSql for MySqlStore {
         }
     }
 
-    async fn read_marker(
-        &self,
-        conn: &mut sqlx::MySqlConnection,
-        req: &Request<'_>,
-    ) -> Result<(Option<String>, Option<String>), sqlx::Error> {
-        let row = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.read)))
-            .bind(req.scope())
-            .bind(req.key())
-            .fetch_one(conn)
-            .await?;
-        Ok((row.try_get("fingerprint")?, row.try_get("result")?))
+    fn marker_sql(&self) -> &MarkerSql {
+        &self.sql.marker
     }
 
-    fn guard_parts(&self) -> (Arc<str>, Arc<str>, Arc<crate::store::sql::OutboxTable>) {
-        (
-            Arc::clone(&self.sql.undo),
-            Arc::clone(&self.sql.write_result),
-            Arc::clone(&self.outbox.table),
-        )
+    fn outbox_table(&self) -> &Arc<crate::store::sql::OutboxTable> {
+        &self.outbox.table
     }
 }
 
@@ -394,6 +375,11 @@ fn error_number(error: &sqlx::Error) -> Option<u16> {
         .try_downcast_ref::<MySqlDatabaseError>()
         .map(MySqlDatabaseError::number)
 }
+
+/// The wait before retrying a transaction InnoDB aborted: 2 ms doubling up
+/// to 100 ms, jittered so that the transactions that deadlocked do not meet
+/// again.
+const DEADLOCK_BACKOFF: Backoff = Backoff::new(Duration::from_millis(2), Duration::from_millis(100));
 
 /// Bounded retries of a transaction that InnoDB aborted for a deadlock or a
 /// lock wait timeout.
@@ -419,18 +405,9 @@ impl Retry {
         let attempt = self.deadlocks + self.lock_wait_timeouts;
         tracing::debug!(target: "idempotent", %error, attempt, what, "retrying the MySQL transaction");
         drop(error);
-        tokio::time::sleep(backoff(attempt)).await;
+        tokio::time::sleep(DEADLOCK_BACKOFF.jittered(attempt)).await;
         Ok(())
     }
-}
-
-/// 2 ms doubling up to 100 ms, times a random factor in [0.5, 1.5) so that
-/// the transactions that deadlocked do not meet again.
-fn backoff(attempt: u32) -> Duration {
-    let base = 2u64 << attempt.saturating_sub(1).min(6);
-    let base = Duration::from_millis(base.min(100));
-    let jitter = std::collections::hash_map::RandomState::new().build_hasher().finish() % 1000;
-    base.mul_f64(0.5 + jitter as f64 / 1000.0)
 }
 
 impl Store for MySqlStore {
@@ -450,10 +427,8 @@ impl Store for MySqlStore {
                 let _ = tokio::spawn(async move { warn_about_durability(&pool).await }).await;
             })
             .await;
-        if crate::batch::in_batch(self.sql.namespace)
-            && let Some(batch) = BatchClaim::join(self.sql.namespace).await?
-        {
-            return claim_in_batch(self, batch, req).await;
+        if let Some(claim) = claim_in_running_batch(self, self.sql.namespace, req).await? {
+            return Ok(claim);
         }
         let mut retry = Retry::default();
         let attempt = loop {
@@ -463,13 +438,7 @@ impl Store for MySqlStore {
             }
         };
         match attempt {
-            Attempt::Fresh(tx) => Ok(Claim::Fresh(SqlGuard::new(
-                tx,
-                Arc::clone(&self.sql.write_result),
-                Arc::clone(&self.outbox.table),
-                req,
-                None,
-            ))),
+            Attempt::Fresh(tx) => Ok(self.fresh_guard(tx, req, None)),
             Attempt::Done { fingerprint, result } => {
                 req.check_fingerprint(fingerprint.as_deref())?;
                 Ok(Claim::Done(Replay::new(result)))

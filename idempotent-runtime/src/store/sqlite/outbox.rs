@@ -11,7 +11,7 @@ use sqlx::{AssertSqlSafe, Row, SqliteConnection};
 
 use crate::Error;
 use crate::outbox::{OutboxBatch, OutboxRow, OutboxStore, StagedRow};
-use crate::store::sql::{millis, pending_from};
+use crate::store::sql::{delete_in_batches, millis, outbox_rows, pending_from};
 use crate::store::sqlite::{NOW_MS, SqliteStore};
 
 /// Rows written per `INSERT` (5 parameters each, under SQLite's 32766).
@@ -145,8 +145,7 @@ impl SqliteStore {
     pub async fn purge_dispatched(&self) -> Result<u64, Error> {
         let outbox = self.outbox();
         let batch = self.purge_batch();
-        let mut total = 0;
-        loop {
+        delete_in_batches(batch as u64, || async move {
             let (mut tx, _writer) = self.begin_immediate().await?;
             let deleted = sqlx::query(AssertSqlSafe(outbox.sql.purge.as_str()))
                 .bind(millis(outbox.retention))
@@ -155,11 +154,9 @@ impl SqliteStore {
                 .await?
                 .rows_affected();
             tx.commit().await?;
-            total += deleted;
-            if deleted < batch as u64 {
-                return Ok(total);
-            }
-        }
+            Ok(deleted)
+        })
+        .await
     }
 }
 
@@ -180,20 +177,13 @@ impl OutboxStore for SqliteStore {
             .await?;
         tx.commit().await?;
         drop(writer);
-        let mut rows = rows
-            .into_iter()
-            .map(|row| {
-                Ok(OutboxRow::new(
-                    row.try_get("id")?,
-                    row.try_get("message_id")?,
-                    row.try_get("destination")?,
-                    row.try_get("ordering_key")?,
-                    row.try_get::<String, _>("headers")?.as_str(),
-                    row.try_get("payload")?,
-                    row.try_get("attempts")?,
-                ))
-            })
-            .collect::<Result<Vec<_>, sqlx::Error>>()?;
+        let mut rows = outbox_rows(rows, |row| {
+            Ok((
+                row.try_get("id")?,
+                row.try_get("ordering_key")?,
+                row.try_get("attempts")?,
+            ))
+        })?;
         // RETURNING gives no order.
         rows.sort_by_key(|row| row.id);
         Ok(SqliteOutboxBatch {
