@@ -1014,7 +1014,15 @@ async fn nats_jetstream_consumer_over_verified_tls() {
     let mut attempts = 0;
     let n = loop {
         attempts += 1;
-        let mut raw = std::net::TcpStream::connect(("127.0.0.1", nats.port)).unwrap();
+        let mut raw = match std::net::TcpStream::connect(("127.0.0.1", nats.port)) {
+            Ok(raw) => raw,
+            // The server may still be binding its port.
+            Err(_) if attempts < 5 => {
+                std::thread::sleep(Duration::from_millis(200));
+                continue;
+            }
+            Err(err) => panic!("the private nats-server refused {attempts} connections: {err}"),
+        };
         raw.set_read_timeout(Some(CONNECT_TIMEOUT)).unwrap();
         match std::io::Read::read(&mut raw, &mut info) {
             Ok(n) if n > 0 => break n,
