@@ -755,7 +755,8 @@ pub(crate) fn ddl(template: &str, table: &TableName, quote: char) -> Vec<String>
 pub struct SqlStoreBuilder<P, B = ()> {
     pool: P,
     pub(crate) settings: Settings,
-    /// The settings only this backend takes.
+    /// The settings only this backend takes (`()` but for PostgreSQL).
+    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
     pub(crate) backend: B,
 }
 
