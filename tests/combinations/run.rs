@@ -305,6 +305,22 @@ async fn sigkill_child(
     if child.sigkill().await.is_none() {
         violations.push("hung: a SIGKILLed child consumer was not reaped within 10 s".into());
     }
+    // What it wrote before it died and was not read yet: the handlers
+    // that returned (not held), its too-early answers and wrong replays.
+    while let Ok(event) = tokio::time::timeout(Duration::from_secs(2), child.next_event()).await {
+        match event {
+            child::Event::Call(id) => {
+                child.in_flight.insert(id);
+            }
+            child::Event::Done(id) => {
+                child.in_flight.remove(&id);
+            }
+            child::Event::Early(id) => sh.early.lock().unwrap().push(format!("{id} (child)")),
+            child::Event::Wrong(what) => sh.wrong_replay.lock().unwrap().push(what),
+            child::Event::Closed => break,
+            child::Event::Ready | child::Event::KillPoint(..) | child::Event::Other(_) => {}
+        }
+    }
     fired.sigkills += 1;
     *fired.sigkill_phases.entry(landed).or_default() += 1;
     let mut watch = sh.redelivery_watch.lock().unwrap();
