@@ -158,6 +158,51 @@ async fn consume<B: Broker>(builder: ConsumerBuilder<B>, st: &Arc<ChildState>, s
     say(&format!("stopped {stopped:?}"));
 }
 
+/// Set once the child joined the run: from then on a panic ends it.
+static STARTED: AtomicBool = AtomicBool::new(false);
+
+/// Ends the child on a panic after it joined (its parent reports it).
+pub fn exit_on_panic() {
+    let previous = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        previous(info);
+        if STARTED.load(Ordering::SeqCst) {
+            say(&format!("panicked: {info}"));
+            std::process::exit(101);
+        }
+    }));
+}
+
+/// Opens the store and the source, again for up to 60 s while they fail
+/// (a restart of the private PostgreSQL or broker under way).
+async fn join_retrying(spec: &ChildSpec) -> (Opened, Source) {
+    let until = Instant::now() + Duration::from_secs(60);
+    loop {
+        let spec = spec.clone();
+        let joined = tokio::spawn(async move {
+            let attach = Attach {
+                sqlite: spec.sqlite.clone(),
+            };
+            let cfg = &spec.config;
+            let opened = db::open(cfg, &spec.name, spec.sink.clone(), &spec.at.pg, Some(&attach)).await;
+            let source = Source::attach(cfg.broker, &spec.name, &spec.at).await;
+            (opened, source)
+        })
+        .await;
+        match joined {
+            Ok(joined) => return joined,
+            Err(err) if Instant::now() < until => {
+                say(&format!("joining failed ({err}), again"));
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            Err(err) => {
+                say(&format!("panicked: joining failed for 60 s ({err})"));
+                std::process::exit(101);
+            }
+        }
+    }
+}
+
 /// The child's life: joins the run, consumes until killed.
 pub async fn child_main(spec: ChildSpec) {
     // Gone with the parent: its end of the stdin pipe closes.
@@ -175,11 +220,13 @@ pub async fn child_main(spec: ChildSpec) {
         tokio::time::sleep(CHILD_LIFETIME).await;
         std::process::exit(4);
     });
+    // Joins, again while a server restarts (the store's or the broker's
+    // connection refused); any later panic ends the child, which the
+    // parent reports (a panic would otherwise leave it waiting on stdin).
+    let (opened, source) = join_retrying(&spec).await;
+    STARTED.store(true, Ordering::SeqCst);
     let cfg = &spec.config;
-    let attach = Attach {
-        sqlite: spec.sqlite.clone(),
-    };
-    let opened = Arc::new(db::open(cfg, &spec.name, spec.sink.clone(), &spec.at.pg, Some(&attach)).await);
+    let opened = Arc::new(opened);
     let ctx = Arc::clone(opened.ledger.ctx());
     match spec.kill.phase {
         KillPhase::MidBody => ctx.hang_body_after.store(spec.kill.after, Ordering::SeqCst),
@@ -196,7 +243,6 @@ pub async fn child_main(spec: ChildSpec) {
         }
         KillPhase::AfterOk | KillPhase::Timed(_) => {}
     }
-    let source = Source::attach(cfg.broker, &spec.name, &spec.at).await;
     let st = Arc::new(ChildState {
         opened: Arc::clone(&opened),
         kill: spec.kill,
@@ -277,6 +323,8 @@ pub struct ChildConsumer {
     pub in_flight: HashSet<String>,
     /// When a timed kill is due.
     pub kill_at: Option<Instant>,
+    /// The last line it wrote that is not an event (a panic, a retry).
+    pub last_said: Option<String>,
 }
 
 impl ChildConsumer {
@@ -291,10 +339,7 @@ impl ChildConsumer {
             .stderr(Stdio::inherit())
             .kill_on_drop(true)
             .spawn()?;
-        let stdout = child
-            .stdout
-            .take()
-            .ok_or_else(|| std::io::Error::other("no stdout"))?;
+        let stdout = child.stdout.take().ok_or_else(|| std::io::Error::other("no stdout"))?;
         let (tx, events) = mpsc::unbounded_channel();
         tokio::spawn(async move {
             let mut lines = BufReader::new(stdout).lines();
@@ -314,6 +359,7 @@ impl ChildConsumer {
             calls: 0,
             in_flight: HashSet::new(),
             kill_at: None,
+            last_said: None,
         })
     }
 

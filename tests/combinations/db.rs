@@ -411,7 +411,10 @@ pub async fn open(cfg: &Config, name: &str, sink: Option<String>, pg_url: &str, 
             let conn = redis::aio::ConnectionManager::new(client).await.expect("Redis");
             let prefix = format!("{name}:");
             redis_prefix = Some(prefix.clone());
-            let store = RedisStore::builder(conn.clone()).prefix(prefix.clone()).build().unwrap();
+            let store = RedisStore::builder(conn.clone())
+                .prefix(prefix.clone())
+                .build()
+                .unwrap();
             let _ = ctx.redis_effects.set(RedisEffects {
                 conn: conn.clone(),
                 key: format!("{prefix}effects"),

@@ -211,7 +211,11 @@ async fn handle(sh: Arc<Shared>, instance: usize, msg: Msg) -> Result<(), AppErr
     Ok(())
 }
 
-pub fn with_batch<B>(builder: ConsumerBuilder<B>, target: &Option<BatchTarget>, max: Option<usize>) -> ConsumerBuilder<B> {
+pub fn with_batch<B>(
+    builder: ConsumerBuilder<B>,
+    target: &Option<BatchTarget>,
+    max: Option<usize>,
+) -> ConsumerBuilder<B> {
     let (Some(target), Some(max)) = (target, max) else {
         return builder;
     };
@@ -324,7 +328,13 @@ async fn sigkill_child(
     fired.sigkills += 1;
     *fired.sigkill_phases.entry(landed).or_default() += 1;
     let mut watch = sh.redelivery_watch.lock().unwrap();
-    for id in child.in_flight.iter().map(String::as_str).chain(held).filter(|id| *id != "-") {
+    for id in child
+        .in_flight
+        .iter()
+        .map(String::as_str)
+        .chain(held)
+        .filter(|id| *id != "-")
+    {
         watch.insert(id.to_owned(), killed);
     }
 }
@@ -437,7 +447,8 @@ async fn drive<B: Broker>(
             .as_ref()
             .and_then(|c| c.kill_at)
             .map_or(Duration::from_millis(50), |at| {
-                at.saturating_duration_since(Instant::now()).min(Duration::from_millis(50))
+                at.saturating_duration_since(Instant::now())
+                    .min(Duration::from_millis(50))
             });
         tokio::select! {
             Some(i) = abort_rx.recv() => {
@@ -473,13 +484,17 @@ async fn drive<B: Broker>(
                     child::Event::Early(id) => sh.early.lock().unwrap().push(format!("{id} (child)")),
                     child::Event::Wrong(what) => sh.wrong_replay.lock().unwrap().push(what),
                     child::Event::Ready => {}
-                    child::Event::Other(what) => eprintln!("checker: a child consumer says {what:?}"),
+                    child::Event::Other(what) => {
+                        eprintln!("checker: a child consumer says {what:?}");
+                        c.last_said = Some(what);
+                    }
                     child::Event::Closed => {
                         let status = c.exited();
                         violations.push(format!(
-                            "a child consumer exited before its SIGKILL ({status:?}, after {} calls in {:?})",
+                            "a child consumer exited before its SIGKILL ({status:?}, after {} calls in {:?}; it said {:?})",
                             c.calls,
-                            c.spawned.elapsed()
+                            c.spawned.elapsed(),
+                            c.last_said
                         ));
                         joined = None;
                     }
