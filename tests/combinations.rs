@@ -306,18 +306,23 @@ fn quiet_injected_panics() {
     });
 }
 
-/// How long the messages a killed child held took to come back.
-fn redelivery_summary(times: &[Duration], not_seen_again: u64) -> String {
+/// `n after min to max ms (median m)`.
+fn spread(times: &[Duration]) -> String {
     let mut ms: Vec<u128> = times.iter().map(Duration::as_millis).collect();
     ms.sort_unstable();
     match (ms.first(), ms.last()) {
-        (Some(min), Some(max)) => format!(
-            "{} held message(s) handled again here after {min} to {max} ms (median {}), {not_seen_again} not seen again",
-            ms.len(),
-            ms[ms.len() / 2]
-        ),
-        _ => format!("no held message handled again here, {not_seen_again} not seen again"),
+        (Some(min), Some(max)) => format!("{} after {min} to {max} ms (median {})", ms.len(), ms[ms.len() / 2]),
+        _ => "none".into(),
     }
+}
+
+/// How long the messages a killed child held took to come back.
+fn redelivery_summary(report_redelivery: &[Duration], settled: &[Duration], not_seen_again: u64) -> String {
+    format!(
+        "held messages handled again here: {}; with Ok: {}; {not_seen_again} not seen again",
+        spread(report_redelivery),
+        spread(settled)
+    )
 }
 
 fn print_report(report: &Report) {
@@ -340,7 +345,7 @@ fn print_report(report: &Report) {
         println!(
             "    sigkills landed: {:?}; {}",
             report.sigkill_phases,
-            redelivery_summary(&report.redelivery, report.not_seen_again)
+            redelivery_summary(&report.redelivery, &report.settled, report.not_seen_again)
         );
     }
     if report.failed() {
@@ -498,12 +503,14 @@ fn print_table(reports: &[Report]) {
     let mut faults: BTreeMap<FaultKind, u64> = BTreeMap::new();
     let mut landed: BTreeMap<&str, u64> = BTreeMap::new();
     let mut redelivery: Vec<Duration> = Vec::new();
+    let mut settled: Vec<Duration> = Vec::new();
     let mut not_seen_again = 0;
     for r in reports {
         for (k, v) in &r.sigkill_phases {
             *landed.entry(*k).or_default() += v;
         }
         redelivery.extend(&r.redelivery);
+        settled.extend(&r.settled);
         not_seen_again += r.not_seen_again;
         add(&mut total, r);
         add(by.entry(format!("store {:?}", r.config.store)).or_default(), r);
@@ -540,7 +547,26 @@ fn print_table(reports: &[Report]) {
         for (k, v) in &landed {
             println!("  {k:<40} {v}");
         }
-        println!("  {}", redelivery_summary(&redelivery, not_seen_again));
+        println!("  {}", redelivery_summary(&redelivery, &settled, not_seen_again));
+        // Per broker and store kind: where the time goes.
+        let mut by: BTreeMap<String, (Vec<Duration>, Vec<Duration>)> = BTreeMap::new();
+        for r in reports.iter().filter(|r| !r.sigkill_phases.is_empty()) {
+            let key = format!(
+                "{:?} / {}",
+                r.config.broker,
+                if r.config.store.transactional() {
+                    "SQL store"
+                } else {
+                    "Redis store"
+                }
+            );
+            let entry = by.entry(key).or_default();
+            entry.0.extend(&r.redelivery);
+            entry.1.extend(&r.settled);
+        }
+        for (key, (again, ok)) in &by {
+            println!("  {key:<28} handled again: {}; with Ok: {}", spread(again), spread(ok));
+        }
     }
     let failed: Vec<u64> = reports.iter().filter(|r| r.failed()).map(|r| r.config.seed).collect();
     println!("\nfailing seeds: {failed:?}");

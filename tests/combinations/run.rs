@@ -143,6 +143,8 @@ pub struct Report {
     /// How long after a SIGKILL the messages its child held were handled
     /// again in this process.
     pub redelivery: Vec<Duration>,
+    /// How long after a SIGKILL they were handled with `Ok` here.
+    pub settled: Vec<Duration>,
     /// Messages a killed child held that this process never saw again
     /// (another copy of them, or a later child, settled them).
     pub not_seen_again: u64,
@@ -172,6 +174,10 @@ struct Shared {
     /// Messages a SIGKILLed child held, and when it was killed.
     redelivery_watch: Mutex<HashMap<String, Instant>>,
     redelivered: Mutex<Vec<Duration>>,
+    /// The same messages once handled again here, until a handler
+    /// returns `Ok` for them.
+    settle_watch: Mutex<HashMap<String, Instant>>,
+    settled: Mutex<Vec<Duration>>,
 }
 
 async fn handle(sh: Arc<Shared>, instance: usize, msg: Msg) -> Result<(), AppError> {
@@ -180,6 +186,7 @@ async fn handle(sh: Arc<Shared>, instance: usize, msg: Msg) -> Result<(), AppErr
     let killed = sh.redelivery_watch.lock().unwrap().remove(&msg.id);
     if let Some(killed) = killed {
         sh.redelivered.lock().unwrap().push(killed.elapsed());
+        sh.settle_watch.lock().unwrap().insert(msg.id.clone(), killed);
     }
     let ledger = &sh.opened.ledger;
     let ran = AtomicBool::new(false);
@@ -203,6 +210,10 @@ async fn handle(sh: Arc<Shared>, instance: usize, msg: Msg) -> Result<(), AppErr
         sh.early.lock().unwrap().push(msg.id.clone());
     }
     *sh.last_call.lock().unwrap() = Instant::now();
+    let killed = sh.settle_watch.lock().unwrap().remove(&msg.id);
+    if let Some(killed) = killed {
+        sh.settled.lock().unwrap().push(killed.elapsed());
+    }
     let abort = sh.abort_after_commit.lock().unwrap().remove(&msg.id);
     if abort {
         let _ = sh.abort_tx.send(instance);
@@ -914,6 +925,8 @@ pub async fn run(cfg: &Config, sabotage: Option<Sabotage>) -> Report {
         wrong_replay: Mutex::default(),
         redelivery_watch: Mutex::default(),
         redelivered: Mutex::default(),
+        settle_watch: Mutex::default(),
+        settled: Mutex::default(),
     });
     let children = ChildPlan::new(
         cfg,
@@ -1307,6 +1320,7 @@ pub async fn run(cfg: &Config, sabotage: Option<Sabotage>) -> Report {
     faults.retain(|_, v| *v > 0);
 
     let redelivery = sh.redelivered.lock().unwrap().clone();
+    let settled = sh.settled.lock().unwrap().clone();
     let not_seen_again = sh.redelivery_watch.lock().unwrap().len() as u64;
 
     // Clean up.
@@ -1327,6 +1341,7 @@ pub async fn run(cfg: &Config, sabotage: Option<Sabotage>) -> Report {
         elapsed: started.elapsed(),
         sigkill_phases: fired.sigkill_phases,
         redelivery,
+        settled,
         not_seen_again,
     }
 }
