@@ -161,12 +161,13 @@ async fn consume<B: Broker>(builder: ConsumerBuilder<B>, st: &Arc<ChildState>, s
 /// Set once the child joined the run: from then on a panic ends it.
 static STARTED: AtomicBool = AtomicBool::new(false);
 
-/// Ends the child on a panic after it joined (its parent reports it).
+/// Ends the child on a panic after it joined (its parent reports it);
+/// before, a panic is a failed attempt to join, said by `join_retrying`.
 pub fn exit_on_panic() {
     let previous = std::panic::take_hook();
     std::panic::set_hook(Box::new(move |info| {
-        previous(info);
         if STARTED.load(Ordering::SeqCst) {
+            previous(info);
             say(&format!("panicked: {info}"));
             std::process::exit(101);
         }
