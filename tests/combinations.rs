@@ -681,7 +681,6 @@ fn checker_child_consumer() {
         return;
     };
     quiet_injected_panics();
-    child::exit_on_panic();
     let spec: child::ChildSpec = serde_json::from_str(&spec).expect("the child's spec");
     tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)

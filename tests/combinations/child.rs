@@ -163,7 +163,7 @@ static STARTED: AtomicBool = AtomicBool::new(false);
 
 /// Ends the child on a panic after it joined (its parent reports it);
 /// before, a panic is a failed attempt to join, said by `join_retrying`.
-pub fn exit_on_panic() {
+fn exit_on_panic() {
     let previous = std::panic::take_hook();
     std::panic::set_hook(Box::new(move |info| {
         if STARTED.load(Ordering::SeqCst) {
@@ -206,6 +206,7 @@ async fn join_retrying(spec: &ChildSpec) -> (Opened, Source) {
 
 /// The child's life: joins the run, consumes until killed.
 pub async fn child_main(spec: ChildSpec) {
+    exit_on_panic();
     // Gone with the parent: its end of the stdin pipe closes.
     tokio::spawn(async {
         let mut stdin = tokio::io::stdin();
