@@ -10,7 +10,8 @@
 //! parent what it does on its stdout, one line per event, each written
 //! before its next step: `call ID`, `done ID`, `kill-point PHASE ID`,
 //! `early ID`, `wrong ..`. What survives its death is what the checks
-//! read: the effects, markers and outbox rows in the database, the dead
+//! read: the effects, markers and outbox rows in the database (the
+//! effects hash and the markers in Redis for the Redis store), the dead
 //! letters and the unsettled messages on the broker, and the lines it wrote
 //! (the "learnt too early" and replayed-result checks of its calls). Its
 //! body faults are none (the parent's schedule fires each once, in the
