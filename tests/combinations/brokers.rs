@@ -27,7 +27,7 @@ pub const NATS_URL: &str = "127.0.0.1:4222";
 
 /// Where a configuration's services are: the shared ones, or a private
 /// server (restarted during the run).
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct Endpoints {
     pub amqp: String,
     pub nats: String,
@@ -129,6 +129,34 @@ async fn xrange_all(conn: &redis::aio::ConnectionManager, key: &str) -> redis::s
 }
 
 impl Source {
+    /// The source `setup` made, for a child consumer: nothing is created.
+    pub async fn attach(kind: BrokerKind, name: &str, at: &Endpoints) -> Source {
+        match kind {
+            // Declaring the same durable queues again changes nothing;
+            // Redis Streams has nothing to create.
+            BrokerKind::Rabbit | BrokerKind::RedisStreams => Source::setup(kind, name, at).await,
+            BrokerKind::JetStream => {
+                let js = jetstream::new(async_nats::connect(at.nats.as_str()).await.expect("NATS"));
+                let stream_name = name.to_uppercase().replace('.', "_");
+                let consumer: PullConsumer = js
+                    .get_stream(&stream_name)
+                    .await
+                    .expect("the parent's stream")
+                    .get_consumer("worker")
+                    .await
+                    .expect("the parent's consumer");
+                Source::Js {
+                    js,
+                    dlq_stream: format!("{stream_name}_DLQ"),
+                    stream: stream_name,
+                    subject: format!("{name}.in"),
+                    dlq_subject: format!("{name}.dlq"),
+                    consumer,
+                }
+            }
+        }
+    }
+
     pub async fn setup(kind: BrokerKind, name: &str, at: &Endpoints) -> Source {
         match kind {
             BrokerKind::Rabbit => {

@@ -3,6 +3,8 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
+use serde::{Deserialize, Serialize};
+
 /// splitmix64: small, deterministic, no dependency.
 #[derive(Debug, Clone)]
 pub struct Rng(u64);
@@ -31,7 +33,7 @@ impl Rng {
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 pub enum StoreKind {
     Pg,
     PgPartitioned,
@@ -60,7 +62,7 @@ impl StoreKind {
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 pub enum BrokerKind {
     Rabbit,
     JetStream,
@@ -71,7 +73,7 @@ impl BrokerKind {
     pub const ALL: [BrokerKind; 3] = [BrokerKind::Rabbit, BrokerKind::JetStream, BrokerKind::RedisStreams];
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum OutboxMode {
     Off,
     /// The relay publishes to a broker other than the consumer's.
@@ -81,7 +83,7 @@ pub enum OutboxMode {
 }
 
 /// Server settings users change.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Settings {
     /// PostgreSQL sessions start with `synchronous_commit = off`.
     pub pg_sync_commit_off: bool,
@@ -139,10 +141,13 @@ pub enum FaultKind {
     /// A body over the consumer's `max_body_bytes`: dead-lettered as
     /// poison before it is decoded.
     Oversized,
+    /// A consumer running in a child process is killed with SIGKILL at a
+    /// drawn point (`KillPhase`); the in-process consumers drain the rest.
+    ConsumerSigkill,
 }
 
 impl FaultKind {
-    pub const ALL: [FaultKind; 17] = [
+    pub const ALL: [FaultKind; 18] = [
         FaultKind::HandlerError,
         FaultKind::Panic,
         FaultKind::Cancel,
@@ -160,6 +165,7 @@ impl FaultKind {
         FaultKind::DataError,
         FaultKind::LoneOutage,
         FaultKind::Oversized,
+        FaultKind::ConsumerSigkill,
     ];
     pub fn name(self) -> &'static str {
         match self {
@@ -180,6 +186,7 @@ impl FaultKind {
             FaultKind::DataError => "data-error",
             FaultKind::LoneOutage => "lone-outage",
             FaultKind::Oversized => "oversized",
+            FaultKind::ConsumerSigkill => "consumer-sigkill",
         }
     }
     pub fn parse(name: &str) -> Option<FaultKind> {
@@ -188,7 +195,7 @@ impl FaultKind {
 }
 
 /// A fault that fires in the body of one message's run.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum BodyFault {
     Error,
     Panic,
@@ -200,7 +207,7 @@ pub enum BodyFault {
 }
 
 /// A fault that fires once the handlers were called `at` times in all.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum TimedFault {
     ConsumerKill,
     DbKill,
@@ -211,14 +218,41 @@ pub enum TimedFault {
     DbRestart(Duration),
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// Where a child consumer is killed with SIGKILL.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum KillPhase {
+    /// In a handler's body, after its effect was written (its transaction,
+    /// or its batch's, open and holding the marker's claim).
+    MidBody,
+    /// After a handler returned `Ok`: alone, its effect is committed and
+    /// the ack not sent; in a batch, before the batch's commit.
+    AfterOk,
+    /// After a batch committed, before its deliveries are acknowledged
+    /// (batches only: the library's "batch committed" event).
+    AfterBatchCommit,
+    /// This many milliseconds after its `after`-th handler call, wherever
+    /// it is then.
+    Timed(u64),
+}
+
+/// A consumer SIGKILL: a child process joins the consumers once the
+/// handlers were called `at` times in all, and is killed at `phase` once it
+/// has made `after` handler calls of its own.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Sigkill {
+    pub at: u64,
+    pub after: u64,
+    pub phase: KillPhase,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum RelayKill {
     BeforePublish,
     AfterConfirm,
 }
 
 /// What goes wrong, and when.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct Schedule {
     /// Body faults per message id, in the order its runs meet them.
     pub body: BTreeMap<String, Vec<BodyFault>>,
@@ -238,6 +272,9 @@ pub struct Schedule {
     pub lone_outage: Vec<String>,
     /// Bodies over the size limit published (each its own id, `big-N`).
     pub oversized: usize,
+    /// Consumers run in a child process and SIGKILLed (every store but
+    /// memory), in the order of their `at`.
+    pub sigkill: Vec<Sigkill>,
 }
 
 /// The first seed that draws restarts (broker and database): the long
@@ -246,7 +283,7 @@ pub struct Schedule {
 pub const RESTARTS_FROM: u64 = 1000;
 
 /// One configuration of the library, with its fault schedule.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Config {
     pub seed: u64,
     pub store: StoreKind,
@@ -431,6 +468,29 @@ impl Config {
             }
             schedule.relay.sort_by_key(|(at, _)| *at);
         }
+        // Consumer SIGKILLs come from a stream of their own, for every
+        // seed: the rest of a seed's schedule is what it was before them.
+        // Only where a child process can join: every store but the memory
+        // store (its markers are in this process).
+        if store != StoreKind::Memory && allowed(FaultKind::ConsumerSigkill) {
+            let mut kills = Rng::new(seed ^ 0x0051_6c11);
+            if kills.percent(30) {
+                for _ in 0..1 + kills.below(2) {
+                    let phase = match kills.below(if batch.is_some() { 4 } else { 3 }) {
+                        0 => KillPhase::MidBody,
+                        1 => KillPhase::AfterOk,
+                        2 => KillPhase::Timed(kills.below(300)),
+                        _ => KillPhase::AfterBatchCommit,
+                    };
+                    schedule.sigkill.push(Sigkill {
+                        at: calls / 10 + kills.below(calls / 2),
+                        after: 1 + kills.below(6),
+                        phase,
+                    });
+                }
+                schedule.sigkill.sort_by_key(|k| k.at);
+            }
+        }
         Config {
             seed,
             store,
@@ -479,7 +539,7 @@ impl Config {
     /// One line: what is combined.
     pub fn summary(&self) -> String {
         format!(
-            "seed {:>5}: {:?}{}{} / {:?} / outbox {:?} / fp {} / {} / {}x{} / {} msgs +{} dup / faults: {} body, {} doomed, {} data error, {} lone outage, {} poison, {} oversized, {} abort-after-commit, {} timed, {} relay{}{}",
+            "seed {:>5}: {:?}{}{} / {:?} / outbox {:?} / fp {} / {} / {}x{} / {} msgs +{} dup / faults: {} body, {} doomed, {} data error, {} lone outage, {} poison, {} oversized, {} abort-after-commit, {} timed, {} relay, {} sigkill{}{}",
             self.seed,
             self.store,
             if self.cached { "+cache" } else { "" },
@@ -501,6 +561,7 @@ impl Config {
             self.schedule.abort_after_commit.len(),
             self.schedule.timed.len(),
             self.schedule.relay.len(),
+            self.schedule.sigkill.len(),
             if self.broker_restart() { ", broker restart" } else { "" },
             if self.db_restart() { ", db restart" } else { "" },
         )

@@ -66,8 +66,9 @@ pub enum Admin {
     },
     Lite {
         pool: SqlitePool,
-        /// Deleted with the configuration.
-        _dir: tempfile::TempDir,
+        /// Deleted with the configuration (`None` in a child consumer,
+        /// which attaches to the parent's file).
+        _dir: Option<tempfile::TempDir>,
     },
     Redis {
         conn: redis::aio::ConnectionManager,
@@ -118,6 +119,16 @@ pub struct Opened {
     pub pending: Option<Box<dyn Fn() -> BoxFut<'static, u64> + Send + Sync>>,
     /// Redis key prefix to clean up.
     pub redis_prefix: Option<String>,
+    /// The SQLite database's file, for a child consumer to attach to.
+    pub sqlite_path: Option<std::path::PathBuf>,
+}
+
+/// A child consumer (`child.rs`) attaches to the tables its parent
+/// created: nothing is created or migrated, the SQLite file is the
+/// parent's.
+#[derive(Debug, Clone)]
+pub struct Attach {
+    pub sqlite: Option<std::path::PathBuf>,
 }
 
 pub async fn pg_store_pool(
@@ -201,10 +212,11 @@ fn variant(cfg: &Config) -> Variant {
 
 const CACHE: usize = 10_000;
 
-/// Opens the store of `cfg`, its tables and its ledger.
 /// Opens the configuration's store (PostgreSQL at `pg_url`: the shared
-/// server or a private one).
-pub async fn open(cfg: &Config, name: &str, sink: Option<String>, pg_url: &str) -> Opened {
+/// server or a private one), its tables and its ledger; `attach`: the
+/// tables exist already (a child consumer's).
+pub async fn open(cfg: &Config, name: &str, sink: Option<String>, pg_url: &str, attach: Option<&Attach>) -> Opened {
+    let create = attach.is_none();
     let markers = format!("{name}_m");
     let outbox = format!("{name}_o");
     let effects = format!("{name}_e");
@@ -218,6 +230,7 @@ pub async fn open(cfg: &Config, name: &str, sink: Option<String>, pg_url: &str) 
     let mut pending: Option<Box<dyn Fn() -> BoxFut<'static, u64> + Send + Sync>> = None;
     let mut relay = None;
     let mut redis_prefix = None;
+    let mut sqlite_path = None;
     let (ledger, admin, batch): (Arc<dyn Ledger>, Admin, Option<BatchTarget>) = match cfg.store {
         StoreKind::Pg | StoreKind::PgPartitioned => {
             let backends = Arc::default();
@@ -234,11 +247,13 @@ pub async fn open(cfg: &Config, name: &str, sink: Option<String>, pg_url: &str) 
                 builder = builder.partitioned(Duration::from_secs(24 * 3600));
             }
             let store = builder.build().unwrap();
-            store.migrate().await.unwrap();
+            if create {
+                store.migrate().await.unwrap();
+            }
             // Each effect row records, at COMMIT (a deferred constraint
             // trigger fires there), the `synchronous_commit` its commit ran
             // with: invariant 5 made observable without a server crash.
-            for ddl in [
+            let ddls = [
                 format!("CREATE TABLE {effects} (message_id TEXT NOT NULL)"),
                 format!("CREATE TABLE {effects}_c (message_id TEXT NOT NULL, setting TEXT NOT NULL)"),
                 format!(
@@ -250,7 +265,8 @@ pub async fn open(cfg: &Config, name: &str, sink: Option<String>, pg_url: &str) 
                     "CREATE CONSTRAINT TRIGGER {effects}_t AFTER INSERT ON {effects} DEFERRABLE INITIALLY DEFERRED \
                      FOR EACH ROW EXECUTE FUNCTION {effects}_f()"
                 ),
-            ] {
+            ];
+            for ddl in ddls.into_iter().filter(|_| create) {
                 sqlx::query(AssertSqlSafe(ddl)).execute(&admin).await.unwrap();
             }
             let s = store.clone();
@@ -297,13 +313,15 @@ pub async fn open(cfg: &Config, name: &str, sink: Option<String>, pg_url: &str) 
                 .outbox_table(&outbox)
                 .build()
                 .unwrap();
-            store.migrate().await.unwrap();
-            sqlx::query(AssertSqlSafe(format!(
-                "CREATE TABLE `{effects}` (message_id VARCHAR(64) NOT NULL) ENGINE=InnoDB"
-            )))
-            .execute(&admin)
-            .await
-            .unwrap();
+            if create {
+                store.migrate().await.unwrap();
+                sqlx::query(AssertSqlSafe(format!(
+                    "CREATE TABLE `{effects}` (message_id VARCHAR(64) NOT NULL) ENGINE=InnoDB"
+                )))
+                .execute(&admin)
+                .await
+                .unwrap();
+            }
             let s = store.clone();
             pending = Some(Box::new(move || {
                 let s = s.clone();
@@ -337,8 +355,15 @@ pub async fn open(cfg: &Config, name: &str, sink: Option<String>, pg_url: &str) 
             )
         }
         StoreKind::Sqlite => {
-            let dir = tempfile::tempdir().unwrap();
-            let path = dir.path().join("checker.db");
+            let (dir, path) = match attach.and_then(|a| a.sqlite.clone()) {
+                Some(path) => (None, path),
+                None => {
+                    let dir = tempfile::tempdir().unwrap();
+                    let path = dir.path().join("checker.db");
+                    (Some(dir), path)
+                }
+            };
+            sqlite_path = Some(path.clone());
             let wal = cfg.settings.sqlite_journal == common::settings::LITE_WAL;
             let pool = lite_pool(&path, wal).await;
             let store = SqliteStore::builder(pool.clone())
@@ -346,13 +371,15 @@ pub async fn open(cfg: &Config, name: &str, sink: Option<String>, pg_url: &str) 
                 .outbox_table(&outbox)
                 .build()
                 .unwrap();
-            store.migrate().await.unwrap();
-            sqlx::query(AssertSqlSafe(format!(
-                "CREATE TABLE {effects} (message_id TEXT NOT NULL)"
-            )))
-            .execute(&pool)
-            .await
-            .unwrap();
+            if create {
+                store.migrate().await.unwrap();
+                sqlx::query(AssertSqlSafe(format!(
+                    "CREATE TABLE {effects} (message_id TEXT NOT NULL)"
+                )))
+                .execute(&pool)
+                .await
+                .unwrap();
+            }
             let s = store.clone();
             pending = Some(Box::new(move || {
                 let s = s.clone();
@@ -384,7 +411,14 @@ pub async fn open(cfg: &Config, name: &str, sink: Option<String>, pg_url: &str) 
             let conn = redis::aio::ConnectionManager::new(client).await.expect("Redis");
             let prefix = format!("{name}:");
             redis_prefix = Some(prefix.clone());
-            let store = RedisStore::builder(conn.clone()).prefix(prefix).build().unwrap();
+            let store = RedisStore::builder(conn.clone())
+                .prefix(prefix.clone())
+                .build()
+                .unwrap();
+            let _ = ctx.redis_effects.set(RedisEffects {
+                conn: conn.clone(),
+                key: format!("{prefix}effects"),
+            });
             let ledger: Arc<dyn Ledger> = if cfg.cached {
                 Arc::new(RedisCachedLedger {
                     store: CachedStore::new(store, CACHE),
@@ -421,10 +455,32 @@ pub async fn open(cfg: &Config, name: &str, sink: Option<String>, pg_url: &str) 
         effects,
         pending,
         redis_prefix,
+        sqlite_path,
     }
 }
 
 impl Opened {
+    /// The Redis store's effects hash (see `Ctx::redis_effects`).
+    fn redis_effects_key(&self) -> String {
+        format!("{}effects", self.redis_prefix.as_deref().unwrap_or_default())
+    }
+
+    /// Lease-store effects made again for an id that had one.
+    pub async fn reapplied(&self) -> u64 {
+        match &self.admin {
+            Admin::Redis { conn } => {
+                let mut conn = conn.clone();
+                let n: Option<u64> = redis::cmd("GET")
+                    .arg(format!("{}:again", self.redis_effects_key()))
+                    .query_async(&mut conn)
+                    .await
+                    .unwrap();
+                n.unwrap_or(0)
+            }
+            _ => self.ledger.ctx().reapplied.load(Ordering::SeqCst),
+        }
+    }
+
     /// Effects per message id.
     pub async fn effects(&self) -> HashMap<String, i64> {
         let sql = format!("SELECT message_id, COUNT(*) FROM {} GROUP BY message_id", self.effects);
@@ -447,7 +503,15 @@ impl Opened {
                 .unwrap()
                 .into_iter()
                 .collect(),
-            Admin::Redis { .. } | Admin::Memory => self.ledger.ctx().mem_effects.lock().unwrap().clone(),
+            Admin::Redis { conn } => {
+                let mut conn = conn.clone();
+                redis::cmd("HGETALL")
+                    .arg(self.redis_effects_key())
+                    .query_async(&mut conn)
+                    .await
+                    .unwrap()
+            }
+            Admin::Memory => self.ledger.ctx().mem_effects.lock().unwrap().clone(),
         }
     }
 
@@ -486,7 +550,17 @@ impl Opened {
                 .fetch_one(pool)
                 .await
                 .unwrap_or(1),
-            Admin::Redis { .. } | Admin::Memory => self
+            Admin::Redis { conn } => {
+                let mut conn = conn.clone();
+                let n: Option<i64> = redis::cmd("HGET")
+                    .arg(self.redis_effects_key())
+                    .arg(id)
+                    .query_async(&mut conn)
+                    .await
+                    .unwrap_or(Some(1));
+                n.unwrap_or(0)
+            }
+            Admin::Memory => self
                 .ledger
                 .ctx()
                 .mem_effects
@@ -528,7 +602,17 @@ impl Opened {
                 };
                 sqlx::query(AssertSqlSafe(sql)).bind(id).execute(pool).await.unwrap();
             }
-            Admin::Redis { .. } | Admin::Memory => {
+            Admin::Redis { conn } => {
+                let mut conn = conn.clone();
+                let _: i64 = redis::cmd("HINCRBY")
+                    .arg(self.redis_effects_key())
+                    .arg(id)
+                    .arg(if delete { -1 } else { 1 })
+                    .query_async(&mut conn)
+                    .await
+                    .unwrap();
+            }
+            Admin::Memory => {
                 let ctx = self.ledger.ctx();
                 let mut effects = ctx.mem_effects.lock().unwrap();
                 let n = effects.entry(id.to_owned()).or_default();

@@ -6,14 +6,16 @@
 //! in the marker's transaction (no unique constraint: a double effect shows
 //! as two rows), and the injected body fault comes after it (so a rollback
 //! must undo it). On Redis and the memory store, which cannot join a
-//! transaction, the effect is a per-id count in this process, made after
-//! the fault (the README's "idempotent by design" effect).
+//! transaction, the effect is a per-id mark made after the fault (the
+//! README's "idempotent by design" effect): a field of a Redis hash
+//! (`HSETNX`) with the Redis store, so that a child consumer's effects
+//! count too, a map in this process with the memory store.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use idempotent_runtime::outbox::{Outbox, Outgoing};
 use idempotent_runtime::sqlx::{self, AssertSqlSafe};
@@ -55,6 +57,18 @@ pub fn classify(error: &AppError) -> idempotent_runtime::broker::Verdict {
     }
 }
 
+/// Where the Redis store's effects are recorded.
+pub struct RedisEffects {
+    pub conn: idempotent_runtime::redis::aio::ConnectionManager,
+    pub key: String,
+}
+
+impl std::fmt::Debug for RedisEffects {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "RedisEffects({})", self.key)
+    }
+}
+
 /// What the handlers share: the fault schedule and the in-process effects.
 #[derive(Debug)]
 pub struct Ctx {
@@ -65,8 +79,12 @@ pub struct Ctx {
     doomed: HashSet<String>,
     data_error: HashSet<String>,
     lone_outage: HashSet<String>,
-    /// Effects of the lease stores (Redis, memory), per id.
+    /// Effects of the memory store, per id.
     pub mem_effects: Mutex<HashMap<String, i64>>,
+    /// The Redis store's effects: a hash (`HSETNX` per id), and a counter
+    /// of effects made again (key `<hash>:again`), shared with child
+    /// consumers.
+    pub redis_effects: OnceLock<RedisEffects>,
     /// Lease-store effects made again for an id that had one.
     pub reapplied: AtomicU64,
     pub fired_errors: AtomicU64,
@@ -75,6 +93,14 @@ pub struct Ctx {
     pub fired_swallows: AtomicU64,
     pub fired_data_errors: AtomicU64,
     pub fired_outages: AtomicU64,
+    /// In a child consumer (`child.rs`): its handler calls so far.
+    pub child_calls: AtomicU64,
+    /// In a child consumer killed mid-body: the body hangs (after its
+    /// effect) once the child made this many handler calls; `u64::MAX`
+    /// never.
+    pub hang_body_after: AtomicU64,
+    /// The child's kill point was reached (it fires once).
+    pub kill_point_reached: AtomicBool,
 }
 
 impl Ctx {
@@ -93,6 +119,7 @@ impl Ctx {
             data_error: cfg.schedule.data_error.iter().cloned().collect(),
             lone_outage: cfg.schedule.lone_outage.iter().cloned().collect(),
             mem_effects: Mutex::default(),
+            redis_effects: OnceLock::new(),
             reapplied: AtomicU64::new(0),
             fired_errors: AtomicU64::new(0),
             fired_panics: AtomicU64::new(0),
@@ -100,6 +127,25 @@ impl Ctx {
             fired_swallows: AtomicU64::new(0),
             fired_data_errors: AtomicU64::new(0),
             fired_outages: AtomicU64::new(0),
+            child_calls: AtomicU64::new(0),
+            hang_body_after: AtomicU64::new(u64::MAX),
+            kill_point_reached: AtomicBool::new(false),
+        }
+    }
+
+    /// Whether a child consumer that made `after` handler calls or more
+    /// reaches its kill point now (true once).
+    pub fn reach_kill_point(&self, after: u64) -> bool {
+        self.child_calls.load(Ordering::SeqCst) >= after && !self.kill_point_reached.swap(true, Ordering::SeqCst)
+    }
+
+    /// In a child consumer killed mid-body: tells the parent and hangs
+    /// until the SIGKILL (the body's transaction open, its effect written).
+    async fn hang_mid_body(&self, id: &str) {
+        let after = self.hang_body_after.load(Ordering::SeqCst);
+        if after != u64::MAX && self.reach_kill_point(after) {
+            super::child::kill_point("mid-body", id);
+            std::future::pending::<()>().await;
         }
     }
 
@@ -150,6 +196,26 @@ impl Ctx {
     async fn mem_body(&self, msg: &Msg, ran: &AtomicBool, fault: Option<BodyFault>) -> Result<(), AppError> {
         ran.store(true, Ordering::SeqCst);
         self.fault(&msg.id, fault).await?;
+        if let Some(RedisEffects { conn, key }) = self.redis_effects.get() {
+            use idempotent_runtime::redis;
+            let mut conn = conn.clone();
+            let fresh: bool = redis::cmd("HSETNX")
+                .arg(key)
+                .arg(&msg.id)
+                .arg(1)
+                .query_async(&mut conn)
+                .await
+                .map_err(|e| AppError::Failed(format!("checker: the effect of {}: {e}", msg.id)))?;
+            if !fresh {
+                let _: Result<i64, _> = redis::cmd("INCR")
+                    .arg(format!("{key}:again"))
+                    .query_async(&mut conn)
+                    .await;
+            }
+            // A child killed mid-body: the effect made, the lease held.
+            self.hang_mid_body(&msg.id).await;
+            return Ok(());
+        }
         let mut effects = self.mem_effects.lock().unwrap();
         let n = effects.entry(msg.id.clone()).or_default();
         if *n > 0 {
@@ -211,6 +277,7 @@ macro_rules! tx_ledger {
                 if let Some(outbox) = outbox {
                     self.ctx.stage(msg, outbox);
                 }
+                self.ctx.hang_mid_body(&msg.id).await;
                 if fault == Some(BodyFault::Swallow) {
                     self.ctx.fired_swallows.fetch_add(1, Ordering::SeqCst);
                     // Fails on every database; aborts a PostgreSQL transaction.

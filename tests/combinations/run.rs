@@ -17,8 +17,9 @@ use tokio::sync::{Notify, mpsc};
 use tokio::task::JoinHandle;
 
 use super::brokers::{Endpoints, Sink, Source};
+use super::child::{self, ChildConsumer, ChildPlan};
 use super::common;
-use super::config::{BodyFault, BrokerKind, Config, FaultKind, RelayKill, TimedFault};
+use super::config::{BodyFault, BrokerKind, Config, FaultKind, KillPhase, RelayKill, TimedFault};
 use super::db::{self, BatchTarget, Opened, RelayDb};
 use super::handlers::{self, AppError, Msg};
 
@@ -137,6 +138,16 @@ pub struct Report {
     pub faults: BTreeMap<FaultKind, u64>,
     pub violations: Vec<String>,
     pub elapsed: Duration,
+    /// Where each consumer SIGKILL landed.
+    pub sigkill_phases: BTreeMap<&'static str, u64>,
+    /// How long after a SIGKILL the messages its child held were handled
+    /// again in this process.
+    pub redelivery: Vec<Duration>,
+    /// How long after a SIGKILL they were handled with `Ok` here.
+    pub settled: Vec<Duration>,
+    /// Messages a killed child held that this process never saw again
+    /// (another copy of them, or a later child, settled them).
+    pub not_seen_again: u64,
 }
 
 impl Report {
@@ -160,11 +171,23 @@ struct Shared {
     abort_tx: mpsc::UnboundedSender<usize>,
     early: Mutex<Vec<String>>,
     wrong_replay: Mutex<Vec<String>>,
+    /// Messages a SIGKILLed child held, and when it was killed.
+    redelivery_watch: Mutex<HashMap<String, Instant>>,
+    redelivered: Mutex<Vec<Duration>>,
+    /// The same messages once handled again here, until a handler
+    /// returns `Ok` for them.
+    settle_watch: Mutex<HashMap<String, Instant>>,
+    settled: Mutex<Vec<Duration>>,
 }
 
 async fn handle(sh: Arc<Shared>, instance: usize, msg: Msg) -> Result<(), AppError> {
     sh.calls.fetch_add(1, Ordering::SeqCst);
     *sh.last_call.lock().unwrap() = Instant::now();
+    let killed = sh.redelivery_watch.lock().unwrap().remove(&msg.id);
+    if let Some(killed) = killed {
+        sh.redelivered.lock().unwrap().push(killed.elapsed());
+        sh.settle_watch.lock().unwrap().insert(msg.id.clone(), killed);
+    }
     let ledger = &sh.opened.ledger;
     let ran = AtomicBool::new(false);
     let fault = ledger.ctx().take_fault(&msg.id);
@@ -187,6 +210,10 @@ async fn handle(sh: Arc<Shared>, instance: usize, msg: Msg) -> Result<(), AppErr
         sh.early.lock().unwrap().push(msg.id.clone());
     }
     *sh.last_call.lock().unwrap() = Instant::now();
+    let killed = sh.settle_watch.lock().unwrap().remove(&msg.id);
+    if let Some(killed) = killed {
+        sh.settled.lock().unwrap().push(killed.elapsed());
+    }
     let abort = sh.abort_after_commit.lock().unwrap().remove(&msg.id);
     if abort {
         let _ = sh.abort_tx.send(instance);
@@ -195,7 +222,11 @@ async fn handle(sh: Arc<Shared>, instance: usize, msg: Msg) -> Result<(), AppErr
     Ok(())
 }
 
-fn with_batch<B>(builder: ConsumerBuilder<B>, target: &Option<BatchTarget>, max: Option<usize>) -> ConsumerBuilder<B> {
+pub fn with_batch<B>(
+    builder: ConsumerBuilder<B>,
+    target: &Option<BatchTarget>,
+    max: Option<usize>,
+) -> ConsumerBuilder<B> {
     let (Some(target), Some(max)) = (target, max) else {
         return builder;
     };
@@ -207,24 +238,34 @@ fn with_batch<B>(builder: ConsumerBuilder<B>, target: &Option<BatchTarget>, max:
     builder.batch_wait(Duration::from_millis(5))
 }
 
-type Instance = (JoinHandle<()>, CancellationToken);
+/// The consumers' prefetch (in-process and child).
+pub fn prefetch(cfg: &Config) -> usize {
+    (cfg.concurrency * cfg.batch.unwrap_or(4)).max(16)
+}
 
-fn spawn_instance<B: Broker>(builder: ConsumerBuilder<B>, sh: &Arc<Shared>, i: usize) -> Instance {
-    let builder = if sh.size_limit {
+/// The options every consumer of a configuration gets, in this process or
+/// in a child.
+pub fn configure<B: Broker>(builder: ConsumerBuilder<B>, size_limit: bool, lone_outages: bool) -> ConsumerBuilder<B> {
+    let builder = if size_limit {
         builder.max_body_bytes(MAX_BODY_BYTES)
     } else {
         builder
     };
     // With lone outages the end of a run has no other message to prove the
     // dependencies up: in-place retries are bounded there.
-    let builder = if sh.lone_outages {
+    if lone_outages {
         builder
             .outage_backoff(Backoff::new(Duration::from_millis(50), Duration::from_millis(400)))
             .max_outage_retries(3)
     } else {
         builder
-    };
-    let consumer = builder
+    }
+}
+
+type Instance = (JoinHandle<()>, CancellationToken);
+
+fn spawn_instance<B: Broker>(builder: ConsumerBuilder<B>, sh: &Arc<Shared>, i: usize) -> Instance {
+    let consumer = configure(builder, sh.size_limit, sh.lone_outages)
         .classify(handlers::classify)
         .build()
         .expect("consumer configuration");
@@ -254,6 +295,59 @@ struct Fired {
     setting_changes: u64,
     broker_restarts: u64,
     db_restarts: u64,
+    sigkills: u64,
+    sigkill_phases: BTreeMap<&'static str, u64>,
+}
+
+impl Fired {
+    /// A consumer died in the run (aborted or SIGKILLed).
+    fn died(&self) -> bool {
+        self.consumer_kills + self.aborts_after_commit + self.sigkills > 0
+    }
+}
+
+/// SIGKILLs a child consumer, and notes what it held (its redelivery is
+/// timed).
+async fn sigkill_child(
+    mut child: ChildConsumer,
+    landed: &'static str,
+    held: Option<&str>,
+    sh: &Shared,
+    fired: &mut Fired,
+    violations: &mut Vec<String>,
+) {
+    let killed = Instant::now();
+    if child.sigkill().await.is_none() {
+        violations.push("hung: a SIGKILLed child consumer was not reaped within 10 s".into());
+    }
+    // What it wrote before it died and was not read yet: the handlers
+    // that returned (not held), its too-early answers and wrong replays.
+    while let Ok(event) = tokio::time::timeout(Duration::from_secs(2), child.next_event()).await {
+        match event {
+            child::Event::Call(id) => {
+                child.in_flight.insert(id);
+            }
+            child::Event::Done(id) => {
+                child.in_flight.remove(&id);
+            }
+            child::Event::Early(id) => sh.early.lock().unwrap().push(format!("{id} (child)")),
+            child::Event::Wrong(what) => sh.wrong_replay.lock().unwrap().push(what),
+            child::Event::Closed => break,
+            child::Event::Ready | child::Event::KillPoint(..) | child::Event::Other(_) => {}
+        }
+    }
+    fired.sigkills += 1;
+    *fired.sigkill_phases.entry(landed).or_default() += 1;
+    let mut watch = sh.redelivery_watch.lock().unwrap();
+    for id in child
+        .in_flight
+        .iter()
+        .map(String::as_str)
+        .chain(held)
+        .filter(|id| *id != "-")
+    {
+        watch.insert(id.to_owned(), killed);
+    }
 }
 
 /// The private servers of a configuration with restarts (`broker-restart`:
@@ -349,13 +443,24 @@ async fn drive<B: Broker>(
     mut abort_rx: mpsc::UnboundedReceiver<usize>,
     fired: &mut Fired,
     private: &Private,
+    children: &ChildPlan,
     violations: &mut Vec<String>,
 ) -> u64 {
     let start = Instant::now();
     let mut instances: Vec<Instance> = (0..cfg.consumers).map(|i| spawn_instance(make(), sh, i)).collect();
     let mut timed = cfg.schedule.timed.iter().peekable();
+    let mut sigkills = cfg.schedule.sigkill.iter().peekable();
+    let mut joined: Option<ChildConsumer> = None;
+    let batched = cfg.batch.is_some();
     let mut kill_rotation = 0usize;
     loop {
+        let tick = joined
+            .as_ref()
+            .and_then(|c| c.kill_at)
+            .map_or(Duration::from_millis(50), |at| {
+                at.saturating_duration_since(Instant::now())
+                    .min(Duration::from_millis(50))
+            });
         tokio::select! {
             Some(i) = abort_rx.recv() => {
                 instances[i].0.abort();
@@ -363,9 +468,73 @@ async fn drive<B: Broker>(
                 fired.aborts_after_commit += 1;
                 instances[i] = spawn_instance(make(), sh, i);
             }
-            _ = tokio::time::sleep(Duration::from_millis(50)) => {}
+            event = child::next_event(&mut joined) => {
+                let Some(c) = joined.as_mut() else { continue };
+                match event {
+                    child::Event::Call(id) => {
+                        c.calls += 1;
+                        c.in_flight.insert(id);
+                        *sh.last_call.lock().unwrap() = Instant::now();
+                        if let KillPhase::Timed(ms) = c.kill.phase
+                            && c.calls >= c.kill.after
+                            && c.kill_at.is_none()
+                        {
+                            c.kill_at = Some(Instant::now() + Duration::from_millis(ms));
+                        }
+                    }
+                    child::Event::Done(id) => {
+                        c.in_flight.remove(&id);
+                        *sh.last_call.lock().unwrap() = Instant::now();
+                    }
+                    child::Event::KillPoint(phase, id) => {
+                        if let Some(c) = joined.take() {
+                            let landed = child::landed(&phase, batched);
+                            sigkill_child(c, landed, Some(&id), sh, fired, violations).await;
+                        }
+                    }
+                    child::Event::Early(id) => sh.early.lock().unwrap().push(format!("{id} (child)")),
+                    child::Event::Wrong(what) => sh.wrong_replay.lock().unwrap().push(what),
+                    child::Event::Ready => {}
+                    child::Event::Other(what) => {
+                        eprintln!("checker: a child consumer says {what:?}");
+                        c.last_said = Some(what);
+                    }
+                    child::Event::Closed => {
+                        let status = c.exited();
+                        violations.push(format!(
+                            "a child consumer exited before its SIGKILL ({status:?}, after {} calls in {:?}; it said {:?})",
+                            c.calls,
+                            c.spawned.elapsed(),
+                            c.last_said
+                        ));
+                        joined = None;
+                    }
+                }
+            }
+            _ = tokio::time::sleep(tick) => {}
+        }
+        if joined
+            .as_ref()
+            .and_then(|c| c.kill_at)
+            .is_some_and(|at| at <= Instant::now())
+            && let Some(c) = joined.take()
+        {
+            let landed = if c.in_flight.is_empty() {
+                "timed (no handler running)"
+            } else {
+                "timed (handlers running)"
+            };
+            sigkill_child(c, landed, None, sh, fired, violations).await;
         }
         let calls = sh.calls.load(Ordering::SeqCst);
+        if joined.is_none()
+            && let Some(kill) = sigkills.next_if(|k| calls >= k.at)
+        {
+            match ChildConsumer::spawn(&children.spec(*kill, &sh.opened)) {
+                Ok(c) => joined = Some(c),
+                Err(err) => violations.push(format!("a child consumer did not start: {err}")),
+            }
+        }
         while let Some((at, fault)) = timed.peek() {
             if calls < *at {
                 break;
@@ -404,11 +573,15 @@ async fn drive<B: Broker>(
             timed.next();
         }
         let quiet = sh.last_call.lock().unwrap().elapsed() > QUIET;
-        let timed_done = timed.peek().is_none();
+        let timed_done = timed.peek().is_none() && sigkills.peek().is_none();
         let backlog = bounded("read of the broker's backlog", violations, source.backlog())
             .await
             .unwrap_or(u64::MAX);
         if quiet && (timed_done || start.elapsed() > deadline() / 2) && backlog == 0 {
+            // A child that never reached its kill point is killed now.
+            if let Some(c) = joined.take() {
+                sigkill_child(c, "at the drain (kill point not reached)", None, sh, fired, violations).await;
+            }
             // Stop every instance; anything they held goes back.
             for (task, token) in &instances {
                 token.cancel();
@@ -430,6 +603,9 @@ async fn drive<B: Broker>(
             *sh.last_call.lock().unwrap() = Instant::now();
         }
         if start.elapsed() > deadline() {
+            if let Some(c) = joined.take() {
+                sigkill_child(c, "at the deadline", None, sh, fired, violations).await;
+            }
             for (task, token) in instances.drain(..) {
                 token.cancel();
                 task.abort();
@@ -676,7 +852,7 @@ pub async fn run(cfg: &Config, sabotage: Option<Sabotage>) -> Report {
         Some(kind) => Some(Sink::setup(kind, &name, &at).await),
         None => None,
     };
-    let opened = Arc::new(db::open(cfg, &name, sink.as_ref().map(Sink::destination), &at.pg).await);
+    let opened = Arc::new(db::open(cfg, &name, sink.as_ref().map(Sink::destination), &at.pg, None).await);
     let mut violations = Vec::new();
 
     // The relay.
@@ -747,9 +923,21 @@ pub async fn run(cfg: &Config, sabotage: Option<Sabotage>) -> Report {
         abort_tx,
         early: Mutex::default(),
         wrong_replay: Mutex::default(),
+        redelivery_watch: Mutex::default(),
+        redelivered: Mutex::default(),
+        settle_watch: Mutex::default(),
+        settled: Mutex::default(),
     });
+    let children = ChildPlan::new(
+        cfg,
+        &name,
+        &at,
+        opened.sqlite_path.clone(),
+        sink.as_ref().map(Sink::destination),
+        sabotage != Some(Sabotage::Unlimited),
+    );
     let mut fired = Fired::default();
-    let prefetch = (cfg.concurrency * cfg.batch.unwrap_or(4)).max(16);
+    let prefetch = prefetch(cfg);
     let batch = opened.batch.clone();
     let left = match cfg.broker {
         BrokerKind::Rabbit => {
@@ -766,6 +954,7 @@ pub async fn run(cfg: &Config, sabotage: Option<Sabotage>) -> Report {
                 abort_rx,
                 &mut fired,
                 &private,
+                &children,
                 &mut violations,
             )
             .await
@@ -784,6 +973,7 @@ pub async fn run(cfg: &Config, sabotage: Option<Sabotage>) -> Report {
                 abort_rx,
                 &mut fired,
                 &private,
+                &children,
                 &mut violations,
             )
             .await
@@ -802,6 +992,7 @@ pub async fn run(cfg: &Config, sabotage: Option<Sabotage>) -> Report {
                 abort_rx,
                 &mut fired,
                 &private,
+                &children,
                 &mut violations,
             )
             .await
@@ -918,7 +1109,7 @@ pub async fn run(cfg: &Config, sabotage: Option<Sabotage>) -> Report {
         violations.push(format!("{left} messages left unsettled on the broker after the drain"));
     }
     let poison_again = poison_dead.values().sum::<u64>() - poison_dead.len() as u64;
-    if poison_again > 0 && fired.consumer_kills + fired.aborts_after_commit == 0 {
+    if poison_again > 0 && !fired.died() {
         violations.push(format!(
             "{poison_again} poison bodies dead-lettered again though no consumer died"
         ));
@@ -930,7 +1121,7 @@ pub async fn run(cfg: &Config, sabotage: Option<Sabotage>) -> Report {
             poison_dead.len()
         ));
     }
-    let died = fired.consumer_kills + fired.aborts_after_commit > 0;
+    let died = fired.died();
     // Oversized bodies: dead-lettered as poison (once, unless a consumer
     // died), never applied (an effect is caught below as never published).
     for id in &oversized {
@@ -988,7 +1179,7 @@ pub async fn run(cfg: &Config, sabotage: Option<Sabotage>) -> Report {
         // letter was stored and before the original was acknowledged, and
         // the redelivery was dead-lettered again (at least once). Without a
         // death it is a violation.
-        if d > *published && fired.consumer_kills + fired.aborts_after_commit == 0 {
+        if d > *published && !died {
             violations.push(format!(
                 "{id}: published {published} times, dead-lettered {d} times, though no consumer died"
             ));
@@ -1033,8 +1224,10 @@ pub async fn run(cfg: &Config, sabotage: Option<Sabotage>) -> Report {
         ));
     }
     let ctx = opened.ledger.ctx();
-    counts.reapplied = ctx.reapplied.load(Ordering::SeqCst);
-    if counts.reapplied > 0 && fired.consumer_kills + fired.aborts_after_commit == 0 {
+    counts.reapplied = bounded("read of the effects made again", &mut violations, opened.reapplied())
+        .await
+        .unwrap_or_default();
+    if counts.reapplied > 0 && !died {
         violations.push(format!(
             "a lease store's effect made {} more time(s) with no consumer killed",
             counts.reapplied
@@ -1116,6 +1309,7 @@ pub async fn run(cfg: &Config, sabotage: Option<Sabotage>) -> Report {
     faults.insert(FaultKind::Doomed, cfg.schedule.doomed.len() as u64);
     faults.insert(FaultKind::ConsumerKill, fired.consumer_kills);
     faults.insert(FaultKind::AbortAfterCommit, fired.aborts_after_commit);
+    faults.insert(FaultKind::ConsumerSigkill, fired.sigkills);
     faults.insert(FaultKind::DbKill, fired.db_kills);
     faults.insert(FaultKind::SettingChange, fired.setting_changes);
     faults.insert(FaultKind::BrokerRestart, fired.broker_restarts);
@@ -1124,6 +1318,10 @@ pub async fn run(cfg: &Config, sabotage: Option<Sabotage>) -> Report {
         faults.insert(*k, *v);
     }
     faults.retain(|_, v| *v > 0);
+
+    let redelivery = sh.redelivered.lock().unwrap().clone();
+    let settled = sh.settled.lock().unwrap().clone();
+    let not_seen_again = sh.redelivery_watch.lock().unwrap().len() as u64;
 
     // Clean up.
     drop(sh);
@@ -1141,5 +1339,9 @@ pub async fn run(cfg: &Config, sabotage: Option<Sabotage>) -> Report {
         faults,
         violations,
         elapsed: started.elapsed(),
+        sigkill_phases: fired.sigkill_phases,
+        redelivery,
+        settled,
+        not_seen_again,
     }
 }
