@@ -592,6 +592,9 @@ pub async fn an_outage_of_one_message_spends_attempts_once_others_are_processed<
         },
         shutdown.clone(),
     ));
+    // The consumer holds "stuck" before the duplicates come (a Kafka
+    // consumer joins its group first, which takes seconds).
+    wait_until("the stuck message", || stats.snapshot().received >= 1).await;
     // Distinct broker-level ids: JetStream would drop a republished id.
     for i in 0..10 {
         fx.publish(&payment("own-dup"), &format!("own-dup-{i}")).await;
@@ -1263,7 +1266,7 @@ mod jetstream {
     }
 }
 
-mod kafka {
+mod tansu {
     use std::sync::atomic::AtomicI32;
 
     use idempotent_runtime::kafka::{Kafka, KafkaConsumer};
@@ -1438,4 +1441,4 @@ mod streams {
 conformance!(rabbitmq, super::rabbit::RabbitFixture);
 conformance!(nats, super::jetstream::NatsFixture);
 conformance!(redis_streams, super::streams::RedisFixture);
-conformance!(kafka, super::kafka::KafkaFixture);
+conformance!(kafka, super::tansu::KafkaFixture);
