@@ -126,8 +126,11 @@ async fn partitions_run_concurrently_and_each_in_order_with_retries_holding_thei
     .await
     .expect("stops once idle")
     .unwrap();
-    let seen = seen.lock().unwrap();
-    assert!(!seen.overlapped_in_partition, "two records of one partition ran at once");
+    let seen = std::mem::take(&mut *seen.lock().unwrap());
+    assert!(
+        !seen.overlapped_in_partition,
+        "two records of one partition ran at once"
+    );
     for partition in 0..PARTITIONS {
         // Each record once, but a failed one twice in a row (its retry
         // comes before the next record).
@@ -142,7 +145,11 @@ async fn partitions_run_concurrently_and_each_in_order_with_retries_holding_thei
         seen.most_running
     );
     let records = u64::from(PER_PARTITION) * PARTITIONS as u64;
-    assert_eq!((stats.acked, stats.retried, stats.dead_lettered), (records, 12, 0), "{stats:?}");
+    assert_eq!(
+        (stats.acked, stats.retried, stats.dead_lettered),
+        (records, 12, 0),
+        "{stats:?}"
+    );
     let committed = kafka.committed("order", &topic).await;
     assert_eq!(committed, vec![Some(i64::from(PER_PARTITION)); PARTITIONS as usize]);
 }
@@ -167,7 +174,11 @@ async fn the_committed_offset_never_passes_an_unfinished_record() {
     let release = Arc::new(tokio::sync::Semaphore::new(0));
     let slow_started = Arc::new(AtomicUsize::new(0));
     let done: Arc<Mutex<Vec<String>>> = Arc::default();
-    let consumer = builder(&kafka, &topic, group).concurrency(4).commit_every(3).build().unwrap();
+    let consumer = builder(&kafka, &topic, group)
+        .concurrency(4)
+        .commit_every(3)
+        .build()
+        .unwrap();
     let stats = consumer.stats();
     let shutdown = CancellationToken::new();
     let (handler_release, handler_slow, handler_done) =
@@ -213,7 +224,9 @@ async fn the_committed_offset_never_passes_an_unfinished_record() {
     assert_eq!(kafka.committed(group, &topic).await, vec![Some(5), Some(10)]);
     let finished = done.lock().unwrap().clone();
     assert!(
-        !finished.iter().any(|id| ["p0-5", "p0-6", "p0-7", "p0-8", "p0-9", "p0-10"].contains(&id.as_str())),
+        !finished
+            .iter()
+            .any(|id| ["p0-5", "p0-6", "p0-7", "p0-8", "p0-9", "p0-10"].contains(&id.as_str())),
         "records after the slow one did not start: {finished:?}"
     );
     assert_eq!(stats.snapshot().acked, 15);
@@ -221,7 +234,10 @@ async fn the_committed_offset_never_passes_an_unfinished_record() {
     wait_until("every record", || stats.snapshot().acked == 21).await;
     let deadline = tokio::time::Instant::now() + WAIT;
     while kafka.committed(group, &topic).await != vec![Some(11), Some(10)] {
-        assert!(tokio::time::Instant::now() < deadline, "partition 0 never committed to its end");
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "partition 0 never committed to its end"
+        );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     shutdown.cancel();
@@ -239,7 +255,13 @@ async fn poison_and_exhausted_records_go_to_the_dead_letter_topic_with_their_key
         .produce(&topic, Some(0), Some("k-poison"), b"{not json", &[("trace", "t-1")])
         .await;
     kafka
-        .produce(&topic, Some(0), Some("k-fail"), &step(0, 1), &[("message_id", "m-fail")])
+        .produce(
+            &topic,
+            Some(0),
+            Some("k-fail"),
+            &step(0, 1),
+            &[("message_id", "m-fail")],
+        )
         .await;
     kafka.produce(&topic, Some(0), Some("k-ok"), &step(0, 2), &[]).await;
     let attempts: Arc<Mutex<Vec<u32>>> = Arc::default();
@@ -285,7 +307,13 @@ async fn poison_and_exhausted_records_go_to_the_dead_letter_topic_with_their_key
     assert_eq!(poison.headers[HEADER_ATTEMPTS], "0");
     assert_eq!(poison.headers["trace"], "t-1", "the record's own headers are kept");
     assert_eq!(poison.headers[HEADER_TOPIC], topic);
-    assert_eq!((poison.headers[HEADER_PARTITION].as_str(), poison.headers[HEADER_OFFSET].as_str()), ("0", "0"));
+    assert_eq!(
+        (
+            poison.headers[HEADER_PARTITION].as_str(),
+            poison.headers[HEADER_OFFSET].as_str()
+        ),
+        ("0", "0")
+    );
     assert_eq!(poison.headers[HEADER_SOURCE], format!("{topic}/dlq"));
     let failed = &dead[1];
     assert_eq!(failed.key.as_deref(), Some("k-fail"));
@@ -310,11 +338,22 @@ async fn a_missing_topic_is_a_configuration_error() {
             .unwrap()
             .run(|_: Step| async { Ok::<(), String>(()) }, CancellationToken::new())
     };
-    let err = tokio::time::timeout(WAIT, run(&missing)).await.unwrap().unwrap_err().to_string();
+    let err = tokio::time::timeout(WAIT, run(&missing))
+        .await
+        .unwrap()
+        .unwrap_err()
+        .to_string();
     assert!(err.contains(&format!("the topic `{missing}` does not exist")), "{err}");
     // The default dead-letter topic, `<topic>.dlq`, was not created.
-    let err = tokio::time::timeout(WAIT, run(&topic)).await.unwrap().unwrap_err().to_string();
-    assert!(err.contains(&format!("dead-letter topic `{topic}.dlq` does not exist")), "{err}");
+    let err = tokio::time::timeout(WAIT, run(&topic))
+        .await
+        .unwrap()
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains(&format!("dead-letter topic `{topic}.dlq` does not exist")),
+        "{err}"
+    );
     let auto = builder(&kafka, &topic, "g")
         .client_config("enable.auto.commit", "true")
         .build()
@@ -403,7 +442,10 @@ async fn members_joining_and_leaving_mid_stream_hand_partitions_over_after_their
     shutdown_b.cancel();
     let b = run_b.await.unwrap().unwrap();
     let effects = ledger.effects.lock().unwrap().clone();
-    assert!(effects.values().all(|&n| n == 1), "an effect applied twice: {effects:?}");
+    assert!(
+        effects.values().all(|&n| n == 1),
+        "an effect applied twice: {effects:?}"
+    );
     let calls = ledger.calls.lock().unwrap().clone();
     let twice: Vec<(&String, &u32)> = calls.iter().filter(|(_, n)| **n > 1).collect();
     assert!(
@@ -443,7 +485,11 @@ async fn tansu_reports_a_batch_s_high_watermark_as_its_first_record_s() {
     kafka.produce_batch(&topic, 0, &batch).await;
     let records = kafka.read_all(&topic).await;
     let offsets: Vec<i64> = records.iter().map(|r| r.offset).collect();
-    assert_eq!(offsets, (0..21).collect::<Vec<i64>>(), "every record stored, each at its offset");
+    assert_eq!(
+        offsets,
+        (0..21).collect::<Vec<i64>>(),
+        "every record stored, each at its offset"
+    );
     let high = kafka.high_watermarks(&topic).await[0];
     assert!(
         high < 21,
@@ -487,11 +533,15 @@ async fn a_chain_kafka_handler_outbox_kafka_forwards_each_record_once() {
     kafka.create_topic(&format!("{input}.dlq"), 1).await;
     kafka.create_topic(&out, 2).await;
     for seq in 0..20 {
-        kafka.produce(&input, Some(seq as i32 % 2), None, &step(seq as i32 % 2, seq), &[]).await;
+        kafka
+            .produce(&input, Some(seq as i32 % 2), None, &step(seq as i32 % 2, seq), &[])
+            .await;
     }
     // Duplicates from upstream (same message ids).
     for seq in 0..4 {
-        kafka.produce(&input, Some(seq as i32 % 2), None, &step(seq as i32 % 2, seq), &[]).await;
+        kafka
+            .produce(&input, Some(seq as i32 % 2), None, &step(seq as i32 % 2, seq), &[])
+            .await;
     }
     let pool = common::pg_pool(8).await;
     let (markers, outbox) = (common::unique("chain_m"), common::unique("chain_o"));

@@ -210,14 +210,16 @@ async fn kafka_publisher_keys_by_the_ordering_key_and_sets_the_ids_and_headers()
         assert_eq!(record.headers["x-origin"], "outbox-test");
     }
     // The rows of one key: in one partition, in their order.
-    let order_a: Vec<&common::kafka::Record> =
-        records.iter().filter(|r| r.key.as_deref() == Some("order-a")).collect();
+    let order_a: Vec<&common::kafka::Record> = records.iter().filter(|r| r.key.as_deref() == Some("order-a")).collect();
     assert_eq!(order_a.len(), 3);
     assert!(order_a.iter().all(|r| r.partition == order_a[0].partition));
     let ids: Vec<&str> = order_a.iter().map(|r| r.headers["message_id"].as_str()).collect();
     assert_eq!(ids, ["m-1", "m-3", "m-4"]);
     let unkeyed = records.iter().find(|r| r.headers["message_id"] == "m-5").unwrap();
-    assert_eq!((unkeyed.key.as_deref(), unkeyed.value.as_slice()), (None, &b"no key"[..]));
+    assert_eq!(
+        (unkeyed.key.as_deref(), unkeyed.value.as_slice()),
+        (None, &b"no key"[..])
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -61,7 +61,8 @@ impl Kafka {
     }
 
     pub async fn create_topic(&self, name: &str, partitions: i32) {
-        let admin: AdminClient<DefaultClientContext> = base_config(&self.bootstrap()).create().expect("an admin client");
+        let admin: AdminClient<DefaultClientContext> =
+            base_config(&self.bootstrap()).create().expect("an admin client");
         let topic = NewTopic::new(name, partitions, TopicReplication::Fixed(1));
         let results = admin
             .create_topics([&topic], &AdminOptions::new().operation_timeout(Some(TIMEOUT)))
@@ -99,7 +100,8 @@ impl Kafka {
         let sends: Vec<_> = values
             .iter()
             .map(|value| {
-                let record: FutureRecord<'_, str, [u8]> = FutureRecord::to(topic).payload(value.as_slice()).partition(partition);
+                let record: FutureRecord<'_, str, [u8]> =
+                    FutureRecord::to(topic).payload(value.as_slice()).partition(partition);
                 self.producer.send(record, TIMEOUT)
             })
             .collect();
@@ -277,7 +279,10 @@ fn read_all(bootstrap: &str, topic: &str) -> Vec<Record> {
             value: message.payload().unwrap_or_default().to_vec(),
             headers,
         });
-        if ends.get(&message.partition()).is_some_and(|end| message.offset() + 1 >= *end) {
+        if ends
+            .get(&message.partition())
+            .is_some_and(|end| message.offset() + 1 >= *end)
+        {
             ends.remove(&message.partition());
         }
     }

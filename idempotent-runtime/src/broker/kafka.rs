@@ -914,7 +914,13 @@ impl Session {
                 let epoch = part.epoch;
                 drop(state);
                 self.cursor = Some(partition);
-                return Ok(Some(Delivery::new(Arc::clone(shared), partition, epoch, record, attempt)));
+                return Ok(Some(Delivery::new(
+                    Arc::clone(shared),
+                    partition,
+                    epoch,
+                    record,
+                    attempt,
+                )));
             }
         }
         Err(earliest)
