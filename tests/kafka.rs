@@ -457,6 +457,127 @@ async fn members_joining_and_leaving_mid_stream_hand_partitions_over_after_their
     assert_eq!(kafka.lag(group, &topic).await, 0);
 }
 
+/// A ledger whose body on one record is slow the first time: the marker
+/// is held (in progress) meanwhile.
+struct SlowLedger {
+    store: MemoryStore,
+    slow: String,
+    slow_started: tokio::sync::Notify,
+    slowed: std::sync::atomic::AtomicBool,
+    effects: Mutex<HashMap<String, u32>>,
+    calls: Mutex<HashMap<String, u32>>,
+}
+
+impl SlowLedger {
+    #[idempotent(key = "msg.message_id", store = self.store, scope = "kafka.slow_ledger")]
+    async fn apply(&self, msg: &Step) -> Result<(), idempotent_runtime::Error> {
+        if msg.message_id == self.slow && !self.slowed.swap(true, Ordering::SeqCst) {
+            self.slow_started.notify_one();
+            tokio::time::sleep(Duration::from_secs(6)).await;
+        }
+        *self.effects.lock().unwrap().entry(msg.message_id.clone()).or_default() += 1;
+        Ok(())
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handler_outliving_the_revoke_timeout_cannot_settle_and_the_marker_catches_the_second_delivery() {
+    // A's handler of p0-0 holds its marker for 6 s; B joins; A's
+    // partitions are revoked and A waits only 1 s (the revoke timeout), so
+    // p0-0's offset is not committed and its partition moves on (to B, or
+    // back to A as a new assignment): the record is delivered again while
+    // the first handler still runs. That delivery waits for the marker,
+    // then replays it; the first one's acknowledgement is refused (its
+    // partition was revoked). The effect is applied once.
+    let kafka = Kafka::start();
+    let topic = common::unique("outlive");
+    let group = "outlive";
+    kafka.create_topic(&topic, 2).await;
+    kafka.create_topic(&format!("{topic}.dlq"), 1).await;
+    for seq in 0..5 {
+        for partition in 0..2 {
+            kafka
+                .produce(&topic, Some(partition), None, &step(partition, seq), &[])
+                .await;
+        }
+    }
+    let ledger = Arc::new(SlowLedger {
+        store: MemoryStore::new(),
+        slow: "p0-0".into(),
+        slow_started: tokio::sync::Notify::new(),
+        slowed: std::sync::atomic::AtomicBool::new(false),
+        effects: Mutex::default(),
+        calls: Mutex::default(),
+    });
+    let start = |name: &str| {
+        let consumer = builder(&kafka, &topic, group)
+            .concurrency(2)
+            .revoke_timeout(Duration::from_secs(1))
+            .outage_backoff(Backoff::new(Duration::from_millis(50), Duration::from_millis(200)))
+            .client_config("client.id", name)
+            .build()
+            .unwrap();
+        let stats = consumer.stats();
+        let shutdown = CancellationToken::new();
+        let ledger = Arc::clone(&ledger);
+        let run = tokio::spawn(consumer.run(
+            move |msg: Step| {
+                let ledger = Arc::clone(&ledger);
+                async move {
+                    *ledger.calls.lock().unwrap().entry(msg.message_id.clone()).or_default() += 1;
+                    ledger.apply(&msg).await
+                }
+            },
+            shutdown.clone(),
+        ));
+        (stats, shutdown, run)
+    };
+    let (stats_a, shutdown_a, run_a) = start("member-a");
+    tokio::time::timeout(WAIT, ledger.slow_started.notified())
+        .await
+        .expect("the slow handler started");
+    let (stats_b, shutdown_b, run_b) = start("member-b");
+    let deadline = tokio::time::Instant::now() + WAIT;
+    // p0-0's second delivery runs its handler again at each outage retry
+    // while the marker is held.
+    while !(ledger.effects.lock().unwrap().len() == 10
+        && stats_a.snapshot().received + stats_b.snapshot().received == 11)
+    {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "every record once, and the slow one delivered twice: effects {:?} calls {:?} A {:?} B {:?}",
+            ledger.effects.lock().unwrap(),
+            ledger.calls.lock().unwrap(),
+            stats_a.snapshot(),
+            stats_b.snapshot()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // Ten acknowledgements: the first delivery of p0-0 had none.
+    wait_until("the second delivery of p0-0 settled", || {
+        stats_a.snapshot().acked + stats_b.snapshot().acked == 10
+    })
+    .await;
+    shutdown_a.cancel();
+    shutdown_b.cancel();
+    let a = run_a.await.unwrap().unwrap();
+    let b = run_b.await.unwrap().unwrap();
+    let effects = ledger.effects.lock().unwrap().clone();
+    assert!(
+        effects.values().all(|&n| n == 1),
+        "an effect applied twice: {effects:?}"
+    );
+    assert_eq!(
+        a.ack_failures, 1,
+        "the first delivery's acknowledgement was refused (its partition was revoked): A {a:?} B {b:?}"
+    );
+    assert!(
+        a.outage_retries + b.outage_retries >= 1,
+        "the second delivery waited for the marker"
+    );
+    assert_eq!(kafka.lag(group, &topic).await, 0);
+}
+
 /// Where Tansu differs from Kafka: it creates a topic a producer writes to
 /// (Kafka only with `auto.create.topics.enable=true`), so a publish to a
 /// missing topic is not refused by it (docs/brokers.md says so).
