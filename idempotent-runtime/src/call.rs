@@ -536,32 +536,23 @@ fn log_claim<G>(claim: &Result<Claim<G>, Error>, scope: &'static str, key: &str,
 /// that is down.
 #[cold]
 fn log_refused(outcome: Outcome, scope: &'static str, key: &str, error: &Error) {
-    let outcome_name = outcome.as_str();
+    /// One event at `$level`, with the claim's fields and `$message`.
+    macro_rules! refused {
+        ($level:ident, $message:literal) => {
+            tracing::$level!(target: "idempotent", scope, key, outcome = outcome.as_str(), %error, $message)
+        };
+    }
     match outcome {
-        Outcome::KeyReused => tracing::warn!(
-            target: "idempotent",
-            scope,
-            key,
-            outcome = outcome_name,
-            %error,
-            "key reused for a different message: refused"
-        ),
-        Outcome::InProgress => tracing::info!(
-            target: "idempotent",
-            scope,
-            key,
-            outcome = outcome_name,
-            %error,
-            "key held by another consumer: not run"
-        ),
+        Outcome::KeyReused => refused!(warn, "key reused for a different message: refused"),
+        Outcome::InProgress => refused!(info, "key held by another consumer: not run"),
         Outcome::NotProcessed => tracing::info!(
             target: "idempotent",
             scope,
             key,
-            outcome = outcome_name,
+            outcome = outcome.as_str(),
             "key not processed before (checked only): not run"
         ),
-        _ => tracing::warn!(target: "idempotent", scope, key, outcome = outcome_name, %error, "claim failed"),
+        _ => refused!(warn, "claim failed"),
     }
 }
 

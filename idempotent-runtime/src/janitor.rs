@@ -107,6 +107,41 @@ pub(crate) async fn lock_connection<C: sqlx::Connection>(options: &C::Options, t
     }
 }
 
+/// Takes a janitor lock held by a session of its own: connects with
+/// `options` (within `timeout`), runs `lock` with `key` (one row, one
+/// integer column: 1 when the lock is held), and on success returns a
+/// [`JanitorLock`] whose release runs `unlock` with `key` and closes the
+/// session. The server frees a session lock when its connection closes,
+/// whether the round ends, its future is dropped or the process dies.
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+pub(crate) async fn session_lock<C, K>(
+    options: &C::Options,
+    timeout: Duration,
+    (lock, unlock): (&'static str, &'static str),
+    key: K,
+) -> Result<Option<JanitorLock>, Error>
+where
+    C: sqlx::Connection + 'static,
+    for<'c> &'c mut C: sqlx::Executor<'c, Database = C::Database>,
+    <C::Database as sqlx::Database>::Arguments: sqlx::IntoArguments<C::Database>,
+    for<'q> K: sqlx::Encode<'q, C::Database> + sqlx::Type<C::Database> + Clone + Send + Sync + 'static,
+    for<'r> i64: sqlx::Decode<'r, C::Database> + sqlx::Type<C::Database>,
+    usize: sqlx::ColumnIndex<<C::Database as sqlx::Database>::Row>,
+{
+    use sqlx::Row as _;
+    let mut conn: C = lock_connection(options, timeout).await?;
+    let row = sqlx::query(lock).bind(key.clone()).fetch_one(&mut conn).await?;
+    if row.try_get::<i64, _>(0)? != 1 {
+        let _ = conn.close().await;
+        return Ok(None);
+    }
+    Ok(Some(JanitorLock::new(async move {
+        // Closing the session frees the lock even if the unlock fails.
+        let _ = sqlx::query(unlock).bind(key).execute(&mut conn).await;
+        let _ = conn.close().await;
+    })))
+}
+
 /// A running janitor task. Dropping it stops the task; [`Janitor::shutdown`]
 /// stops it and waits for a purge in progress to finish.
 ///

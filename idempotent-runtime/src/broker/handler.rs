@@ -57,37 +57,31 @@ pub trait Handler<M, A>: Send + Sync + 'static {
     fn call(&self, message: M, info: DeliveryInfo) -> Self::Future;
 }
 
-impl<F, Fut, M, T, E> Handler<M, (M,)> for F
-where
-    F: Fn(M) -> Fut + Send + Sync + 'static,
-    Fut: Future<Output = Result<T, E>> + Send + 'static,
-    T: Send + 'static,
-    E: fmt::Display + Send + 'static,
-{
-    type Output = T;
-    type Error = E;
-    type Future = Fut;
+/// Implements [`Handler`] for closures taking the message and then the
+/// given extra arguments (as axum implements its `Handler` per arity).
+macro_rules! impl_handler {
+    ($info:ident => ($($arg:ident: $ty:ty),*)) => {
+        impl<F, Fut, M, T, E> Handler<M, (M, $($ty,)*)> for F
+        where
+            F: Fn(M, $($ty),*) -> Fut + Send + Sync + 'static,
+            Fut: Future<Output = Result<T, E>> + Send + 'static,
+            T: Send + 'static,
+            E: fmt::Display + Send + 'static,
+        {
+            type Output = T;
+            type Error = E;
+            type Future = Fut;
 
-    fn call(&self, message: M, _info: DeliveryInfo) -> Fut {
-        self(message)
-    }
+            #[allow(unused_variables)]
+            fn call(&self, message: M, $info: DeliveryInfo) -> Fut {
+                self(message, $($arg),*)
+            }
+        }
+    };
 }
 
-impl<F, Fut, M, T, E> Handler<M, (M, DeliveryInfo)> for F
-where
-    F: Fn(M, DeliveryInfo) -> Fut + Send + Sync + 'static,
-    Fut: Future<Output = Result<T, E>> + Send + 'static,
-    T: Send + 'static,
-    E: fmt::Display + Send + 'static,
-{
-    type Output = T;
-    type Error = E;
-    type Future = Fut;
-
-    fn call(&self, message: M, info: DeliveryInfo) -> Fut {
-        self(message, info)
-    }
-}
+impl_handler!(info => ());
+impl_handler!(info => (info: DeliveryInfo));
 
 #[cfg(all(test, feature = "rabbitmq"))]
 mod tests {

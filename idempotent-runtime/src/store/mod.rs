@@ -367,7 +367,7 @@ pub use mysql::{MySqlStore, MySqlStoreBuilder};
 #[cfg(feature = "postgres")]
 pub use postgres::outbox::PgOutboxBatch;
 #[cfg(feature = "postgres")]
-pub use postgres::{PgStore, PgStoreBuilder};
+pub use postgres::{PgBuilderSettings, PgStore, PgStoreBuilder};
 #[cfg(feature = "redis")]
 pub use redis::{RedisGuard, RedisStore, RedisStoreBuilder};
 #[cfg(feature = "sqlx")]

@@ -233,6 +233,69 @@ impl<S> OutboxParts<S> {
     }
 }
 
+/// `statement` with its `{ids}` replaced by one `?` per id, the ids bound
+/// in order: a relay settling a round's rows on a backend with no array
+/// parameters (MySQL/MariaDB, SQLite).
+#[cfg(any(feature = "mysql", feature = "sqlite"))]
+pub(crate) fn bind_ids<DB>(statement: &str, ids: Vec<i64>) -> sqlx::query::Query<'static, DB, DB::Arguments>
+where
+    DB: sqlx::Database,
+    for<'t> i64: sqlx::Encode<'t, DB> + sqlx::Type<DB>,
+{
+    let placeholders = vec!["?"; ids.len()].join(", ");
+    let query = sqlx::query(sqlx::AssertSqlSafe(statement.replace("{ids}", &placeholders)));
+    ids.into_iter().fold(query, |query, id| query.bind(id))
+}
+
+/// The multi-row `INSERT`s that stage `rows` in the outbox table `table`
+/// on a backend with no array parameters (MySQL/MariaDB, SQLite): one per
+/// `chunk` rows, each row written as `values` (its five `?` and its clock
+/// columns), the ordering key bound as `key` makes it.
+#[cfg(any(feature = "mysql", feature = "sqlite"))]
+pub(crate) fn stage_inserts<DB, K>(
+    table: &str,
+    values: &str,
+    chunk: usize,
+    rows: Vec<StagedRow>,
+    key: impl Fn(Option<String>) -> K,
+) -> Vec<sqlx::query::Query<'static, DB, DB::Arguments>>
+where
+    DB: sqlx::Database,
+    for<'t> String: sqlx::Encode<'t, DB> + sqlx::Type<DB>,
+    for<'t> Vec<u8>: sqlx::Encode<'t, DB> + sqlx::Type<DB>,
+    for<'t> K: sqlx::Encode<'t, DB> + sqlx::Type<DB>,
+{
+    let mut rows = rows.into_iter().peekable();
+    let mut inserts = Vec::new();
+    while rows.peek().is_some() {
+        let chunk: Vec<StagedRow> = rows.by_ref().take(chunk).collect();
+        let insert = format!(
+            "INSERT INTO {table} (message_id, destination, ordering_key, headers, payload, created_at, next_attempt_at) \
+             VALUES {}",
+            vec![values; chunk.len()].join(", ")
+        );
+        let query = sqlx::query(sqlx::AssertSqlSafe(insert));
+        inserts.push(chunk.into_iter().fold(query, |query, row| {
+            query
+                .bind(row.message_id)
+                .bind(row.destination)
+                .bind(key(row.ordering_key))
+                .bind(row.headers)
+                .bind(row.payload)
+        }));
+    }
+    inserts
+}
+
+/// Writes an outbox batch as its type's name and how many rows it holds.
+pub(crate) fn fmt_outbox_batch(
+    f: &mut std::fmt::Formatter<'_>,
+    name: &str,
+    rows: &[crate::outbox::OutboxRow],
+) -> std::fmt::Result {
+    f.debug_struct(name).field("rows", &rows.len()).finish()
+}
+
 /// Milliseconds of `d` for a SQL parameter (saturating).
 #[cfg(any(feature = "postgres", feature = "sqlite"))]
 pub(crate) fn millis(d: std::time::Duration) -> i64 {
@@ -686,21 +749,28 @@ pub(crate) fn ddl(template: &str, table: &TableName, quote: char) -> Vec<String>
 
 /// Configures a SQL store (`PgStoreBuilder`, `SqliteStoreBuilder`,
 /// `MySqlStoreBuilder` are this type for their pool): the marker table and
-/// the purge batch size; each backend's `build` validates them.
+/// the purge batch size; each backend's `build` validates them. `B` holds
+/// what only one backend takes (PostgreSQL's partitioned layout).
 #[derive(Debug, Clone)]
-pub struct SqlStoreBuilder<P> {
+pub struct SqlStoreBuilder<P, B = ()> {
     pool: P,
     pub(crate) settings: Settings,
+    /// The settings only this backend takes (`()` but for PostgreSQL).
+    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
+    pub(crate) backend: B,
 }
 
-impl<P> SqlStoreBuilder<P> {
+impl<P, B: Default> SqlStoreBuilder<P, B> {
     pub(crate) fn new(pool: P) -> Self {
         SqlStoreBuilder {
             pool,
             settings: Settings::default(),
+            backend: B::default(),
         }
     }
+}
 
+impl<P, B> SqlStoreBuilder<P, B> {
     /// The marker table (default `processed_messages`): `table`, or
     /// `schema.table` (`database.table` on MySQL; SQLite takes a plain
     /// name). Validated by `build`.
@@ -753,9 +823,6 @@ pub(crate) struct Settings {
     pub(crate) purge_batch: u32,
     pub(crate) outbox: Result<TableName, String>,
     pub(crate) outbox_retention: std::time::Duration,
-    /// PostgreSQL only: markers partitioned by expiry.
-    #[cfg(feature = "postgres")]
-    pub(crate) partitions: Option<crate::store::postgres::partitions::PartitionSettings>,
 }
 
 impl Default for Settings {
@@ -765,8 +832,6 @@ impl Default for Settings {
             purge_batch: DEFAULT_PURGE_BATCH,
             outbox: Ok(TableName::outbox()),
             outbox_retention: DEFAULT_OUTBOX_RETENTION,
-            #[cfg(feature = "postgres")]
-            partitions: None,
         }
     }
 }

@@ -18,10 +18,14 @@
 //! pool takes it back: its release fails and the pool opens a proper one
 //! when it needs it.
 //!
-//! `BEGIN`, `COMMIT` and `ROLLBACK` run to their end in tasks of their own
-//! (in the caller's span), so cancelling a caller does not cut them short.
+//! `BEGIN`, `COMMIT` and `ROLLBACK` run to their end ([`RunToEnd`]): in
+//! place, and in a task of their own (in the caller's span) if the caller
+//! is dropped first, so cancelling a caller does not cut them short.
 
+use std::future::Future;
 use std::ops::{Deref, DerefMut};
+use std::pin::Pin;
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use sqlx::{ConnectOptions, Connection, Pool, Transaction};
@@ -48,9 +52,9 @@ pub(crate) struct Tx<DB: SqlBackend> {
 
 impl<DB: SqlBackend> Tx<DB> {
     /// Begins a transaction on `pool` with `begin` (the backend's `BEGIN`
-    /// statement), in a task of its own: a caller cancelled meanwhile
-    /// leaves a transaction that is dropped between statements, which sqlx
-    /// releases cleanly.
+    /// statement), run to its end ([`RunToEnd`]): a caller cancelled
+    /// meanwhile leaves a transaction that is dropped between statements,
+    /// which sqlx releases cleanly.
     pub(crate) async fn begin(pool: &Pool<DB>, begin: &'static str) -> Result<Self, sqlx::Error> {
         let owned = pool.clone();
         let tx = detached_value(async move { owned.begin_with(begin).await }).await?;
@@ -61,8 +65,8 @@ impl<DB: SqlBackend> Tx<DB> {
     }
 
     /// The transaction, for a statement that ends it. Cancelling the caller
-    /// before the statement ends takes the connection with it: run it in a
-    /// task of its own ([`Tx::commit`], [`Tx::rollback`]).
+    /// before the statement ends takes the connection with it: run it to
+    /// its end ([`Tx::commit`], [`Tx::rollback`]).
     fn finish(mut self) -> Result<Transaction<'static, DB>, sqlx::Error> {
         self.tx
             .take()
@@ -101,38 +105,79 @@ impl<DB: SqlBackend> Tx<DB> {
     }
 }
 
-/// Runs `work` in a task of its own and waits for it: dropping the waiter
-/// does not stop the work. The work is spawned at once, so the returned
-/// future holds only its handle (the stores' futures stay small).
-fn detached<F, E>(work: F) -> impl std::future::Future<Output = Result<(), E>> + Send + 'static
+/// Runs `work` to its end: [`RunToEnd`] with no value.
+fn detached<F, E>(work: F) -> RunToEnd<F>
 where
-    F: std::future::Future<Output = Result<(), E>> + Send + 'static,
+    F: Future<Output = Result<(), E>> + Send + 'static,
     E: From<sqlx::Error> + Send + 'static,
 {
     detached_value(work)
 }
 
-/// [`detached`] for work that returns a value.
-fn detached_value<F, T, E>(work: F) -> impl std::future::Future<Output = Result<T, E>> + Send + 'static
+/// Runs `work` to its end, in the caller's span: [`RunToEnd`].
+fn detached_value<F, T, E>(work: F) -> RunToEnd<F>
 where
-    F: std::future::Future<Output = Result<T, E>> + Send + 'static,
+    F: Future<Output = Result<T, E>> + Send + 'static,
     T: Send + 'static,
     E: From<sqlx::Error> + Send + 'static,
 {
     use tracing::Instrument;
-    // sqlx itself needs a Tokio runtime: without one, nothing is run.
-    let spawned =
-        tokio::runtime::Handle::try_current().map(|runtime| runtime.spawn(work.instrument(tracing::Span::current())));
-    async move {
-        match spawned {
-            Ok(handle) => match handle.await {
-                Ok(outcome) => outcome,
-                Err(joined) if joined.is_panic() => {
-                    Err(sqlx::Error::Protocol("a transaction's task panicked".into()).into())
-                }
-                Err(_) => Err(sqlx::Error::Protocol("a transaction's task was cancelled".into()).into()),
-            },
-            Err(_) => Err(sqlx::Error::Protocol("a transaction needs a Tokio runtime".into()).into()),
+    RunToEnd {
+        work: Some(Box::pin(work.instrument(tracing::Span::current()))),
+    }
+}
+
+/// Work that runs to its end even if its caller is dropped: the caller
+/// polls it in place (no task, no thread woken on the common path), and
+/// dropping it before it finished hands the rest to a task of its own, so
+/// that a cancelled caller never cuts a statement short. The work is boxed,
+/// so the stores' futures hold only a pointer.
+struct RunToEnd<F>
+where
+    F: Future + Send + 'static,
+    F::Output: Send + 'static,
+{
+    /// `None` once it returned its value.
+    work: Option<Pin<Box<tracing::instrument::Instrumented<F>>>>,
+}
+
+impl<F, T, E> Future for RunToEnd<F>
+where
+    F: Future<Output = Result<T, E>> + Send + 'static,
+    T: Send + 'static,
+    E: From<sqlx::Error> + Send + 'static,
+{
+    type Output = Result<T, E>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.get_mut();
+        let Some(work) = this.work.as_mut() else {
+            return Poll::Ready(Err(sqlx::Error::Protocol(
+                "a transaction's statement was polled after it ended".into(),
+            )
+            .into()));
+        };
+        let outcome = std::task::ready!(work.as_mut().poll(cx));
+        this.work = None;
+        Poll::Ready(outcome)
+    }
+}
+
+impl<F> Drop for RunToEnd<F>
+where
+    F: Future + Send + 'static,
+    F::Output: Send + 'static,
+{
+    fn drop(&mut self) {
+        let Some(work) = self.work.take() else { return };
+        // Without a runtime sqlx cannot run it either: dropped in place.
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(async move {
+                // The caller is gone: the outcome has no one to go to (a
+                // commit's message is redelivered and answered from the
+                // marker, or runs again if it rolled back).
+                let _ = work.await;
+            });
         }
     }
 }

@@ -7,9 +7,9 @@ use tokio::time::Instant;
 use tracing::{Instrument, Span};
 
 use super::deliver::{Beat, process};
-use super::run::Worker;
 use super::span::delivery_span;
 use super::traits::{Delivery, Next, Session};
+use super::worker::Worker;
 use crate::broker::options::BatchMode;
 use crate::broker::stats::Recorder;
 use crate::broker::{Decoder, Handler, RetryPolicy, TRACING_TARGET};

@@ -9,9 +9,9 @@ use std::time::Duration;
 use tokio::time::Instant;
 use tracing::{Instrument, Span};
 
-use super::run::{Worker, millis};
 use super::span::{delivery_span, trace_failure};
 use super::traits::{Delivery, Letter, Meta, Settle};
+use super::worker::{Worker, millis};
 use crate::broker::stats::{DeadKind, Outcome};
 use crate::broker::{
     Called, Decoder, DeliveryInfo, Handler, RetryPolicy, TRACING_TARGET, Verdict, sleep_unless_cancelled,

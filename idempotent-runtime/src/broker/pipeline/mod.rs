@@ -37,7 +37,8 @@
 //! exchanges with the pipeline), `run` (the loop and the drain), `deliver`
 //! (one delivery: decoding, the handler's call, the verdict, acknowledging,
 //! retrying, dead-lettering, releasing), `batch` (several deliveries in one
-//! database transaction) and `span` (a delivery's `tracing` span).
+//! database transaction), `span` (a delivery's `tracing` span) and `worker`
+//! (what a consumer's delivery tasks share).
 
 #[cfg(feature = "sqlx")]
 mod batch;
@@ -45,6 +46,7 @@ mod deliver;
 mod run;
 mod span;
 mod traits;
+mod worker;
 
 pub(crate) use run::run;
 pub use traits::{Broker, Connect, Delivery, Letter, Messaging, Meta, Next, Session, Settle};

@@ -10,7 +10,8 @@ use tokio::time::Instant;
 #[cfg(feature = "sqlx")]
 use super::batch::{gather, process_batch};
 use super::deliver::process;
-use super::traits::{Broker, Connect, Messaging, Next, Session};
+use super::traits::{Broker, Connect, Next, Session};
+use super::worker::{Worker, millis};
 use crate::broker::options::ConsumerOptions;
 use crate::broker::stats::{ConnectionEvent, Recorder};
 use crate::broker::{
@@ -21,21 +22,6 @@ use crate::broker::{
 /// How long handlers that were asked to let go (after the shutdown timeout)
 /// get to release their deliveries before their tasks are aborted.
 const ABANDON_GRACE: Duration = Duration::from_secs(5);
-
-/// What the delivery tasks share.
-pub(super) struct Worker<D, R, H> {
-    pub(super) source: String,
-    pub(super) broker: &'static str,
-    pub(super) messaging: Messaging,
-    pub(super) options: ConsumerOptions,
-    pub(super) decoder: D,
-    pub(super) retry: R,
-    pub(super) handler: H,
-    pub(super) recorder: Recorder,
-    pub(super) shutdown: CancellationToken,
-    /// Cancelled at the shutdown timeout: handlers still running let go.
-    pub(super) abandon: CancellationToken,
-}
 
 /// Runs a consumer of `broker` until shutdown (or idle, or a fatal error).
 pub(crate) async fn run<B, M, A, D, R, H>(
@@ -230,10 +216,6 @@ async fn sleep_until(at: Option<Instant>) {
         Some(at) => tokio::time::sleep_until(at).await,
         None => std::future::pending().await,
     }
-}
-
-pub(super) fn millis(d: Duration) -> u64 {
-    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
 
 /// Logs a delivery task that did not end normally (the handler's own panics

@@ -3,8 +3,8 @@
 use tracing::Span;
 use tracing::field::Empty;
 
-use super::run::Worker;
 use super::traits::Delivery;
+use super::worker::Worker;
 use crate::broker::TRACING_TARGET;
 
 /// The span of one delivery (see the module's documentation).

@@ -527,14 +527,12 @@ impl crate::janitor::PurgeExpired for MySqlStore {
     /// that connection closes, whether the round ends, its future is dropped
     /// or the process dies.
     async fn try_lock_janitor(&self) -> Result<Option<crate::janitor::JanitorLock>, Error> {
-        use sqlx::Connection;
-        let mut conn: sqlx::MySqlConnection =
-            crate::janitor::lock_connection(&*self.pool.connect_options(), self.pool.options().get_acquire_timeout())
-                .await?;
-        let database: Option<String> = sqlx::query_scalar("SELECT DATABASE()").fetch_one(&mut conn).await?;
+        // The database's name is part of the lock's: GET_LOCK names are per
+        // server.
+        let options = self.pool.connect_options();
         let digest = crate::janitor::lock_digest(&[
             "mysql",
-            database.as_deref().unwrap_or_default(),
+            options.get_database().unwrap_or_default(),
             &self.sql.table.to_string(),
             &self.outbox.table.quoted,
         ]);
@@ -542,21 +540,15 @@ impl crate::janitor::PurgeExpired for MySqlStore {
         let name: String = std::iter::once("idempotent-janitor:".to_owned())
             .chain(digest[..20].iter().map(|byte| format!("{byte:02x}")))
             .collect();
-        let held: Option<i64> = sqlx::query_scalar("SELECT GET_LOCK(?, 0)")
-            .bind(&name)
-            .fetch_one(&mut conn)
-            .await?;
-        if held != Some(1) {
-            let _ = conn.close().await;
-            return Ok(None);
-        }
-        Ok(Some(crate::janitor::JanitorLock::new(async move {
-            // Closing the session frees the lock even if the release fails.
-            let _ = sqlx::query("SELECT RELEASE_LOCK(?)")
-                .bind(&name)
-                .execute(&mut conn)
-                .await;
-            let _ = conn.close().await;
-        })))
+        crate::janitor::session_lock::<sqlx::MySqlConnection, _>(
+            &options,
+            self.pool.options().get_acquire_timeout(),
+            (
+                "SELECT CAST(COALESCE(GET_LOCK(?, 0), 0) AS SIGNED)",
+                "SELECT RELEASE_LOCK(?)",
+            ),
+            name,
+        )
+        .await
     }
 }

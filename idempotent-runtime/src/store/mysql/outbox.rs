@@ -12,7 +12,7 @@ use crate::store::tx::Tx;
 use crate::Error;
 use crate::outbox::{OutboxBatch, OutboxRow, OutboxStore, StagedRow};
 use crate::store::mysql::MySqlStore;
-use crate::store::sql::{outbox_rows, pending_from};
+use crate::store::sql::{bind_ids, fmt_outbox_batch, outbox_rows, pending_from, stage_inserts};
 
 /// Rows written per `INSERT` (5 parameters each, well under MySQL's 65535).
 const STAGE_CHUNK: usize = 1000;
@@ -23,7 +23,8 @@ const MAX_ERROR_CHARS: usize = 1000;
 /// The relay's statements for one outbox table.
 #[derive(Debug)]
 pub(crate) struct MySqlOutboxSql {
-    table: String,
+    /// Marks the rows `{ids}` dispatched.
+    dispatched: String,
     take: String,
     reschedule: String,
     pub(crate) purge: String,
@@ -33,7 +34,9 @@ pub(crate) struct MySqlOutboxSql {
 impl MySqlOutboxSql {
     pub(crate) fn new(t: &str) -> MySqlOutboxSql {
         MySqlOutboxSql {
-            table: t.to_owned(),
+            dispatched: format!(
+                "UPDATE {t} SET dispatched_at = UTC_TIMESTAMP(3), last_error = NULL WHERE id IN ({{ids}})"
+            ),
             // Due rows in id order; of those sharing an ordering key only the
             // first pending one. The subquery is a plain read, so a row that
             // another relay holds locked still counts as pending there and
@@ -65,24 +68,9 @@ pub(crate) async fn stage_outbox(
     table: &str,
     rows: Vec<StagedRow>,
 ) -> Result<(), sqlx::Error> {
-    let mut rows = rows.into_iter().peekable();
-    while rows.peek().is_some() {
-        let chunk: Vec<StagedRow> = rows.by_ref().take(STAGE_CHUNK).collect();
-        let values = vec!["(?, ?, ?, ?, ?, UTC_TIMESTAMP(3), UTC_TIMESTAMP(3))"; chunk.len()].join(", ");
-        let insert = format!(
-            "INSERT INTO {table} (message_id, destination, ordering_key, headers, payload, created_at, next_attempt_at) \
-             VALUES {values}"
-        );
-        let mut query = sqlx::query(AssertSqlSafe(insert));
-        for row in chunk {
-            query = query
-                .bind(row.message_id)
-                .bind(row.destination)
-                .bind(row.ordering_key.map(String::into_bytes))
-                .bind(row.headers)
-                .bind(row.payload);
-        }
-        query.execute(&mut *conn).await?;
+    let values = "(?, ?, ?, ?, ?, UTC_TIMESTAMP(3), UTC_TIMESTAMP(3))";
+    for insert in stage_inserts::<MySql, _>(table, values, STAGE_CHUNK, rows, |key| key.map(String::into_bytes)) {
+        insert.execute(&mut *conn).await?;
     }
     Ok(())
 }
@@ -100,9 +88,7 @@ pub struct MySqlOutboxBatch {
 
 impl std::fmt::Debug for MySqlOutboxBatch {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("MySqlOutboxBatch")
-            .field("rows", &self.rows.len())
-            .finish()
+        fmt_outbox_batch(f, "MySqlOutboxBatch", &self.rows)
     }
 }
 
@@ -113,16 +99,9 @@ impl OutboxBatch for MySqlOutboxBatch {
 
     async fn settle(mut self, dispatched: Vec<i64>, failed: Vec<(i64, Duration, String)>) -> Result<(), Error> {
         if !dispatched.is_empty() {
-            let ids = vec!["?"; dispatched.len()].join(", ");
-            let update = format!(
-                "UPDATE {} SET dispatched_at = UTC_TIMESTAMP(3), last_error = NULL WHERE id IN ({ids})",
-                self.sql.table
-            );
-            let mut query = sqlx::query(AssertSqlSafe(update));
-            for id in dispatched {
-                query = query.bind(id);
-            }
-            query.execute(&mut *self.tx).await?;
+            bind_ids::<MySql>(&self.sql.dispatched, dispatched)
+                .execute(&mut *self.tx)
+                .await?;
         }
         for (id, delay, error) in failed {
             sqlx::query(AssertSqlSafe(self.sql.reschedule.as_str()))

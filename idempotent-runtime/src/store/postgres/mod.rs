@@ -152,13 +152,20 @@ struct PgSql {
 }
 
 /// Configures a [`PgStore`]: see [`SqlStoreBuilder`](crate::store::SqlStoreBuilder).
-pub type PgStoreBuilder = SqlStoreBuilder<PgPool>;
+pub type PgStoreBuilder = SqlStoreBuilder<PgPool, PgBuilderSettings>;
 
-impl SqlStoreBuilder<PgPool> {
+/// What only a [`PgStore`]'s builder takes: the
+/// [`partitioned`](PgStoreBuilder::partitioned) layout.
+#[derive(Debug, Clone, Default)]
+pub struct PgBuilderSettings {
+    partitions: Option<PartitionSettings>,
+}
+
+impl SqlStoreBuilder<PgPool, PgBuilderSettings> {
     /// The store, or [`Error::Config`] for an invalid setting.
     pub fn build(self) -> Result<PgStore, Error> {
         let outbox = self.outbox_settings()?;
-        let partitioning = self.settings.partitions;
+        let partitioning = self.backend.partitions;
         let (pool, table, purge_batch) = self.into_parts()?;
         let partitions = match partitioning {
             Some(settings) => Some(Partitions::new(&table, settings)?),
@@ -174,8 +181,8 @@ impl SqlStoreBuilder<PgPool> {
     /// "Partitioned retention". The table must be created partitioned (by
     /// `migrate`); a store refuses a table of the other layout.
     pub fn partitioned(mut self, period: std::time::Duration) -> Self {
-        let horizon = self.settings.partitions.and_then(|p| p.horizon);
-        self.settings.partitions = Some(PartitionSettings { period, horizon });
+        let horizon = self.backend.partitions.and_then(|p| p.horizon);
+        self.backend.partitions = Some(PartitionSettings { period, horizon });
         self
     }
 
@@ -186,7 +193,7 @@ impl SqlStoreBuilder<PgPool> {
     /// retry. At most 1000 partitions ahead. Only with
     /// [`partitioned`](Self::partitioned).
     pub fn partition_horizon(mut self, ahead: std::time::Duration) -> Self {
-        match &mut self.settings.partitions {
+        match &mut self.backend.partitions {
             Some(settings) => settings.horizon = Some(ahead),
             None => {
                 self.settings.table = Err("partition_horizon needs partitioned(period) before it".into());
@@ -730,29 +737,18 @@ impl crate::janitor::PurgeExpired for PgStore {
     /// round ends, its future is dropped or the process dies. It needs a
     /// session of its own: not through a pooler in transaction mode.
     async fn try_lock_janitor(&self) -> Result<Option<crate::janitor::JanitorLock>, Error> {
-        use sqlx::Connection;
         let digest = crate::janitor::lock_digest(&["postgres", &self.sql.table.to_string(), &self.outbox.table.quoted]);
         let mut key = [0; 8];
         key.copy_from_slice(&digest[..8]);
-        let key = i64::from_be_bytes(key);
-        let mut conn: sqlx::PgConnection =
-            crate::janitor::lock_connection(&*self.pool.connect_options(), self.pool.options().get_acquire_timeout())
-                .await?;
-        let held: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock($1)")
-            .bind(key)
-            .fetch_one(&mut conn)
-            .await?;
-        if !held {
-            let _ = conn.close().await;
-            return Ok(None);
-        }
-        Ok(Some(crate::janitor::JanitorLock::new(async move {
-            // Closing the session frees the lock even if the unlock fails.
-            let _ = sqlx::query("SELECT pg_advisory_unlock($1)")
-                .bind(key)
-                .execute(&mut conn)
-                .await;
-            let _ = conn.close().await;
-        })))
+        crate::janitor::session_lock::<sqlx::PgConnection, _>(
+            &self.pool.connect_options(),
+            self.pool.options().get_acquire_timeout(),
+            (
+                "SELECT pg_try_advisory_lock($1)::int::int8",
+                "SELECT pg_advisory_unlock($1)",
+            ),
+            i64::from_be_bytes(key),
+        )
+        .await
     }
 }

@@ -12,7 +12,7 @@ use crate::store::tx::Tx;
 use crate::Error;
 use crate::outbox::{OutboxBatch, OutboxRow, OutboxStore, StagedRow};
 use crate::store::postgres::PgStore;
-use crate::store::sql::{delete_in_batches, millis, outbox_rows, pending_from};
+use crate::store::sql::{delete_in_batches, fmt_outbox_batch, millis, outbox_rows, pending_from};
 
 /// The relay's statements for one outbox table.
 #[derive(Debug)]
@@ -98,7 +98,7 @@ pub struct PgOutboxBatch {
 
 impl std::fmt::Debug for PgOutboxBatch {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("PgOutboxBatch").field("rows", &self.rows.len()).finish()
+        fmt_outbox_batch(f, "PgOutboxBatch", &self.rows)
     }
 }
 

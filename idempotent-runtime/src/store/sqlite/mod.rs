@@ -183,10 +183,6 @@ impl SqliteStore {
         &self.outbox
     }
 
-    pub(crate) fn purge_batch(&self) -> i64 {
-        self.sql.purge_batch
-    }
-
     /// Creates the marker table and its `expires_at` index if they do not
     /// exist (the DDL of `sql/sqlite.sql`).
     pub async fn migrate(&self) -> Result<(), Error> {
@@ -201,13 +197,22 @@ impl SqliteStore {
     /// Deletes expired markers in batches of the configured size, each in
     /// its own short write transaction; returns how many were deleted.
     pub async fn purge_expired(&self) -> Result<u64, Error> {
-        delete_in_batches(self.sql.purge_batch as u64, || async move {
+        self.purge_in_batches(&self.sql.purge, None).await
+    }
+
+    /// Runs the bounded `DELETE` `purge` (with `before`, when given, then
+    /// the batch size) until it deletes less than a batch, each run in its
+    /// own short write transaction; returns how many rows it deleted.
+    pub(crate) async fn purge_in_batches(&self, purge: &str, before: Option<i64>) -> Result<u64, Error> {
+        let batch = self.sql.purge_batch;
+        delete_in_batches(batch as u64, || async move {
             let (mut tx, _writer) = self.begin_immediate().await?;
-            let deleted = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.purge)))
-                .bind(self.sql.purge_batch)
-                .execute(&mut *tx)
-                .await?
-                .rows_affected();
+            let query = sqlx::query(AssertSqlSafe(purge));
+            let query = match before {
+                Some(before) => query.bind(before),
+                None => query,
+            };
+            let deleted = query.bind(batch).execute(&mut *tx).await?.rows_affected();
             tx.commit().await?;
             Ok(deleted)
         })

@@ -7,11 +7,11 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use sqlx::{AssertSqlSafe, Row, SqliteConnection};
+use sqlx::{AssertSqlSafe, Row, Sqlite, SqliteConnection};
 
 use crate::Error;
 use crate::outbox::{OutboxBatch, OutboxRow, OutboxStore, StagedRow};
-use crate::store::sql::{delete_in_batches, millis, outbox_rows, pending_from};
+use crate::store::sql::{bind_ids, fmt_outbox_batch, millis, outbox_rows, pending_from, stage_inserts};
 use crate::store::sqlite::{NOW_MS, SqliteStore};
 
 /// Rows written per `INSERT` (5 parameters each, under SQLite's 32766).
@@ -20,17 +20,20 @@ const STAGE_CHUNK: usize = 1000;
 /// The relay's statements for one outbox table.
 #[derive(Debug)]
 pub(crate) struct SqliteOutboxSql {
-    table: String,
+    /// Marks the rows `{ids}` dispatched.
+    dispatched: String,
     take: String,
     reschedule: String,
-    purge: String,
+    pub(crate) purge: String,
     pending: String,
 }
 
 impl SqliteOutboxSql {
     pub(crate) fn new(t: &str) -> SqliteOutboxSql {
         SqliteOutboxSql {
-            table: t.to_owned(),
+            dispatched: format!(
+                "UPDATE {t} SET dispatched_at = {NOW_MS}, leased_until = 0, last_error = NULL WHERE id IN ({{ids}})"
+            ),
             // Due, unleased rows in id order; of those sharing an ordering
             // key only the first pending one (a leased earlier row still
             // counts, so its followers wait).
@@ -65,24 +68,9 @@ pub(crate) async fn stage_outbox(
     table: &str,
     rows: Vec<StagedRow>,
 ) -> Result<(), sqlx::Error> {
-    let mut rows = rows.into_iter().peekable();
-    while rows.peek().is_some() {
-        let chunk: Vec<StagedRow> = rows.by_ref().take(STAGE_CHUNK).collect();
-        let values = vec![format!("(?, ?, ?, ?, ?, {NOW_MS}, {NOW_MS})"); chunk.len()].join(", ");
-        let insert = format!(
-            "INSERT INTO {table} (message_id, destination, ordering_key, headers, payload, created_at, next_attempt_at) \
-             VALUES {values}"
-        );
-        let mut query = sqlx::query(AssertSqlSafe(insert));
-        for row in chunk {
-            query = query
-                .bind(row.message_id)
-                .bind(row.destination)
-                .bind(row.ordering_key)
-                .bind(row.headers)
-                .bind(row.payload);
-        }
-        query.execute(&mut *conn).await?;
+    let values = format!("(?, ?, ?, ?, ?, {NOW_MS}, {NOW_MS})");
+    for insert in stage_inserts::<Sqlite, _>(table, &values, STAGE_CHUNK, rows, |key| key) {
+        insert.execute(&mut *conn).await?;
     }
     Ok(())
 }
@@ -95,9 +83,7 @@ pub struct SqliteOutboxBatch {
 
 impl std::fmt::Debug for SqliteOutboxBatch {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("SqliteOutboxBatch")
-            .field("rows", &self.rows.len())
-            .finish()
+        fmt_outbox_batch(f, "SqliteOutboxBatch", &self.rows)
     }
 }
 
@@ -113,16 +99,9 @@ impl OutboxBatch for SqliteOutboxBatch {
         let sql = Arc::clone(&self.store.outbox().sql);
         let (mut tx, _writer) = self.store.begin_immediate().await?;
         if !dispatched.is_empty() {
-            let ids = vec!["?"; dispatched.len()].join(", ");
-            let update = format!(
-                "UPDATE {} SET dispatched_at = {NOW_MS}, leased_until = 0, last_error = NULL WHERE id IN ({ids})",
-                sql.table
-            );
-            let mut query = sqlx::query(AssertSqlSafe(update));
-            for id in dispatched {
-                query = query.bind(id);
-            }
-            query.execute(&mut *tx).await?;
+            bind_ids::<Sqlite>(&sql.dispatched, dispatched)
+                .execute(&mut *tx)
+                .await?;
         }
         for (id, delay, error) in failed {
             sqlx::query(AssertSqlSafe(sql.reschedule.as_str()))
@@ -144,19 +123,8 @@ impl SqliteStore {
     /// calls it after the markers.
     pub async fn purge_dispatched(&self) -> Result<u64, Error> {
         let outbox = self.outbox();
-        let batch = self.purge_batch();
-        delete_in_batches(batch as u64, || async move {
-            let (mut tx, _writer) = self.begin_immediate().await?;
-            let deleted = sqlx::query(AssertSqlSafe(outbox.sql.purge.as_str()))
-                .bind(millis(outbox.retention))
-                .bind(batch)
-                .execute(&mut *tx)
-                .await?
-                .rows_affected();
-            tx.commit().await?;
-            Ok(deleted)
-        })
-        .await
+        self.purge_in_batches(&outbox.sql.purge, Some(millis(outbox.retention)))
+            .await
     }
 }
 
