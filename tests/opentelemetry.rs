@@ -3,9 +3,10 @@
 //! the messaging semantic conventions (`messaging.*`, span names, kinds and
 //! statuses) and the idempotency outcome, on real brokers.
 //!
-//! A fresh message and its duplicate go through a consumer of each broker;
-//! on RabbitMQ the handler also stages an outgoing message that the relay
-//! publishes, and a third delivery reuses the key for another message.
+//! A fresh message and its duplicate go through a consumer of each broker
+//! (Kafka: a private Tansu broker); on RabbitMQ the handler also stages an
+//! outgoing message that the relay publishes, and a third delivery reuses
+//! the key for another message.
 
 mod common;
 
@@ -535,4 +536,50 @@ async fn redis_stream_deliveries_name_the_stream_the_group_and_the_consumer() {
     }
     assert_fresh_then_duplicate(&pairs, "otel.ledger", "pay-3");
     let _: () = conn.del(&[&stream, &format!("{stream}.dlq")]).await.unwrap();
+}
+
+// ---- Kafka -------------------------------------------------------------------------
+
+#[tokio::test]
+async fn kafka_deliveries_name_the_topic_the_group_the_partition_the_offset_and_the_key() {
+    use idempotent_runtime::kafka::KafkaConsumer;
+
+    let exported = Exported::install();
+    let kafka = common::kafka::Kafka::start();
+    let topic = common::unique("otel.topic");
+    kafka.create_topic(&topic, 1).await;
+    kafka.create_topic(&format!("{topic}.dlq"), 1).await;
+    let body = payment("pay-4", 9);
+    for _ in 0..2 {
+        kafka
+            .produce(&topic, Some(0), Some("order-4"), &body, &[("message_id", "pay-4")])
+            .await;
+    }
+
+    let stats =
+        run_ledger(KafkaConsumer::builder(kafka.config(), &topic, "ledgers").client_config("client.id", "ledger-1"))
+            .await;
+    assert_eq!(stats.acked, 2, "{stats:?}");
+
+    let spans = exported.spans();
+    let pairs = deliveries(&spans);
+    assert_eq!(pairs.len(), 2);
+    for (offset, (delivery, _)) in pairs.iter().enumerate() {
+        assert_process_span(delivery, "kafka", &topic, "pay-4", &body);
+        assert_eq!(
+            text(delivery, "messaging.consumer.group.name").as_deref(),
+            Some("ledgers")
+        );
+        assert_eq!(text(delivery, "messaging.client.id").as_deref(), Some("ledger-1"));
+        assert_eq!(
+            text(delivery, "messaging.destination.partition.id").as_deref(),
+            Some("0")
+        );
+        assert_eq!(int(delivery, "messaging.kafka.offset"), Some(offset as i64));
+        assert_eq!(
+            text(delivery, "messaging.kafka.message.key").as_deref(),
+            Some("order-4")
+        );
+    }
+    assert_fresh_then_duplicate(&pairs, "otel.ledger", "pay-4");
 }

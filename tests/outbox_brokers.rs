@@ -1,4 +1,5 @@
-//! The outbox relay's publishers against the real brokers: what each sets on
+//! The outbox relay's publishers against the real brokers (Kafka: a
+//! private Tansu broker per test): what each sets on
 //! the message (id, persistence, headers), what each refuses, a republished
 //! row, and a relay draining a PostgreSQL outbox into each broker.
 
@@ -11,7 +12,8 @@ use idempotent_runtime::lapin::options::{BasicGetOptions, QueueDeclareOptions, Q
 use idempotent_runtime::lapin::types::{AMQPValue, FieldTable};
 use idempotent_runtime::lapin::{Channel, Connection, ConnectionProperties};
 use idempotent_runtime::outbox::{
-    JetStreamPublisher, Outbox, OutboxRow, Outgoing, PublishError, Publisher, RabbitPublisher, Relay, StreamPublisher,
+    JetStreamPublisher, KafkaPublisher, Outbox, OutboxRow, Outgoing, PublishError, Publisher, RabbitPublisher, Relay,
+    StreamPublisher,
 };
 use idempotent_runtime::sqlx::{self, AssertSqlSafe, PgConnection};
 use idempotent_runtime::{PgStore, idempotent, redis};
@@ -177,6 +179,66 @@ async fn stream_publisher_writes_what_the_stream_consumer_reads() {
     assert_eq!(field("body").as_deref(), Some(&b"one"[..]));
     assert_eq!(field("x-origin").as_deref(), Some(&b"outbox-test"[..]));
     let _: () = redis::cmd("DEL").arg(&stream).query_async(&mut conn).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kafka_publisher_keys_by_the_ordering_key_and_sets_the_ids_and_headers() {
+    let kafka = common::kafka::Kafka::start();
+    let topic = common::unique("outbox.kafka");
+    kafka.create_topic(&topic, 3).await;
+    let publisher = KafkaPublisher::new(&kafka.config()).unwrap();
+    let keyed = |id: i64, message_id: &str, key: &str| {
+        OutboxRow::new(
+            id,
+            message_id.to_owned(),
+            topic.clone(),
+            Some(key.to_owned()),
+            r#"{"x-origin":"outbox-test"}"#,
+            format!("payload-{id}").into_bytes(),
+            0,
+        )
+    };
+    for (id, key) in [(1, "order-a"), (2, "order-b"), (3, "order-a"), (4, "order-a")] {
+        publisher.publish(&keyed(id, &format!("m-{id}"), key)).await.unwrap();
+    }
+    publisher.publish(&row(5, "m-5", &topic, b"no key")).await.unwrap();
+    let records = kafka.read_all(&topic).await;
+    assert_eq!(records.len(), 5, "{records:?}");
+    for record in &records {
+        let id = record.headers["x-idempotent-outbox-row"].clone();
+        assert_eq!(record.headers["message_id"], format!("m-{id}"));
+        assert_eq!(record.headers["x-origin"], "outbox-test");
+    }
+    // The rows of one key: in one partition, in their order.
+    let order_a: Vec<&common::kafka::Record> = records.iter().filter(|r| r.key.as_deref() == Some("order-a")).collect();
+    assert_eq!(order_a.len(), 3);
+    assert!(order_a.iter().all(|r| r.partition == order_a[0].partition));
+    let ids: Vec<&str> = order_a.iter().map(|r| r.headers["message_id"].as_str()).collect();
+    assert_eq!(ids, ["m-1", "m-3", "m-4"]);
+    let unkeyed = records.iter().find(|r| r.headers["message_id"] == "m-5").unwrap();
+    assert_eq!(
+        (unkeyed.key.as_deref(), unkeyed.value.as_slice()),
+        (None, &b"no key"[..])
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_drains_postgres_into_kafka() {
+    let kafka = common::kafka::Kafka::start();
+    let topic = common::unique("outbox.kafka");
+    kafka.create_topic(&topic, 2).await;
+    let (ids, tables) = stage_and_relay(&topic, 25, KafkaPublisher::new(&kafka.config()).unwrap()).await;
+    let mut got: Vec<String> = kafka
+        .read_all(&topic)
+        .await
+        .into_iter()
+        .map(|r| r.headers["message_id"].clone())
+        .collect();
+    let mut ids = ids;
+    got.sort();
+    ids.sort();
+    assert_eq!(got, ids);
+    drop_tables(&tables).await;
 }
 
 // ---- A relay draining PostgreSQL into each broker -------------------------

@@ -146,7 +146,7 @@ impl Error {
     /// reused keys, a scope conflict, a result that cannot be stored), and
     /// a retry that spends an attempt for a transaction a failed statement
     /// of the body aborted.
-    #[cfg(any(feature = "rabbitmq", feature = "nats", feature = "redis-streams"))]
+    #[cfg(any(feature = "rabbitmq", feature = "nats", feature = "redis-streams", feature = "kafka"))]
     pub fn verdict(&self) -> crate::broker::Verdict {
         if self.is_transient() {
             crate::broker::Verdict::Outage

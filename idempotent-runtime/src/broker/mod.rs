@@ -33,6 +33,8 @@ pub mod pipeline;
 mod policy;
 mod stats;
 
+#[cfg(feature = "kafka")]
+pub mod kafka;
 #[cfg(feature = "nats")]
 pub mod nats;
 #[cfg(feature = "rabbitmq")]
@@ -115,6 +117,11 @@ pub enum ConsumerError {
     #[cfg(feature = "nats")]
     #[error("NATS error: {0}")]
     Nats(#[source] async_nats::Error),
+
+    /// Kafka (librdkafka) failed.
+    #[cfg(feature = "kafka")]
+    #[error("Kafka error: {0}")]
+    Kafka(#[from] rdkafka::error::KafkaError),
 
     /// Redis failed.
     #[cfg(feature = "redis-streams")]

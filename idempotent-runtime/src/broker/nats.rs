@@ -512,6 +512,9 @@ impl Delivery {
             destination: None,
             routing_key: None,
             delivery_tag: None,
+            partition: None,
+            offset: None,
+            message_key: None,
         };
         Delivery {
             shared,

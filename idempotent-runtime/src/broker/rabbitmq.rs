@@ -610,6 +610,9 @@ impl Delivery {
             )),
             routing_key: (!routing_key.is_empty()).then(|| routing_key.to_owned()),
             delivery_tag: Some(delivery.delivery_tag),
+            partition: None,
+            offset: None,
+            message_key: None,
         };
         Delivery { shared, delivery, meta }
     }

@@ -619,6 +619,9 @@ impl Delivery {
             destination: None,
             routing_key: None,
             delivery_tag: None,
+            partition: None,
+            offset: None,
+            message_key: None,
         };
         Delivery {
             shared,

@@ -69,6 +69,8 @@ pub use relay::{
 };
 
 // The relay's publishers live beside their broker's consumer.
+#[cfg(feature = "kafka")]
+pub use crate::broker::kafka::publisher::KafkaPublisher;
 #[cfg(feature = "nats")]
 pub use crate::broker::nats::publisher::JetStreamPublisher;
 #[cfg(feature = "rabbitmq")]

@@ -65,7 +65,6 @@ where
     // Connection attempts failed in a row, and whether one was ever lost.
     let mut failures = 0u32;
     let mut lost = false;
-    let mut last_activity = Instant::now();
     // The session that ended with the stop: closed after the drain, so the
     // handlers still running can settle on it.
     let mut stopped: Option<B::Session> = None;
@@ -114,6 +113,9 @@ where
             );
         }
         failures = 0;
+        // Idle time counts from the connection (a Kafka consumer's connect
+        // includes joining its group, which takes seconds).
+        let mut last_activity = Instant::now();
         let mut stopping = false;
         loop {
             while let Some(done) = tasks.try_join_next() {

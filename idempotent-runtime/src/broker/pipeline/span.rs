@@ -12,6 +12,7 @@ pub(super) fn delivery_span<Dl: Delivery, D, R, H>(worker: &Worker<D, R, H>, del
     let meta = delivery.meta();
     let messaging = &worker.messaging;
     let destination = meta.destination.as_deref().unwrap_or(&messaging.destination);
+    let partition = meta.partition.map(|p| p.to_string());
     let span = tracing::info_span!(
         target: TRACING_TARGET,
         "delivery",
@@ -28,6 +29,9 @@ pub(super) fn delivery_span<Dl: Delivery, D, R, H>(worker: &Worker<D, R, H>, del
         messaging.message.body.size = otel_int(delivery.body().len()),
         messaging.rabbitmq.destination.routing_key = meta.routing_key.as_deref(),
         messaging.rabbitmq.message.delivery_tag = meta.delivery_tag.map(otel_int),
+        messaging.destination.partition.id = partition.as_deref(),
+        messaging.kafka.offset = meta.offset,
+        messaging.kafka.message.key = meta.message_key.as_deref(),
         source = %worker.source,
         position = %meta.position,
         attempt = i64::from(meta.attempt),

@@ -134,6 +134,12 @@ pub struct Meta {
     pub routing_key: Option<String>,
     /// Its `messaging.rabbitmq.message.delivery_tag` (RabbitMQ).
     pub delivery_tag: Option<u64>,
+    /// Its `messaging.destination.partition.id` (Kafka).
+    pub partition: Option<i32>,
+    /// Its `messaging.kafka.offset` (Kafka).
+    pub offset: Option<i64>,
+    /// Its `messaging.kafka.message.key` (Kafka; not UTF-8 bytes replaced).
+    pub message_key: Option<String>,
 }
 
 /// A dead letter to publish.
