@@ -1,5 +1,6 @@
-//! The README's first command, `cargo run --example quickstart`, and the
-//! by-design example: both run on embedded SQLite and must prove their point.
+//! The README's first command, `cargo run --example quickstart`, the
+//! by-design example and the HTTP payments example: all run on embedded
+//! SQLite and must prove their point.
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -48,4 +49,17 @@ fn by_design_patterns_tolerate_repeats_and_reordering() {
     let out = run("by_design");
     assert!(out.contains("shipments in the table: 2"), "{out}");
     assert!(out.contains("final: Rua C, 3 (v3)"), "{out}");
+}
+
+#[test]
+fn http_payments_charges_each_payment_once() {
+    let out = run("http_payments");
+    assert!(out.contains("proof: every payment was charged exactly once."), "{out}");
+    assert!(out.contains("order A-1 of acme charged: 1"), "{out}");
+    assert!(out.contains("same key, another amount: 422"), "{out}");
+    assert!(
+        out.contains("a later retry: 201 replayed=true identical to the first answer=true"),
+        "{out}"
+    );
+    assert!(out.contains("another tenant, same key: 201 (globex's A-1 charged: 1)"), "{out}");
 }
