@@ -158,9 +158,10 @@ async fn charged(client: &reqwest::Client, base: &str, tenant: &str, order: &str
         .await;
     match answer {
         Ok(response) => response
-            .json::<serde_json::Value>()
+            .bytes()
             .await
             .ok()
+            .and_then(|body| serde_json::from_slice::<serde_json::Value>(&body).ok())
             .and_then(|v| v["charges"].as_i64())
             .unwrap_or(-1),
         Err(_) => -1,

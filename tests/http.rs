@@ -73,7 +73,7 @@ impl Backend for Lite {
             sqlx::query(AssertSqlSafe(format!("INSERT INTO {table} (tenant, request) VALUES (?1, ?2)")))
                 .bind(tenant)
                 .bind(request)
-                .execute(&mut **tx)
+                .execute(&mut ***tx)
                 .await?;
             Ok(())
         }
@@ -120,7 +120,7 @@ impl Backend for Pg {
             sqlx::query(AssertSqlSafe(format!("INSERT INTO {table} (tenant, request) VALUES ($1, $2)")))
                 .bind(tenant)
                 .bind(request)
-                .execute(&mut **tx)
+                .execute(&mut ***tx)
                 .await?;
             Ok(())
         }
@@ -176,7 +176,7 @@ async fn charge<B: Backend>(
         return (StatusCode::INTERNAL_SERVER_ERROR, "the charge failed").into_response();
     }
     if text.contains("not-kept") {
-        return (NotKept, StatusCode::TOO_MANY_REQUESTS, "try again").into_response();
+        return (StatusCode::TOO_MANY_REQUESTS, NotKept, "try again").into_response();
     }
     if text.contains("stream") {
         let chunks = futures_util::stream::iter([Ok::<_, std::io::Error>(Bytes::from_static(b"part"))]);

@@ -171,7 +171,7 @@ impl Default for InProgress {
 /// A marker a handler adds to its answer so that it is sent but not kept:
 /// the claim is released (on a transactional store the handler's
 /// transaction rolls back) and a retry with the same key runs again. Add it
-/// as a response part: `(NotKept, StatusCode::TOO_MANY_REQUESTS, "slow down")`.
+/// as a response part: `(StatusCode::TOO_MANY_REQUESTS, NotKept, "slow down")`.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct NotKept;
 
@@ -400,7 +400,8 @@ where
 
     fn call(&mut self, request: Request<Body>) -> Self::Future {
         // The clone that was driven to readiness serves this request.
-        let ready = std::mem::replace(&mut self.inner, self.inner.clone());
+        let fresh = self.inner.clone();
+        let ready = std::mem::replace(&mut self.inner, fresh);
         Box::pin(serve(Arc::clone(&self.shared), ready, request))
     }
 }
