@@ -176,7 +176,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     {
         let store = open(std::path::Path::new("http_payments.db")).await?;
         let listener = tokio::net::TcpListener::bind(addr.as_str()).await?;
-        println!("serving POST /payments and GET /payments/{{order_id}} on http://{addr} (http_payments.db); Ctrl-C stops");
+        println!(
+            "serving POST /payments and GET /payments/{{order_id}} on http://{addr} (http_payments.db); Ctrl-C stops"
+        );
         axum::serve(listener, app(store))
             .with_graceful_shutdown(async {
                 let _ = tokio::signal::ctrl_c().await;
@@ -197,10 +199,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let payment = r#"{"order_id": "A-1", "amount": 4200}"#;
 
     // 1. A client times out and retries, 20 times at once, with one key.
-    let answers = futures_util::future::join_all(
-        (0..20).map(|_| post_payment(&client, &base, "\"pay-A-1\"", "acme", payment)),
-    )
-    .await;
+    let answers =
+        futures_util::future::join_all((0..20).map(|_| post_payment(&client, &base, "\"pay-A-1\"", "acme", payment)))
+            .await;
     let created = answers.iter().filter(|a| a.status == 201).count();
     let conflicts = answers.iter().filter(|a| a.status == 409).count();
     let first = answers.iter().find(|a| a.status == 201 && !a.replayed);
@@ -232,7 +233,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     // 4. Another tenant may use the same key: its own payment.
     let other = post_payment(&client, &base, "\"pay-A-1\"", "globex", payment).await;
     let globex = charged(&client, &base, "globex", "A-1").await;
-    println!("another tenant, same key: {} (globex's A-1 charged: {globex})", other.status);
+    println!(
+        "another tenant, same key: {} (globex's A-1 charged: {globex})",
+        other.status
+    );
     let acme = charged(&client, &base, "acme", "A-1").await;
     println!("order A-1 of acme charged after every retry: {acme}");
 

@@ -61,5 +61,8 @@ fn http_payments_charges_each_payment_once() {
         out.contains("a later retry: 201 replayed=true identical to the first answer=true"),
         "{out}"
     );
-    assert!(out.contains("another tenant, same key: 201 (globex's A-1 charged: 1)"), "{out}");
+    assert!(
+        out.contains("another tenant, same key: 201 (globex's A-1 charged: 1)"),
+        "{out}"
+    );
 }

@@ -1,6 +1,6 @@
 //! The `Idempotency-Key` layer (feature `axum`, `idempotent_runtime::http`)
 //! behind a real axum server on 127.0.0.1, called by real clients (`reqwest`
-//! and `curl`), on SQLite and PostgreSQL (transactional: the handler's
+//! and `curl`), on SQLite, PostgreSQL and MariaDB (transactional: the handler's
 //! insert commits with the kept answer) and on the in-memory store (lease).
 
 mod common;
@@ -19,7 +19,7 @@ use idempotent_runtime::axum::{self, Router};
 use idempotent_runtime::http::{IdempotencyLayer, IdempotentTx, InProgress, NotKept};
 use idempotent_runtime::sqlx::{self, AssertSqlSafe};
 use idempotent_runtime::store::TransactionalStore;
-use idempotent_runtime::{MemoryStore, PgStore, SqliteStore};
+use idempotent_runtime::{MemoryStore, MySqlStore, PgStore, SqliteStore};
 
 // ---- the backends ------------------------------------------------------------
 
@@ -55,7 +55,11 @@ impl Backend for Lite {
         let table = common::unique("charges");
         let ddl = format!("CREATE TABLE {table} (tenant TEXT NOT NULL, request TEXT NOT NULL)");
         sqlx::query(AssertSqlSafe(ddl)).execute(store.pool()).await.unwrap();
-        Lite { store, table, _dir: dir }
+        Lite {
+            store,
+            table,
+            _dir: dir,
+        }
     }
     fn store(&self) -> SqliteStore {
         self.store.clone()
@@ -63,20 +67,20 @@ impl Backend for Lite {
     fn table(&self) -> &str {
         &self.table
     }
-    fn insert<'a>(
-        tx: &'a mut IdempotentTx<SqliteStore>,
-        table: &'a str,
-        tenant: &'a str,
-        request: &'a str,
-    ) -> impl Future<Output = Result<(), sqlx::Error>> + Send + 'a {
-        async move {
-            sqlx::query(AssertSqlSafe(format!("INSERT INTO {table} (tenant, request) VALUES (?1, ?2)")))
-                .bind(tenant)
-                .bind(request)
-                .execute(&mut ***tx)
-                .await?;
-            Ok(())
-        }
+    async fn insert(
+        tx: &mut IdempotentTx<SqliteStore>,
+        table: &str,
+        tenant: &str,
+        request: &str,
+    ) -> Result<(), sqlx::Error> {
+        sqlx::query(AssertSqlSafe(format!(
+            "INSERT INTO {table} (tenant, request) VALUES (?1, ?2)"
+        )))
+        .bind(tenant)
+        .bind(request)
+        .execute(&mut ***tx)
+        .await?;
+        Ok(())
     }
     async fn charges(&self) -> i64 {
         sqlx::query_scalar(AssertSqlSafe(format!("SELECT count(*) FROM {}", self.table)))
@@ -110,20 +114,20 @@ impl Backend for Pg {
     fn table(&self) -> &str {
         &self.table
     }
-    fn insert<'a>(
-        tx: &'a mut IdempotentTx<PgStore>,
-        table: &'a str,
-        tenant: &'a str,
-        request: &'a str,
-    ) -> impl Future<Output = Result<(), sqlx::Error>> + Send + 'a {
-        async move {
-            sqlx::query(AssertSqlSafe(format!("INSERT INTO {table} (tenant, request) VALUES ($1, $2)")))
-                .bind(tenant)
-                .bind(request)
-                .execute(&mut ***tx)
-                .await?;
-            Ok(())
-        }
+    async fn insert(
+        tx: &mut IdempotentTx<PgStore>,
+        table: &str,
+        tenant: &str,
+        request: &str,
+    ) -> Result<(), sqlx::Error> {
+        sqlx::query(AssertSqlSafe(format!(
+            "INSERT INTO {table} (tenant, request) VALUES ($1, $2)"
+        )))
+        .bind(tenant)
+        .bind(request)
+        .execute(&mut ***tx)
+        .await?;
+        Ok(())
     }
     async fn charges(&self) -> i64 {
         sqlx::query_scalar(AssertSqlSafe(format!("SELECT count(*) FROM {}", self.table)))
@@ -134,6 +138,56 @@ impl Backend for Pg {
     async fn teardown(self) {
         common::drop_pg_table(self.store.pool(), &self.markers).await;
         common::drop_pg_table(self.store.pool(), &self.table).await;
+    }
+}
+
+struct My {
+    store: MySqlStore,
+    markers: String,
+    table: String,
+}
+
+impl Backend for My {
+    type S = MySqlStore;
+    async fn setup() -> Self {
+        let pool = common::mysql_pool(16).await;
+        let (markers, table) = (common::unique("http_markers"), common::unique("http_charges"));
+        let store = MySqlStore::builder(pool.clone()).table(&markers).build().unwrap();
+        store.migrate().await.unwrap();
+        let ddl = format!("CREATE TABLE `{table}` (tenant TEXT NOT NULL, request TEXT NOT NULL)");
+        sqlx::query(AssertSqlSafe(ddl)).execute(&pool).await.unwrap();
+        My { store, markers, table }
+    }
+    fn store(&self) -> MySqlStore {
+        self.store.clone()
+    }
+    fn table(&self) -> &str {
+        &self.table
+    }
+    async fn insert(
+        tx: &mut IdempotentTx<MySqlStore>,
+        table: &str,
+        tenant: &str,
+        request: &str,
+    ) -> Result<(), sqlx::Error> {
+        sqlx::query(AssertSqlSafe(format!(
+            "INSERT INTO `{table}` (tenant, request) VALUES (?, ?)"
+        )))
+        .bind(tenant)
+        .bind(request)
+        .execute(&mut ***tx)
+        .await?;
+        Ok(())
+    }
+    async fn charges(&self) -> i64 {
+        sqlx::query_scalar(AssertSqlSafe(format!("SELECT count(*) FROM `{}`", self.table)))
+            .fetch_one(self.store.pool())
+            .await
+            .unwrap()
+    }
+    async fn teardown(self) {
+        common::drop_mysql_table(self.store.pool(), &self.markers).await;
+        common::drop_mysql_table(self.store.pool(), &self.table).await;
     }
 }
 
@@ -251,7 +305,8 @@ impl Answer {
     }
     fn problem_type(&self) -> String {
         assert_eq!(
-            self.headers["content-type"], "application/problem+json",
+            self.headers["content-type"],
+            "application/problem+json",
             "status {}: {}",
             self.status,
             String::from_utf8_lossy(&self.body)
@@ -372,13 +427,23 @@ async fn missing_keys_and_callers_are_400<B: Backend>() {
     assert_eq!(ran.load(Ordering::SeqCst), 0);
     // A route where the key is optional runs without one, every time.
     for _ in 0..2 {
-        assert_eq!(send(&client, &format!("{base}/optional"), None, "acme", "x").await.status, 201);
+        assert_eq!(
+            send(&client, &format!("{base}/optional"), None, "acme", "x")
+                .await
+                .status,
+            201
+        );
     }
     assert_eq!(ran.load(Ordering::SeqCst), 2);
     // ...and with one, once.
     let key = common::unique("key");
     for _ in 0..2 {
-        assert_eq!(send(&client, &format!("{base}/optional"), Some(&key), "acme", "x").await.status, 201);
+        assert_eq!(
+            send(&client, &format!("{base}/optional"), Some(&key), "acme", "x")
+                .await
+                .status,
+            201
+        );
     }
     assert_eq!(ran.load(Ordering::SeqCst), 3);
     backend.teardown().await;
@@ -496,7 +561,11 @@ async fn server_errors_and_not_kept_answers_are_not_stored<B: Backend>() {
             assert_eq!(answer.status, status);
             assert!(!answer.replayed());
         }
-        assert_eq!(ran.load(Ordering::SeqCst), before + 2, "{body}: the retry did not run again");
+        assert_eq!(
+            ran.load(Ordering::SeqCst),
+            before + 2,
+            "{body}: the retry did not run again"
+        );
     }
     // The handler inserted before failing: rolled back with the claim.
     assert_eq!(backend.charges().await, 0);
@@ -539,7 +608,10 @@ async fn a_replay_is_the_first_answer_byte_for_byte<B: Backend>() {
         assert_eq!(replay.headers[name], first.headers[name], "{name}");
     }
     assert!(first.headers.get("set-cookie").is_some());
-    assert!(replay.headers.get("set-cookie").is_none(), "a cookie was handed out again");
+    assert!(
+        replay.headers.get("set-cookie").is_none(),
+        "a cookie was handed out again"
+    );
     // curl, another client, gets the same bytes.
     let dir = tempfile::tempdir().unwrap();
     let body_file = dir.path().join("body");
@@ -558,7 +630,10 @@ async fn a_replay_is_the_first_answer_byte_for_byte<B: Backend>() {
     ])
     .await;
     assert!(head.starts_with("HTTP/1.1 201"), "{head}");
-    assert!(head.to_ascii_lowercase().contains("idempotent-replayed: true"), "{head}");
+    assert!(
+        head.to_ascii_lowercase().contains("idempotent-replayed: true"),
+        "{head}"
+    );
     assert_eq!(std::fs::read(&body_file).unwrap(), first.body);
     backend.teardown().await;
 }
@@ -627,6 +702,7 @@ macro_rules! http_suite {
 
 http_suite!(sqlite, Lite);
 http_suite!(postgres, Pg);
+http_suite!(mariadb, My);
 
 // ---- a lease store ---------------------------------------------------------------
 

@@ -59,7 +59,11 @@ impl Inflight {
 impl Drop for Held {
     fn drop(&mut self) {
         drop(self.lock.take());
-        let mut slots = self.inflight.slots.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let mut slots = self
+            .inflight
+            .slots
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
         // Only the map holds it: nobody holds or waits for the key.
         if slots.get(&self.id).is_some_and(|slot| Arc::strong_count(slot) == 1) {
             slots.remove(&self.id);
@@ -76,7 +80,12 @@ mod tests {
         let inflight = Arc::new(Inflight::default());
         let first = inflight.hold("k".into(), None).await.expect("free key");
         assert!(inflight.hold("k".into(), None).await.is_none());
-        assert!(inflight.hold("k".into(), Some(Duration::from_millis(20))).await.is_none());
+        assert!(
+            inflight
+                .hold("k".into(), Some(Duration::from_millis(20)))
+                .await
+                .is_none()
+        );
         assert!(inflight.hold("other".into(), None).await.is_some());
         let waiter = {
             let inflight = Arc::clone(&inflight);

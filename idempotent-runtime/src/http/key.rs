@@ -114,7 +114,10 @@ mod tests {
 
     #[test]
     fn a_bare_token_is_accepted() {
-        assert_eq!(parse(b"8e03978e-40d5-43e8-bc93-6894a57f9324").unwrap(), "8e03978e-40d5-43e8-bc93-6894a57f9324");
+        assert_eq!(
+            parse(b"8e03978e-40d5-43e8-bc93-6894a57f9324").unwrap(),
+            "8e03978e-40d5-43e8-bc93-6894a57f9324"
+        );
         assert_eq!(parse(b"key:with/odd=chars").unwrap(), "key:with/odd=chars");
     }
 

@@ -491,10 +491,7 @@ where
 
     let too_large = || {
         Kind::BodyTooLarge.response(
-            &format!(
-                "the body is over the {}-byte limit of this endpoint",
-                config.body_limit
-            ),
+            &format!("the body is over the {}-byte limit of this endpoint", config.body_limit),
             None,
         )
     };
@@ -536,7 +533,9 @@ where
     };
     let in_progress = |span: &tracing::Span| {
         span.record("idempotency.outcome", "in_progress");
-        span.in_scope(|| tracing::info!(target: "idempotent", outcome = "in_progress", "request with a key in progress: not run"));
+        span.in_scope(
+            || tracing::info!(target: "idempotent", outcome = "in_progress", "request with a key in progress: not run"),
+        );
         Kind::InProgress.response(
             "a request with this Idempotency-Key is still being processed; retry after the time in Retry-After",
             Some(retry_after),
@@ -561,7 +560,9 @@ where
             span.record("idempotency.outcome", "duplicate");
             let replayed = match replay.json() {
                 Some(json) => StoredResponse::from_json(json).and_then(|kept| kept.replay()),
-                None => Err(Error::Config("the key is completed but no response was kept with it".into())),
+                None => Err(Error::Config(
+                    "the key is completed but no response was kept with it".into(),
+                )),
             };
             return Ok(match replayed {
                 Ok(response) => {
@@ -635,7 +636,10 @@ where
         ));
     }
     let (response_parts, response_body) = response.into_parts();
-    let body: Bytes = match http_body_util::Limited::new(response_body, config.response_limit).collect().await {
+    let body: Bytes = match http_body_util::Limited::new(response_body, config.response_limit)
+        .collect()
+        .await
+    {
         Ok(collected) => collected.to_bytes(),
         Err(error) => {
             guard.abort().await;
@@ -657,7 +661,9 @@ where
     match completed {
         Ok(()) => {
             span.record("idempotency.outcome", "processed");
-            span.in_scope(|| tracing::debug!(target: "idempotent", outcome = "processed", "request processed; answer kept"));
+            span.in_scope(
+                || tracing::debug!(target: "idempotent", outcome = "processed", "request processed; answer kept"),
+            );
             Ok(Response::from_parts(response_parts, Body::from(body)))
         }
         Err(error) => {
@@ -683,7 +689,10 @@ mod tests {
         assert_ne!(a, scope_of("acme", &Method::PUT, "/payments"));
         assert_ne!(a, scope_of("", &Method::POST, "/payments"));
         let long = scope_of(&"t".repeat(500), &Method::POST, "/payments");
-        assert!(long.starts_with("http#") && long.len() <= crate::MAX_SCOPE_BYTES, "{long}");
+        assert!(
+            long.starts_with("http#") && long.len() <= crate::MAX_SCOPE_BYTES,
+            "{long}"
+        );
         assert_ne!(long, scope_of(&"t".repeat(501), &Method::POST, "/payments"));
     }
 

@@ -37,9 +37,21 @@ impl Kind {
             Kind::MissingKey => (StatusCode::BAD_REQUEST, "missing-key", "Idempotency-Key is missing"),
             Kind::InvalidKey => (StatusCode::BAD_REQUEST, "invalid-key", "Idempotency-Key is invalid"),
             Kind::MissingCaller => (StatusCode::BAD_REQUEST, "missing-caller", "The caller is unknown"),
-            Kind::BodyTooLarge => (StatusCode::PAYLOAD_TOO_LARGE, "body-too-large", "The request body is too large"),
-            Kind::BadBody => (StatusCode::BAD_REQUEST, "unreadable-body", "The request body could not be read"),
-            Kind::InProgress => (StatusCode::CONFLICT, "in-progress", "A request with this key is in progress"),
+            Kind::BodyTooLarge => (
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "body-too-large",
+                "The request body is too large",
+            ),
+            Kind::BadBody => (
+                StatusCode::BAD_REQUEST,
+                "unreadable-body",
+                "The request body could not be read",
+            ),
+            Kind::InProgress => (
+                StatusCode::CONFLICT,
+                "in-progress",
+                "A request with this key is in progress",
+            ),
             Kind::KeyReused => (
                 StatusCode::UNPROCESSABLE_ENTITY,
                 "key-reused",
@@ -81,7 +93,9 @@ impl Kind {
         );
         if let Some(after) = retry_after {
             let secs = after.as_secs() + u64::from(after.subsec_nanos() > 0);
-            response.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(secs.max(1)));
+            response
+                .headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from(secs.max(1)));
         }
         response
     }

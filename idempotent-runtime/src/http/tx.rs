@@ -124,8 +124,7 @@ mod transactional {
             let Ok(held) = std::sync::Arc::clone(&cell.0).try_lock_owned() else {
                 return Err(refused("IdempotentTx is extracted once per request"));
             };
-            match tokio::sync::OwnedMutexGuard::try_map(held, |guard| guard.as_mut().map(|guard| guard.transaction()))
-            {
+            match tokio::sync::OwnedMutexGuard::try_map(held, |guard| guard.as_mut().map(|guard| guard.transaction())) {
                 Ok(tx) => Ok(IdempotentTx { tx }),
                 Err(_) => Err(refused("the request's claim has already ended")),
             }
