@@ -9,7 +9,8 @@
 //! own payment.
 //!
 //! `cargo run --example http_payments -- --serve 127.0.0.1:3000` serves it
-//! until stopped (Ctrl-C), for curl:
+//! until stopped (Ctrl-C), on the SQLite file `http_payments.db` (or the
+//! file given after the address), for curl:
 //!
 //! ```text
 //! curl -i -X POST localhost:3000/payments -H 'Idempotency-Key: "pay-1"' -H 'X-Tenant: acme' \
@@ -171,14 +172,14 @@ async fn charged(client: &reqwest::Client, base: &str, tenant: &str, order: &str
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    if let [flag, addr] = args.as_slice()
+    if let [flag, addr, rest @ ..] = args.as_slice()
         && flag == "--serve"
+        && rest.len() <= 1
     {
-        let store = open(std::path::Path::new("http_payments.db")).await?;
+        let db = rest.first().map_or("http_payments.db", String::as_str);
+        let store = open(std::path::Path::new(db)).await?;
         let listener = tokio::net::TcpListener::bind(addr.as_str()).await?;
-        println!(
-            "serving POST /payments and GET /payments/{{order_id}} on http://{addr} (http_payments.db); Ctrl-C stops"
-        );
+        println!("serving POST /payments and GET /payments/{{order_id}} on http://{addr} ({db}); Ctrl-C stops");
         axum::serve(listener, app(store))
             .with_graceful_shutdown(async {
                 let _ = tokio::signal::ctrl_c().await;
@@ -187,7 +188,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         return Ok(());
     }
     if !args.is_empty() {
-        return Err("usage: http_payments [--serve 127.0.0.1:PORT]".into());
+        return Err("usage: http_payments [--serve 127.0.0.1:PORT [DATABASE_FILE]]".into());
     }
 
     let dir = tempfile::tempdir()?;

@@ -66,3 +66,92 @@ fn http_payments_charges_each_payment_once() {
         "{out}"
     );
 }
+
+/// The payment endpoint served by `http_payments --serve`, SIGKILLed while
+/// a payment's handler runs (after its insert, before its commit), then
+/// restarted on the same database: the client's retry with the same key
+/// charges the order once, and the retry after that is a replay.
+#[test]
+fn http_payments_killed_mid_request_charges_once_after_the_retry() {
+    use std::net::{TcpListener, TcpStream};
+    use std::time::{Duration, Instant};
+
+    let dir = tempfile::tempdir().expect("temp dir");
+    let db = dir.path().join("payments.db");
+    let port = TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+        .port();
+    let addr = format!("127.0.0.1:{port}");
+    let serve = || {
+        let child = Command::new(example("http_payments"))
+            .args(["--serve", &addr, &db.display().to_string()])
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .expect("start the server");
+        let started = Instant::now();
+        while TcpStream::connect(&addr).is_err() {
+            assert!(started.elapsed() < Duration::from_secs(30), "the server did not listen");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        child
+    };
+    let pay = |key: &str| {
+        Command::new("curl")
+            .args([
+                "-sS",
+                "-i",
+                "--max-time",
+                "10",
+                "-X",
+                "POST",
+                &format!("http://{addr}/payments"),
+                "-H",
+                &format!("Idempotency-Key: \"{key}\""),
+                "-H",
+                "X-Tenant: acme",
+                "-H",
+                "Content-Type: application/json",
+                "-d",
+                r#"{"order_id": "K-1", "amount": 700}"#,
+            ])
+            .output()
+            .expect("curl")
+    };
+    let charged = || {
+        let out = Command::new("curl")
+            .args(["-sS", &format!("http://{addr}/payments/K-1"), "-H", "X-Tenant: acme"])
+            .output()
+            .expect("curl");
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+
+    let mut server = serve();
+    // The handler sleeps 300 ms between its insert and the commit: the
+    // server is killed in between.
+    let killer = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(150));
+        server.kill().expect("SIGKILL the server");
+        server.wait().expect("reap the server");
+    });
+    let cut = pay("kill-1");
+    killer.join().expect("killer thread");
+    let cut_out = String::from_utf8_lossy(&cut.stdout);
+    assert!(
+        !cut_out.starts_with("HTTP/1.1 201"),
+        "the first request was answered before the kill: {cut_out}"
+    );
+
+    let mut server = serve();
+    assert!(charged().contains(r#""charges":0"#), "the killed request committed");
+    let retry = pay("kill-1");
+    let retry_out = String::from_utf8_lossy(&retry.stdout).to_ascii_lowercase();
+    assert!(retry_out.starts_with("http/1.1 201"), "{retry_out}");
+    assert!(!retry_out.contains("idempotent-replayed"), "{retry_out}");
+    let again = pay("kill-1");
+    let again_out = String::from_utf8_lossy(&again.stdout).to_ascii_lowercase();
+    assert!(again_out.contains("idempotent-replayed: true"), "{again_out}");
+    assert!(charged().contains(r#""charges":1"#), "{}", charged());
+    server.kill().expect("stop the server");
+    server.wait().expect("reap the server");
+}
