@@ -155,3 +155,65 @@ fn http_payments_killed_mid_request_charges_once_after_the_retry() {
     server.kill().expect("stop the server");
     server.wait().expect("reap the server");
 }
+
+/// An outside client in another language: Python `requests`, from a virtual
+/// environment this test makes (with the system's packages; `requests` is
+/// installed into it with pip when the system has none), against
+/// `http_payments --serve` (`tests/python/http_client.py`).
+#[test]
+fn http_payments_answers_a_python_client() {
+    use std::net::{TcpListener, TcpStream};
+    use std::time::{Duration, Instant};
+
+    let dir = tempfile::tempdir().expect("temp dir");
+    let venv = dir.path().join("venv");
+    let made = Command::new("python3")
+        .args(["-m", "venv", "--system-site-packages"])
+        .arg(&venv)
+        .status()
+        .expect("python3 (to make a virtual environment)");
+    assert!(made.success(), "python3 -m venv failed");
+    let python = venv.join("bin").join("python");
+    let has_requests = Command::new(&python)
+        .args(["-c", "import requests"])
+        .status()
+        .is_ok_and(|s| s.success());
+    if !has_requests {
+        let installed = Command::new(&python)
+            .args(["-m", "pip", "install", "--quiet", "requests"])
+            .status()
+            .expect("pip");
+        assert!(installed.success(), "pip install requests failed");
+    }
+
+    let port = TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+        .port();
+    let addr = format!("127.0.0.1:{port}");
+    let mut server = Command::new(example("http_payments"))
+        .args(["--serve", &addr])
+        .arg(dir.path().join("payments.db"))
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .expect("start the server");
+    let started = Instant::now();
+    while TcpStream::connect(&addr).is_err() {
+        assert!(started.elapsed() < Duration::from_secs(30), "the server did not listen");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/python/http_client.py");
+    let output = Command::new(&python)
+        .arg(script)
+        .args([&format!("http://{addr}"), "py-key-1"])
+        .output()
+        .expect("run the Python client");
+    server.kill().expect("stop the server");
+    server.wait().expect("reap the server");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        output.status.success() && stdout.contains("python proof ok"),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+}
