@@ -18,6 +18,11 @@ pub struct BrokersGuide;
 #[doc = include_str!("../docs/outbox.md")]
 pub struct OutboxGuide;
 
+/// The code blocks of `docs/http.md`, compiled as doctests.
+#[cfg(doctest)]
+#[doc = include_str!("../docs/http.md")]
+pub struct HttpGuide;
+
 /// The code blocks of `docs/operations.md`, compiled as doctests.
 #[cfg(doctest)]
 #[doc = include_str!("../docs/operations.md")]

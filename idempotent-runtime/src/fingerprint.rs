@@ -52,7 +52,16 @@ impl Fingerprint {
 
     /// Hashes raw bytes.
     pub fn from_bytes(bytes: &[u8]) -> Self {
-        let digest = Sha256::digest(bytes);
+        Self::from_chunks([bytes])
+    }
+
+    /// Hashes the concatenation of `chunks` (without copying them together).
+    pub(crate) fn from_chunks<'a>(chunks: impl IntoIterator<Item = &'a [u8]>) -> Self {
+        let mut hasher = Sha256::new();
+        for chunk in chunks {
+            hasher.update(chunk);
+        }
+        let digest = hasher.finalize();
         let mut hex = String::with_capacity(64);
         for byte in digest {
             hex.push(char::from(HEX[usize::from(byte >> 4)]));

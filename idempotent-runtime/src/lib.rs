@@ -49,6 +49,13 @@
 //! the body's effects are then not atomic with the marker and must be
 //! idempotent by design.
 //!
+//! # HTTP endpoints
+//!
+//! With the `axum` feature, [`http::IdempotencyLayer`] gives POST endpoints
+//! the same guarantee through the `Idempotency-Key` header, on the same
+//! stores, and [`http::IdempotentTx`] lets an axum handler write in the
+//! transaction that keeps its answer.
+//!
 //! # TLS
 //!
 //! The `tls-rustls` feature turns on rustls (with the *ring* provider) in
@@ -82,6 +89,8 @@ pub mod batch;
 mod call;
 pub mod error;
 mod fingerprint;
+#[cfg(feature = "axum")]
+pub mod http;
 mod janitor;
 mod key;
 #[cfg(feature = "sqlx")]
@@ -129,6 +138,15 @@ pub use sqlx;
 
 #[cfg(feature = "uuid")]
 pub use uuid;
+
+/// The axum crate the HTTP layer ([`http`]) is built for (feature `axum`),
+/// so handlers and the layer agree on its version.
+#[cfg(feature = "axum")]
+pub use axum;
+
+/// The tower crate of the HTTP layer's `Layer` and `Service` traits.
+#[cfg(feature = "axum")]
+pub use tower;
 
 /// The redis crate [`RedisStore`] is built on.
 #[cfg(feature = "redis")]
