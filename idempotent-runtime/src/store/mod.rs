@@ -377,6 +377,8 @@ pub use sqlite::outbox::SqliteOutboxBatch;
 #[cfg(feature = "sqlite")]
 pub use sqlite::{SqliteStore, SqliteStoreBuilder};
 
+#[cfg(feature = "sqlx")]
+pub(crate) mod backend;
 pub(crate) mod cached;
 pub(crate) mod memory;
 #[cfg(feature = "mysql")]

@@ -57,14 +57,6 @@ return redis.call('GET', KEYS[1])",
     )
 });
 
-/// Extends the lease if the token still matches. ARGV: lease value, lease ms.
-pub(super) static RENEW: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(
-        r"if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
-return 0",
-    )
-});
-
 /// Replaces the lease by the completed marker if the token still matches.
 /// ARGV: lease value, marker value, ttl ms. For servers without `SET ..
 /// IFEQ` (before Valkey 8.1 and Redis 8.4).

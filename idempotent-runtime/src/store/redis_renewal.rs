@@ -14,15 +14,22 @@
 //! length. It ends when the store and all its clones are dropped.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
+use std::sync::{Arc, LazyLock, Mutex, MutexGuard, PoisonError, Weak};
 use std::time::Duration;
 
+use redis::Script;
 use redis::aio::ConnectionManager;
 use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
-use super::redis::RENEW;
+/// Extends the lease if the token still matches. ARGV: lease value, lease ms.
+static RENEW: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r"if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+return 0",
+    )
+});
 
 /// The open leases of one store and the task that extends them.
 pub(crate) struct Renewer {

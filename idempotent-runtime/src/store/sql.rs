@@ -8,7 +8,10 @@ use sqlx::Transaction;
 
 use crate::Error;
 use crate::batch::{Joined, ROLLBACK_TO_SAVEPOINT, SAVEPOINT};
-use crate::outbox::{Outbox, StagedRow};
+use crate::outbox::Outbox;
+#[cfg(any(feature = "mysql", feature = "sqlite"))]
+pub(crate) use crate::store::backend::plain_commit;
+pub(crate) use crate::store::backend::{SqlBackend, sql_backend};
 use crate::store::tx::Tx;
 use crate::store::{Guard, TransactionGuard};
 use crate::table::TableName;
@@ -21,159 +24,6 @@ pub const DEFAULT_OUTBOX_RETENTION: std::time::Duration = std::time::Duration::f
 
 /// Markers deleted per statement by `purge_expired`, unless configured.
 pub const DEFAULT_PURGE_BATCH: u32 = 1_000;
-
-/// A database the sqlx stores run on: how it writes a result into a marker
-/// inside the open transaction. Each backend's SQL stays in its own file.
-pub trait SqlBackend: sqlx::Database {
-    /// Runs `sql` (the backend's "store the result" statement) with
-    /// `(result, scope, key)`.
-    fn write_result<'a>(
-        conn: &'a mut Self::Connection,
-        sql: Arc<str>,
-        result: String,
-        scope: &'a str,
-        key: &'a str,
-    ) -> impl Future<Output = Result<(), sqlx::Error>> + Send + 'a;
-
-    /// Runs `sql` (a backend's claim statement returning a row when the
-    /// claim is fresh) with `(scope, key, ttl in ms, fingerprint)`: `true`
-    /// when it returned a row.
-    fn claim_returning<'a>(
-        conn: &'a mut Self::Connection,
-        sql: Arc<str>,
-        req: &'a crate::store::Request<'a>,
-    ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send + 'a;
-
-    /// Runs `sql` (the backend's "read the marker" statement) with
-    /// `(scope, key)`: the live marker's `(fingerprint, result)`.
-    fn read_marker<'a>(
-        conn: &'a mut Self::Connection,
-        sql: Arc<str>,
-        scope: &'a str,
-        key: &'a str,
-    ) -> impl Future<Output = Result<(Option<String>, Option<String>), sqlx::Error>> + Send + 'a;
-
-    /// Runs `sql` with `(scope, key)` (a batch claim's marker undo), or
-    /// with no parameter when both are `None` (savepoints).
-    fn execute_keyed<'a>(
-        conn: &'a mut Self::Connection,
-        sql: Arc<str>,
-        keyed: Option<(&'a str, &'a str)>,
-    ) -> impl Future<Output = Result<(), sqlx::Error>> + Send + 'a;
-
-    /// Writes staged outgoing messages into the outbox table `table`
-    /// (quoted), inside the open transaction: the backend's own statement.
-    fn stage_outbox<'a>(
-        conn: &'a mut Self::Connection,
-        table: &'a str,
-        rows: Vec<StagedRow>,
-    ) -> impl Future<Output = Result<(), sqlx::Error>> + Send + 'a;
-
-    /// Commits a claim's transaction (alone or a batch's), durably: after it
-    /// returns `Ok` the message may be acknowledged.
-    /// [`Error::TransactionAborted`] when a statement of the body had
-    /// aborted the transaction (nothing was committed).
-    fn commit(tx: Transaction<'static, Self>) -> impl Future<Output = Result<(), Error>> + Send + 'static;
-
-    /// Makes the server end the session of `conn`, so that its release to
-    /// the pool fails and the pool closes it (see [`crate::store::tx`]).
-    fn retire(conn: &mut Self::Connection) -> impl Future<Output = ()> + Send + '_;
-}
-
-/// [`SqlBackend::commit`] where a failed statement leaves the transaction
-/// usable (MySQL/MariaDB, SQLite roll back the statement alone), so
-/// `COMMIT` commits whatever the body did and reports any failure.
-#[cfg(any(feature = "mysql", feature = "sqlite"))]
-pub(crate) async fn plain_commit<DB: sqlx::Database>(tx: Transaction<'static, DB>) -> Result<(), Error> {
-    Ok(tx.commit().await?)
-}
-
-/// Implements [`SqlBackend`] for a sqlx database: the statement is the
-/// backend's own (built in its file), the binding the same for all.
-macro_rules! sql_backend {
-    ($db:ty, $conn:ty, $stage:path, $commit:path, $retire:path) => {
-        impl $crate::store::sql::SqlBackend for $db {
-            async fn write_result<'a>(
-                conn: &'a mut $conn,
-                sql: ::std::sync::Arc<str>,
-                result: String,
-                scope: &'a str,
-                key: &'a str,
-            ) -> Result<(), sqlx::Error> {
-                sqlx::query(sqlx::AssertSqlSafe(sql))
-                    .bind(result)
-                    .bind(scope)
-                    .bind(key)
-                    .execute(conn)
-                    .await?;
-                Ok(())
-            }
-
-            async fn claim_returning<'a>(
-                conn: &'a mut $conn,
-                sql: ::std::sync::Arc<str>,
-                req: &'a $crate::store::Request<'a>,
-            ) -> Result<bool, sqlx::Error> {
-                Ok(sqlx::query(sqlx::AssertSqlSafe(sql))
-                    .bind(req.scope())
-                    .bind(req.key())
-                    .bind(req.ttl_millis())
-                    .bind(req.fingerprint().map(|f| f.as_str()))
-                    .fetch_optional(conn)
-                    .await?
-                    .is_some())
-            }
-
-            async fn read_marker<'a>(
-                conn: &'a mut $conn,
-                sql: ::std::sync::Arc<str>,
-                scope: &'a str,
-                key: &'a str,
-            ) -> Result<(Option<String>, Option<String>), sqlx::Error> {
-                use sqlx::Row as _;
-                let row = sqlx::query(sqlx::AssertSqlSafe(sql))
-                    .bind(scope)
-                    .bind(key)
-                    .fetch_one(conn)
-                    .await?;
-                Ok((row.try_get("fingerprint")?, row.try_get("result")?))
-            }
-
-            async fn execute_keyed<'a>(
-                conn: &'a mut $conn,
-                sql: ::std::sync::Arc<str>,
-                keyed: Option<(&'a str, &'a str)>,
-            ) -> Result<(), sqlx::Error> {
-                let query = sqlx::query(sqlx::AssertSqlSafe(sql));
-                let query = match keyed {
-                    Some((scope, key)) => query.bind(scope).bind(key),
-                    None => query,
-                };
-                query.execute(conn).await?;
-                Ok(())
-            }
-
-            fn stage_outbox<'a>(
-                conn: &'a mut $conn,
-                table: &'a str,
-                rows: Vec<$crate::outbox::StagedRow>,
-            ) -> impl ::std::future::Future<Output = Result<(), sqlx::Error>> + Send + 'a {
-                $stage(conn, table, rows)
-            }
-
-            fn commit(
-                tx: sqlx::Transaction<'static, $db>,
-            ) -> impl ::std::future::Future<Output = Result<(), $crate::Error>> + Send + 'static {
-                $commit(tx)
-            }
-
-            fn retire(conn: &mut $conn) -> impl ::std::future::Future<Output = ()> + Send + '_ {
-                $retire(conn)
-            }
-        }
-    };
-}
-pub(crate) use sql_backend;
 
 /// The claim of a transactional store: the transaction that inserted the
 /// marker. The handler's body runs on it; dropping it rolls back.
@@ -256,7 +106,7 @@ pub(crate) fn stage_inserts<DB, K>(
     table: &str,
     values: &str,
     chunk: usize,
-    rows: Vec<StagedRow>,
+    rows: Vec<crate::outbox::StagedRow>,
     key: impl Fn(Option<String>) -> K,
 ) -> Vec<sqlx::query::Query<'static, DB, DB::Arguments>>
 where
@@ -268,7 +118,7 @@ where
     let mut rows = rows.into_iter().peekable();
     let mut inserts = Vec::new();
     while rows.peek().is_some() {
-        let chunk: Vec<StagedRow> = rows.by_ref().take(chunk).collect();
+        let chunk: Vec<crate::outbox::StagedRow> = rows.by_ref().take(chunk).collect();
         let insert = format!(
             "INSERT INTO {table} (message_id, destination, ordering_key, headers, payload, created_at, next_attempt_at) \
              VALUES {}",

@@ -31,7 +31,7 @@ use std::time::Duration;
 use sqlx::{ConnectOptions, Connection, Pool, Transaction};
 
 use crate::Error;
-use crate::store::sql::SqlBackend;
+use crate::store::backend::SqlBackend;
 
 /// How long an abandoned transaction's connection may take to answer a
 /// ping before it is replaced. A healthy connection answers once the

@@ -1,0 +1,165 @@
+//! What a database must provide for the sqlx stores ([`SqlBackend`]), and
+//! the macro that implements it for each backend with its own statements.
+//! Both [`crate::store::sql`] (the guard) and [`crate::store::tx`] (the
+//! transaction) build on it.
+
+use std::future::Future;
+use std::sync::Arc;
+
+use sqlx::Transaction;
+
+use crate::Error;
+use crate::outbox::StagedRow;
+
+/// A database the sqlx stores run on: how it writes a result into a marker
+/// inside the open transaction. Each backend's SQL stays in its own file.
+pub trait SqlBackend: sqlx::Database {
+    /// Runs `sql` (the backend's "store the result" statement) with
+    /// `(result, scope, key)`.
+    fn write_result<'a>(
+        conn: &'a mut Self::Connection,
+        sql: Arc<str>,
+        result: String,
+        scope: &'a str,
+        key: &'a str,
+    ) -> impl Future<Output = Result<(), sqlx::Error>> + Send + 'a;
+
+    /// Runs `sql` (a backend's claim statement returning a row when the
+    /// claim is fresh) with `(scope, key, ttl in ms, fingerprint)`: `true`
+    /// when it returned a row.
+    fn claim_returning<'a>(
+        conn: &'a mut Self::Connection,
+        sql: Arc<str>,
+        req: &'a crate::store::Request<'a>,
+    ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send + 'a;
+
+    /// Runs `sql` (the backend's "read the marker" statement) with
+    /// `(scope, key)`: the live marker's `(fingerprint, result)`.
+    fn read_marker<'a>(
+        conn: &'a mut Self::Connection,
+        sql: Arc<str>,
+        scope: &'a str,
+        key: &'a str,
+    ) -> impl Future<Output = Result<(Option<String>, Option<String>), sqlx::Error>> + Send + 'a;
+
+    /// Runs `sql` with `(scope, key)` (a batch claim's marker undo), or
+    /// with no parameter when both are `None` (savepoints).
+    fn execute_keyed<'a>(
+        conn: &'a mut Self::Connection,
+        sql: Arc<str>,
+        keyed: Option<(&'a str, &'a str)>,
+    ) -> impl Future<Output = Result<(), sqlx::Error>> + Send + 'a;
+
+    /// Writes staged outgoing messages into the outbox table `table`
+    /// (quoted), inside the open transaction: the backend's own statement.
+    fn stage_outbox<'a>(
+        conn: &'a mut Self::Connection,
+        table: &'a str,
+        rows: Vec<StagedRow>,
+    ) -> impl Future<Output = Result<(), sqlx::Error>> + Send + 'a;
+
+    /// Commits a claim's transaction (alone or a batch's), durably: after it
+    /// returns `Ok` the message may be acknowledged.
+    /// [`Error::TransactionAborted`] when a statement of the body had
+    /// aborted the transaction (nothing was committed).
+    fn commit(tx: Transaction<'static, Self>) -> impl Future<Output = Result<(), Error>> + Send + 'static;
+
+    /// Makes the server end the session of `conn`, so that its release to
+    /// the pool fails and the pool closes it (see [`crate::store::tx`]).
+    fn retire(conn: &mut Self::Connection) -> impl Future<Output = ()> + Send + '_;
+}
+
+/// [`SqlBackend::commit`] where a failed statement leaves the transaction
+/// usable (MySQL/MariaDB, SQLite roll back the statement alone), so
+/// `COMMIT` commits whatever the body did and reports any failure.
+#[cfg(any(feature = "mysql", feature = "sqlite"))]
+pub(crate) async fn plain_commit<DB: sqlx::Database>(tx: Transaction<'static, DB>) -> Result<(), Error> {
+    Ok(tx.commit().await?)
+}
+
+/// Implements [`SqlBackend`] for a sqlx database: the statement is the
+/// backend's own (built in its file), the binding the same for all.
+macro_rules! sql_backend {
+    ($db:ty, $conn:ty, $stage:path, $commit:path, $retire:path) => {
+        impl $crate::store::backend::SqlBackend for $db {
+            async fn write_result<'a>(
+                conn: &'a mut $conn,
+                sql: ::std::sync::Arc<str>,
+                result: String,
+                scope: &'a str,
+                key: &'a str,
+            ) -> Result<(), sqlx::Error> {
+                sqlx::query(sqlx::AssertSqlSafe(sql))
+                    .bind(result)
+                    .bind(scope)
+                    .bind(key)
+                    .execute(conn)
+                    .await?;
+                Ok(())
+            }
+
+            async fn claim_returning<'a>(
+                conn: &'a mut $conn,
+                sql: ::std::sync::Arc<str>,
+                req: &'a $crate::store::Request<'a>,
+            ) -> Result<bool, sqlx::Error> {
+                Ok(sqlx::query(sqlx::AssertSqlSafe(sql))
+                    .bind(req.scope())
+                    .bind(req.key())
+                    .bind(req.ttl_millis())
+                    .bind(req.fingerprint().map(|f| f.as_str()))
+                    .fetch_optional(conn)
+                    .await?
+                    .is_some())
+            }
+
+            async fn read_marker<'a>(
+                conn: &'a mut $conn,
+                sql: ::std::sync::Arc<str>,
+                scope: &'a str,
+                key: &'a str,
+            ) -> Result<(Option<String>, Option<String>), sqlx::Error> {
+                use sqlx::Row as _;
+                let row = sqlx::query(sqlx::AssertSqlSafe(sql))
+                    .bind(scope)
+                    .bind(key)
+                    .fetch_one(conn)
+                    .await?;
+                Ok((row.try_get("fingerprint")?, row.try_get("result")?))
+            }
+
+            async fn execute_keyed<'a>(
+                conn: &'a mut $conn,
+                sql: ::std::sync::Arc<str>,
+                keyed: Option<(&'a str, &'a str)>,
+            ) -> Result<(), sqlx::Error> {
+                let query = sqlx::query(sqlx::AssertSqlSafe(sql));
+                let query = match keyed {
+                    Some((scope, key)) => query.bind(scope).bind(key),
+                    None => query,
+                };
+                query.execute(conn).await?;
+                Ok(())
+            }
+
+            fn stage_outbox<'a>(
+                conn: &'a mut $conn,
+                table: &'a str,
+                rows: Vec<$crate::outbox::StagedRow>,
+            ) -> impl ::std::future::Future<Output = Result<(), sqlx::Error>> + Send + 'a {
+                $stage(conn, table, rows)
+            }
+
+            fn commit(
+                tx: sqlx::Transaction<'static, $db>,
+            ) -> impl ::std::future::Future<Output = Result<(), $crate::Error>> + Send + 'static {
+                $commit(tx)
+            }
+
+            fn retire(conn: &mut $conn) -> impl ::std::future::Future<Output = ()> + Send + '_ {
+                $retire(conn)
+            }
+        }
+    };
+}
+pub(crate) use sql_backend;
