@@ -11,6 +11,10 @@
 //!   transaction dropped (its `ROLLBACK` goes out with the connection's
 //!   release).
 //!
+//! - (q) the same check as a prepared statement of its own, then sqlx's
+//!   plain `COMMIT` (the store's end since 2026-12-04, `CHECK_BEFORE_COMMIT`): one more round trip, no parsing, no trailing `BEGIN`
+//!   and no `ROLLBACK` at the release;
+//!
 //! - (o) the end the stores could have with their own transaction
 //!   handling (no sqlx `Transaction`): `BEGIN` on a pool connection, the
 //!   same `INSERT`, then `SELECT set_config(..) WHERE ..; COMMIT` in one
@@ -35,7 +39,7 @@ use idempotent_runtime::sqlx::{self, AssertSqlSafe, PgPool};
 
 const PG_URL: &str = "postgres://postgres@127.0.0.1:5432/test";
 
-/// The store's end of a claim (`COMMIT_DURABLE` in
+/// The store's end of a claim until 2026-12-04 (`COMMIT_DURABLE` was in
 /// `idempotent-runtime/src/store/postgres/mod.rs`).
 const COMMIT_DURABLE: &str = "SELECT set_config('synchronous_commit', 'on', true) \
      WHERE current_setting('synchronous_commit') = 'off'; COMMIT; BEGIN";
@@ -44,11 +48,17 @@ const COMMIT_DURABLE: &str = "SELECT set_config('synchronous_commit', 'on', true
 const COMMIT_OWN: &str = "SELECT set_config('synchronous_commit', 'on', true) \
      WHERE current_setting('synchronous_commit') = 'off'; COMMIT";
 
+/// (q)'s check, as a prepared statement of its own before a plain
+/// `COMMIT`: an aborted transaction refuses it (25P02) as it refuses (n)'s.
+const CHECK_PREPARED: &str = "SELECT set_config('synchronous_commit', 'on', true) \
+     WHERE current_setting('synchronous_commit') = 'off'";
+
 #[derive(Clone, Copy, PartialEq)]
 enum End {
     Plain,
     Durable,
     Own,
+    Prepared,
 }
 
 /// The marker `INSERT` of every variant.
@@ -67,6 +77,10 @@ async fn one(pool: &PgPool, table: &str, key: &str, end: End) -> Result<(), sqlx
         .execute(&mut *tx)
         .await?;
     if end == End::Plain {
+        return tx.commit().await;
+    }
+    if end == End::Prepared {
+        sqlx::query(CHECK_PREPARED).execute(&mut *tx).await?;
         return tx.commit().await;
     }
     sqlx::raw_sql(AssertSqlSafe(COMMIT_DURABLE)).execute(&mut *tx).await?;
@@ -150,22 +164,24 @@ async fn main() {
         .expect("version");
     println!("PostgreSQL {version}; {reps} interleaved repetitions of {secs} s per variant and concurrency");
     println!(
-        "| concurrency | (p) plain COMMIT /s | (p2) A/A /s | (n) durable, checked /s | (o) own transaction /s | p2/p | n/p | o/p |"
+        "| concurrency | (p) plain COMMIT /s | (p2) A/A /s | (n) durable, checked /s | (q) prepared check, then COMMIT /s | (o) own transaction /s | p2/p | n/p | q/p | o/p |"
     );
-    println!("| --- | --- | --- | --- | --- | --- | --- | --- |");
+    println!("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |");
     for concurrency in [1, 8] {
-        let (mut p, mut p2, mut n, mut o) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let (mut p, mut p2, mut n, mut q, mut o) = (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
         for _ in 0..reps {
             p.push(rate(&pool, &table, End::Plain, concurrency, secs).await);
             n.push(rate(&pool, &table, End::Durable, concurrency, secs).await);
+            q.push(rate(&pool, &table, End::Prepared, concurrency, secs).await);
             o.push(rate(&pool, &table, End::Own, concurrency, secs).await);
             p2.push(rate(&pool, &table, End::Plain, concurrency, secs).await);
         }
-        let (p, p2, n, o) = (median(p), median(p2), median(n), median(o));
+        let (p, p2, n, q, o) = (median(p), median(p2), median(n), median(q), median(o));
         println!(
-            "| {concurrency} | {p:.0} | {p2:.0} | {n:.0} | {o:.0} | {:.3} | {:.3} | {:.3} |",
+            "| {concurrency} | {p:.0} | {p2:.0} | {n:.0} | {q:.0} | {o:.0} | {:.3} | {:.3} | {:.3} | {:.3} |",
             p2 / p,
             n / p,
+            q / p,
             o / p
         );
     }

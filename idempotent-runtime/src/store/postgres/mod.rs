@@ -45,8 +45,8 @@ const AT_READ_COMMITTED: &str = "CASE current_setting('transaction_isolation') W
 /// The mark of [`AT_READ_COMMITTED`]'s failure.
 const NOT_READ_COMMITTED: &str = "idempotent: claim not at read committed";
 
-/// How every claim's transaction (alone or a batch's) ends, in one round
-/// trip (one simple query, three statements):
+/// What every claim's transaction (alone or a batch's) runs before its
+/// `COMMIT`, as a prepared statement (parsed once per connection):
 ///
 /// 1. `synchronous_commit` is set back `on` for this transaction when the
 ///    session has it `off` at this moment (whatever the server's, the
@@ -55,30 +55,29 @@ const NOT_READ_COMMITTED: &str = "idempotent: claim not at read committed";
 ///    broker's message be acknowledged for an effect that a server crash
 ///    then loses. Other values (`local`, `remote_write`, `remote_apply`)
 ///    all flush the WAL locally before the commit returns, and are kept.
-/// 2. The same `SELECT` fails (25P02) when a statement of the body failed
-///    and aborted the transaction: PostgreSQL would answer `COMMIT` with a
+/// 2. The statement fails (25P02) when a statement of the body failed and
+///    aborted the transaction: PostgreSQL would answer `COMMIT` with a
 ///    `ROLLBACK` and no error, and the message would be acknowledged for
-///    nothing. The rest of the query is then skipped.
-/// 3. `COMMIT`, then `BEGIN`: sqlx still counts the transaction as open,
-///    so dropping it queues a `ROLLBACK`, which then ends this empty
-///    transaction (sent with the connection's release, no round trip of
-///    its own) instead of drawing a "no transaction in progress" warning.
-const COMMIT_DURABLE: &str = "SELECT set_config('synchronous_commit', 'on', true) \
-     WHERE current_setting('synchronous_commit') = 'off'; COMMIT; BEGIN";
+///    nothing.
+///
+/// Then sqlx's own `COMMIT`. One round trip more than a bare `COMMIT`, but
+/// cheaper than folding the check into the commit's round trip as one
+/// simple query (`..; COMMIT; BEGIN`), which the server parses every time
+/// and whose trailing empty transaction sqlx rolls back at the release
+/// (`cargo bench --bench commit_end`: (q) against (n)).
+const CHECK_BEFORE_COMMIT: &str = "SELECT set_config('synchronous_commit', 'on', true) \
+     WHERE current_setting('synchronous_commit') = 'off'";
 
 /// PostgreSQL's "current transaction is aborted, commands ignored until end
 /// of transaction block".
 const IN_FAILED_TRANSACTION: &str = "25P02";
 
 /// [`SqlBackend::commit`](crate::store::sql::SqlBackend::commit) on
-/// PostgreSQL: [`COMMIT_DURABLE`].
+/// PostgreSQL: [`CHECK_BEFORE_COMMIT`], then `COMMIT`.
 async fn commit(mut tx: sqlx::Transaction<'static, Postgres>) -> Result<(), Error> {
-    let ended = sqlx::raw_sql(AssertSqlSafe(COMMIT_DURABLE)).execute(&mut *tx).await;
-    // Committed: `tx` holds the empty transaction `BEGIN` opened, and
-    // dropping it rolls that back. Failed: it rolls the claim back.
-    drop(tx);
-    match ended {
-        Ok(_) => Ok(()),
+    match sqlx::query(CHECK_BEFORE_COMMIT).execute(&mut *tx).await {
+        Ok(_) => Ok(tx.commit().await?),
+        // Dropping `tx` rolls the claim back.
         Err(sqlx::Error::Database(db)) if db.code().as_deref() == Some(IN_FAILED_TRANSACTION) => {
             Err(Error::TransactionAborted)
         }
