@@ -878,16 +878,17 @@ async fn a_missing_queue_is_declared_and_a_refusal_declares_nothing() {
         },
         shutdown.clone(),
     ));
+    // Both are declared before the consumer subscribes, one after the
+    // other: wait for both (waiting for the first alone raced the second).
+    let mut declared = false;
     for _ in 0..200 {
-        if exists(&conn, &queue).await {
+        declared = exists(&conn, &queue).await && exists(&conn, &dlq).await;
+        if declared {
             break;
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    assert!(
-        exists(&conn, &queue).await && exists(&conn, &dlq).await,
-        "both declared"
-    );
+    assert!(declared, "both declared");
     let body = serde_json::to_vec(&Payment {
         message_id: "declared-1".into(),
         amount: 1,
