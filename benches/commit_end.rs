@@ -15,6 +15,11 @@
 //!   plain `COMMIT` (the store's end since 2026-12-04, `CHECK_BEFORE_COMMIT`): one more round trip, no parsing, no trailing `BEGIN`
 //!   and no `ROLLBACK` at the release;
 //!
+//! - (r) a prepared `SELECT 1` then sqlx's plain `COMMIT`: the abort check
+//!   of hole 5 alone (an aborted transaction refuses any statement), so
+//!   q/r is what forcing `synchronous_commit` adds to it (hole 3's own
+//!   cost) and r/p what the abort check's round trip costs;
+//!
 //! - (o) the end the stores could have with their own transaction
 //!   handling (no sqlx `Transaction`): `BEGIN` on a pool connection, the
 //!   same `INSERT`, then `SELECT set_config(..) WHERE ..; COMMIT` in one
@@ -53,12 +58,16 @@ const COMMIT_OWN: &str = "SELECT set_config('synchronous_commit', 'on', true) \
 const CHECK_PREPARED: &str = "SELECT set_config('synchronous_commit', 'on', true) \
      WHERE current_setting('synchronous_commit') = 'off'";
 
+/// (r)'s check: the abort check alone.
+const CHECK_ABORT_ONLY: &str = "SELECT 1";
+
 #[derive(Clone, Copy, PartialEq)]
 enum End {
     Plain,
     Durable,
     Own,
     Prepared,
+    AbortOnly,
 }
 
 /// The marker `INSERT` of every variant.
@@ -79,8 +88,13 @@ async fn one(pool: &PgPool, table: &str, key: &str, end: End) -> Result<(), sqlx
     if end == End::Plain {
         return tx.commit().await;
     }
-    if end == End::Prepared {
-        sqlx::query(CHECK_PREPARED).execute(&mut *tx).await?;
+    if end == End::Prepared || end == End::AbortOnly {
+        let check = if end == End::Prepared {
+            CHECK_PREPARED
+        } else {
+            CHECK_ABORT_ONLY
+        };
+        sqlx::query(check).execute(&mut *tx).await?;
         return tx.commit().await;
     }
     sqlx::raw_sql(AssertSqlSafe(COMMIT_DURABLE)).execute(&mut *tx).await?;
@@ -164,24 +178,28 @@ async fn main() {
         .expect("version");
     println!("PostgreSQL {version}; {reps} interleaved repetitions of {secs} s per variant and concurrency");
     println!(
-        "| concurrency | (p) plain COMMIT /s | (p2) A/A /s | (n) durable, checked /s | (q) prepared check, then COMMIT /s | (o) own transaction /s | p2/p | n/p | q/p | o/p |"
+        "| concurrency | (p) plain COMMIT /s | (p2) A/A /s | (n) durable, checked /s | (q) prepared check, then COMMIT /s | (r) SELECT 1, then COMMIT /s | (o) own transaction /s | p2/p | n/p | q/p | r/p | q/r | o/p |"
     );
-    println!("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |");
+    println!("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |");
     for concurrency in [1, 8] {
-        let (mut p, mut p2, mut n, mut q, mut o) = (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let (mut p, mut p2, mut n, mut q, mut r, mut o) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
         for _ in 0..reps {
             p.push(rate(&pool, &table, End::Plain, concurrency, secs).await);
             n.push(rate(&pool, &table, End::Durable, concurrency, secs).await);
             q.push(rate(&pool, &table, End::Prepared, concurrency, secs).await);
+            r.push(rate(&pool, &table, End::AbortOnly, concurrency, secs).await);
             o.push(rate(&pool, &table, End::Own, concurrency, secs).await);
             p2.push(rate(&pool, &table, End::Plain, concurrency, secs).await);
         }
-        let (p, p2, n, q, o) = (median(p), median(p2), median(n), median(q), median(o));
+        let (p, p2, n, q, r, o) = (median(p), median(p2), median(n), median(q), median(r), median(o));
         println!(
-            "| {concurrency} | {p:.0} | {p2:.0} | {n:.0} | {q:.0} | {o:.0} | {:.3} | {:.3} | {:.3} | {:.3} |",
+            "| {concurrency} | {p:.0} | {p2:.0} | {n:.0} | {q:.0} | {r:.0} | {o:.0} | {:.3} | {:.3} | {:.3} | {:.3} | {:.3} | {:.3} |",
             p2 / p,
             n / p,
             q / p,
+            r / p,
+            q / r,
             o / p
         );
     }
