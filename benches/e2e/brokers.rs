@@ -1,0 +1,282 @@
+//! The brokers of the end-to-end benchmark: a fresh queue (stream,
+//! subject) per run, filled fast (publishes pipelined, confirmed at the
+//! end), a consumer builder on it, and its removal.
+
+use std::future::IntoFuture;
+use std::time::Duration;
+
+use futures_util::future::try_join_all;
+use idempotent_runtime::async_nats;
+use idempotent_runtime::async_nats::jetstream::consumer::{AckPolicy, PullConsumer, pull};
+use idempotent_runtime::async_nats::jetstream::{self, stream};
+use idempotent_runtime::broker::ConsumerBuilder;
+use idempotent_runtime::lapin::options::{
+    BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions, QueueDeleteOptions,
+};
+use idempotent_runtime::lapin::types::FieldTable;
+use idempotent_runtime::lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
+use idempotent_runtime::nats::{JetStream, JetStreamConsumer};
+use idempotent_runtime::rabbitmq::{Rabbit, RabbitConsumer};
+use idempotent_runtime::redis::{self, AsyncCommands};
+use idempotent_runtime::redis_streams::{RedisStream, StreamConsumer};
+
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+pub const AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
+pub const NATS_URL: &str = "127.0.0.1:4222";
+pub const REDIS_URL: &str = "redis://127.0.0.1:6379/";
+
+/// Publishes in flight at once while a queue is filled.
+const WINDOW: usize = 256;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    RabbitMq,
+    JetStream,
+    RedisStreams,
+}
+
+impl Kind {
+    pub const ALL: [Kind; 3] = [Kind::RabbitMq, Kind::JetStream, Kind::RedisStreams];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Kind::RabbitMq => "rabbitmq",
+            Kind::JetStream => "nats",
+            Kind::RedisStreams => "redis-streams",
+        }
+    }
+
+    pub fn title(self) -> &'static str {
+        match self {
+            Kind::RabbitMq => "RabbitMQ",
+            Kind::JetStream => "NATS JetStream",
+            Kind::RedisStreams => "Redis Streams",
+        }
+    }
+
+    /// The broker's server processes (`/proc/*/comm`), for its CPU time.
+    pub fn server_comm(self) -> &'static str {
+        match self {
+            Kind::RabbitMq => "beam.smp",
+            Kind::JetStream => "nats-server",
+            Kind::RedisStreams => "redis-server",
+        }
+    }
+}
+
+/// One run's queue and the connection that fills it.
+pub enum Queue {
+    Rabbit {
+        _conn: Connection,
+        channel: Channel,
+        queue: String,
+        dlq: String,
+    },
+    Js {
+        js: jetstream::Context,
+        stream: String,
+        dlq_stream: String,
+        subject: String,
+        dlq_subject: String,
+        consumer: PullConsumer,
+    },
+    Redis {
+        client: redis::Client,
+        conn: redis::aio::MultiplexedConnection,
+        stream: String,
+        dlq: String,
+    },
+}
+
+impl Queue {
+    /// A fresh, empty queue named after `name` (unique per run).
+    pub async fn setup(kind: Kind, name: &str) -> Result<Queue, BoxError> {
+        Ok(match kind {
+            Kind::RabbitMq => {
+                let conn = Connection::connect(AMQP_URL, ConnectionProperties::default()).await?;
+                let channel = conn.create_channel().await?;
+                channel.confirm_select(ConfirmSelectOptions::default()).await?;
+                let (queue, dlq) = (format!("{name}.in"), format!("{name}.dlq"));
+                for q in [&queue, &dlq] {
+                    channel
+                        .queue_declare(q.as_str().into(), QueueDeclareOptions::durable(), FieldTable::default())
+                        .await?;
+                }
+                Queue::Rabbit {
+                    _conn: conn,
+                    channel,
+                    queue,
+                    dlq,
+                }
+            }
+            Kind::JetStream => {
+                let js = jetstream::new(async_nats::connect(NATS_URL).await?);
+                let stream_name = name.to_uppercase().replace(['.', '-'], "_");
+                let (subject, dlq_subject) = (format!("{name}.in"), format!("{name}.dlq"));
+                let dlq_stream = format!("{stream_name}_DLQ");
+                for (n, s) in [(&stream_name, &subject), (&dlq_stream, &dlq_subject)] {
+                    js.create_stream(stream::Config {
+                        name: n.clone(),
+                        subjects: vec![s.clone()],
+                        ..Default::default()
+                    })
+                    .await?;
+                }
+                let consumer = js
+                    .get_stream(&stream_name)
+                    .await?
+                    .get_or_create_consumer(
+                        "worker",
+                        pull::Config {
+                            durable_name: Some("worker".into()),
+                            ack_policy: AckPolicy::Explicit,
+                            ack_wait: Duration::from_secs(30),
+                            filter_subject: subject.clone(),
+                            ..Default::default()
+                        },
+                    )
+                    .await?;
+                Queue::Js {
+                    js,
+                    stream: stream_name,
+                    dlq_stream,
+                    subject,
+                    dlq_subject,
+                    consumer,
+                }
+            }
+            Kind::RedisStreams => {
+                let client = redis::Client::open(REDIS_URL)?;
+                let conn = client.get_multiplexed_async_connection().await?;
+                Queue::Redis {
+                    client,
+                    conn,
+                    stream: format!("{name}.in"),
+                    dlq: format!("{name}.dlq"),
+                }
+            }
+        })
+    }
+
+    /// Publishes `bodies` in order, [`WINDOW`] at a time, each confirmed
+    /// by the broker before this returns. JetStream gets no `Nats-Msg-Id`:
+    /// its de-duplication would drop the duplicates the run is about.
+    pub async fn publish(&self, bodies: &[Vec<u8>]) -> Result<(), BoxError> {
+        for window in bodies.chunks(WINDOW) {
+            match self {
+                Queue::Rabbit { channel, queue, .. } => {
+                    let mut confirms = Vec::with_capacity(window.len());
+                    for body in window {
+                        let props = BasicProperties::default().with_delivery_mode(2);
+                        confirms.push(
+                            channel
+                                .basic_publish(
+                                    "".into(),
+                                    queue.as_str().into(),
+                                    BasicPublishOptions::default(),
+                                    body,
+                                    props,
+                                )
+                                .await?,
+                        );
+                    }
+                    for confirm in try_join_all(confirms).await? {
+                        if !confirm.is_ack() {
+                            return Err("RabbitMQ refused a publish".into());
+                        }
+                    }
+                }
+                Queue::Js { js, subject, .. } => {
+                    let mut acks = Vec::with_capacity(window.len());
+                    for body in window {
+                        acks.push(js.publish(subject.clone(), body.clone().into()).await?.into_future());
+                    }
+                    try_join_all(acks).await?;
+                }
+                Queue::Redis { conn, stream, .. } => {
+                    let mut pipe = redis::pipe();
+                    for body in window {
+                        pipe.xadd(stream, "*", &[("body", body.as_slice())]).ignore();
+                    }
+                    let () = pipe.query_async(&mut conn.clone()).await?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// A RabbitMQ consumer's builder on this queue.
+    pub fn rabbit(&self, prefetch: u16) -> Option<ConsumerBuilder<Rabbit>> {
+        match self {
+            Queue::Rabbit { queue, dlq, .. } => Some(
+                RabbitConsumer::builder(AMQP_URL, queue)
+                    .prefetch(prefetch)
+                    .dead_letter_queue(dlq)
+                    .declare_queue(false)
+                    .declare_dead_letter_queue(false),
+            ),
+            _ => None,
+        }
+    }
+
+    /// A JetStream consumer's builder on this stream.
+    pub fn jetstream(&self, prefetch: usize) -> Option<ConsumerBuilder<JetStream>> {
+        match self {
+            Queue::Js {
+                js,
+                consumer,
+                dlq_subject,
+                ..
+            } => Some(
+                JetStreamConsumer::builder(js.clone(), consumer.clone())
+                    .dead_letter_subject(dlq_subject)
+                    .prefetch(prefetch)
+                    .fetch_expiry(Duration::from_millis(200)),
+            ),
+            _ => None,
+        }
+    }
+
+    /// A Redis Streams consumer's builder on this stream.
+    pub fn streams(&self) -> Option<ConsumerBuilder<RedisStream>> {
+        match self {
+            Queue::Redis {
+                client, stream, dlq, ..
+            } => Some(
+                StreamConsumer::builder(client.clone(), stream, "workers")
+                    .dead_letter_stream(dlq)
+                    .block(Duration::from_millis(200)),
+            ),
+            _ => None,
+        }
+    }
+
+    /// Removes the queue and its dead letters.
+    pub async fn teardown(self) -> Result<(), BoxError> {
+        match self {
+            Queue::Rabbit {
+                channel, queue, dlq, ..
+            } => {
+                for q in [queue, dlq] {
+                    channel
+                        .queue_delete(q.as_str().into(), QueueDeleteOptions::default())
+                        .await?;
+                }
+            }
+            Queue::Js {
+                js, stream, dlq_stream, ..
+            } => {
+                for s in [stream, dlq_stream] {
+                    js.delete_stream(&s).await?;
+                }
+            }
+            Queue::Redis {
+                mut conn, stream, dlq, ..
+            } => {
+                let () = conn.del(&[stream, dlq]).await?;
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,78 @@
+//! Every variant of `benches/e2e.rs` on every broker, once, small, in the
+//! default test run: the benchmark's code keeps compiling, settles every
+//! message, and applies each the number of times its variant promises
+//! (every delivery without idempotency, each distinct message once with
+//! it). No timing is asserted here.
+
+#[allow(dead_code)]
+#[path = "../benches/e2e/brokers.rs"]
+mod brokers;
+#[allow(dead_code)]
+#[path = "../benches/e2e/run.rs"]
+mod run;
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use brokers::Kind;
+use run::{Env, Feed, Variant};
+
+/// The name helper the benchmark's modules call as `crate::unique`.
+pub fn unique(prefix: &str) -> String {
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let nanos = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos());
+    format!(
+        "{prefix}_{}_{}_{}",
+        std::process::id(),
+        nanos % 1_000_000_000,
+        COUNTER.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
+async fn every_variant_on(kind: Kind) {
+    let env = Env::new(8).await.expect("PostgreSQL");
+    let n = 60;
+    for (seed, variant) in [Variant::Plain, Variant::PerMessage, Variant::Batch(8)]
+        .into_iter()
+        .enumerate()
+    {
+        for feed in [Feed::Drain, Feed::Steady(400.0)] {
+            let sample = run::run(&env, kind, variant, 3, n, 30, feed, seed as u64)
+                .await
+                .unwrap_or_else(|e| panic!("{kind:?} {variant:?} {feed:?}: {e}"));
+            let (rows, distinct) = sample.effects;
+            assert!(sample.distinct < n, "the plan has duplicates");
+            assert_eq!(
+                sample.acked, n as u64,
+                "{kind:?} {variant:?} {feed:?}: every message acknowledged"
+            );
+            assert_eq!(sample.dead_lettered, 0, "{kind:?} {variant:?} {feed:?}");
+            assert_eq!(
+                distinct, sample.distinct as i64,
+                "{kind:?} {variant:?} {feed:?}: every message applied"
+            );
+            let expected = if variant == Variant::Plain { n } else { sample.distinct };
+            assert_eq!(rows, expected as i64, "{kind:?} {variant:?} {feed:?}: times applied");
+            assert!(sample.rate > 0.0);
+            if let Feed::Steady(_) = feed {
+                assert_eq!(sample.latencies_us.len(), n, "a latency per message");
+            }
+        }
+    }
+    env.drop_tables().await.expect("drop");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rabbitmq_variants_settle_and_apply_as_promised() {
+    every_variant_on(Kind::RabbitMq).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn jetstream_variants_settle_and_apply_as_promised() {
+    every_variant_on(Kind::JetStream).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_streams_variants_settle_and_apply_as_promised() {
+    every_variant_on(Kind::RedisStreams).await;
+}
