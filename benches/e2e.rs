@@ -3,9 +3,12 @@
 //!
 //! - (a) a consumer without idempotency: the effect in a transaction of its
 //!   own per message, acknowledged after the commit;
+//! - (s) the bound of (b): idempotency by hand with one statement more
+//!   than (a) in the same transaction (a plain claim of the key);
 //! - (b) the idempotent consumer, one transaction per message;
 //! - (c) the same handler with the consumer's batch transactions (`cN`:
-//!   batches of at most N; `c` is 32);
+//!   batches of at most N, each message under a savepoint; `c` is 32;
+//!   `oN`: the same without savepoints, `batch_savepoints(false)`);
 //!
 //! at each number of handler slots and share of duplicates, from a queue
 //! filled beforehand (the drain rate, from the first delivery to the last
@@ -19,7 +22,7 @@
 //! cargo bench --bench e2e                      # every broker, slots 1,4,16, 0 and 20 % duplicates
 //! cargo bench --bench e2e -- --quick           # ~1 min: 500 messages, slots 4, one repetition
 //! cargo bench --bench e2e -- --brokers=rabbitmq,nats,redis-streams --slots=4,16 --dups=0,20
-//!                           --variants=a,b,c8,c32,c64 --messages=4000 --reps=3 --no-steady --out=FILE
+//!                           --variants=a,s,b,c8,c32,o32,o64 --messages=4000 --reps=3 --no-steady --out=FILE
 //! ```
 //!
 //! Needs the services of `.ci/run` (PostgreSQL, RabbitMQ, NATS JetStream,
@@ -76,7 +79,13 @@ fn args() -> Result<Args, BoxError> {
         brokers: Kind::ALL.to_vec(),
         slots: if quick { vec![4] } else { vec![1, 4, 16] },
         dups: vec![0, 20],
-        variants: vec![Variant::Plain, Variant::PerMessage, Variant::Batch(32)],
+        variants: vec![
+            Variant::Plain,
+            Variant::ByHand,
+            Variant::PerMessage,
+            Variant::Batch(32),
+            Variant::Lean(32),
+        ],
         messages: if quick { 500 } else { 4000 },
         reps: if quick { 1 } else { 3 },
         steady: true,
@@ -220,27 +229,33 @@ fn write_broker(
     steady: bool,
 ) -> Result<(), BoxError> {
     writeln!(report, "\n### {}\n", kind.title())?;
+    // Each ratio's numerator and denominator: every variant against (a),
+    // and (b) against its bound (s).
+    let mut ratios: Vec<(&str, &str)> = labels.iter().filter(|l| *l != "a").map(|l| (l.as_str(), "a")).collect();
+    if labels.iter().any(|l| l == "s") && labels.iter().any(|l| l == "b") {
+        ratios.push(("b", "s"));
+    }
     write!(report, "| slots, duplicates |")?;
     for l in labels {
         write!(report, " ({l}) msg/s |")?;
     }
-    for l in labels.iter().filter(|l| *l != "a") {
-        write!(report, " {l}/a |")?;
+    for (x, y) in &ratios {
+        write!(report, " {x}/{y} |")?;
     }
     for l in labels {
         write!(report, " ({l}) CPU µs/msg: consumer + db + broker |")?;
     }
     writeln!(report)?;
-    writeln!(report, "|{}", " --- |".repeat(1 + labels.len() * 2 + labels.len() - 1))?;
+    writeln!(report, "|{}", " --- |".repeat(1 + labels.len() * 2 + ratios.len()))?;
     for ((slots, dup), cell) in cells {
         write!(report, "| {slots}, {dup} % |")?;
         for l in labels {
             write!(report, " {:.0} |", median(cell.rates[l].clone()))?;
         }
-        for l in labels.iter().filter(|l| *l != "a") {
+        for (x, y) in &ratios {
             // Each repetition's own ratio (its variants ran back to back).
-            let ratios = cell.rates[l].iter().zip(&cell.rates["a"]).map(|(x, a)| x / a).collect();
-            write!(report, " {:.2} |", median(ratios))?;
+            let each = cell.rates[*x].iter().zip(&cell.rates[*y]).map(|(x, y)| x / y).collect();
+            write!(report, " {:.2} |", median(each))?;
         }
         for l in labels {
             let cpu = &cell.cpu[l];

@@ -186,6 +186,55 @@ macro_rules! suite {
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn without_savepoints_a_failure_rolls_the_whole_batch_back() {
+                let (svc, keep) = service().await;
+                // Without savepoints: the batch's messages commit together
+                // when none fails.
+                let batch = svc.store.begin_batch().await.unwrap();
+                batch.set_savepoints(false);
+                let msgs = [msg("s1", 1), msg("s2", 2), msg("s1", 1)];
+                let outcomes = batch.run_all(msgs.iter().map(|m| svc.pay(m)).collect()).await;
+                let values: Vec<Option<i64>> = outcomes.iter().map(|o| o.as_ref().ok().copied()).collect();
+                assert_eq!(
+                    values,
+                    [Some(2), Some(4), Some(2)],
+                    "s1 again replays its first run"
+                );
+                batch.commit().await.unwrap();
+                assert_eq!((svc.effects_of("s1").await, svc.effects_of("s2").await), (1, 1));
+
+                // One body fails: nothing of the batch may commit (there is
+                // no savepoint to undo it alone), not even the members
+                // before it.
+                let batch = svc.store.begin_batch().await.unwrap();
+                batch.set_savepoints(false);
+                let failing = Msg {
+                    fail: true,
+                    ..msg("s4", 4)
+                };
+                let msgs = [msg("s3", 3), failing, msg("s5", 5), msg("s2", 2)];
+                let outcomes = batch.run_all(msgs.iter().map(|m| svc.pay(m)).collect()).await;
+                assert!(matches!(outcomes[1], Err(AppError::Failed)), "{:?}", outcomes[1]);
+                assert!(
+                    batch.is_aborted(),
+                    "a failure without a savepoint aborts the batch"
+                );
+                assert!(matches!(batch.commit().await, Err(Error::BatchAborted)));
+                for id in ["s3", "s4", "s5"] {
+                    assert_eq!(svc.effects_of(id).await, 0, "{id} rolled back with the batch");
+                }
+                assert_eq!(svc.count("markers").await, 2, "s1 and s2 only");
+                // Run again one by one, as the consumers do: each once.
+                for m in [msg("s3", 3), msg("s4", 4), msg("s5", 5), msg("s2", 2)] {
+                    svc.pay(&m).await.unwrap();
+                }
+                for id in ["s1", "s2", "s3", "s4", "s5"] {
+                    assert_eq!(svc.effects_of(id).await, 1, "{id} once");
+                }
+                $teardown(&svc.store, &svc.other, &svc.effects, keep).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn calls_run_together_and_a_repeated_key_replays_its_first_run() {
                 let (svc, keep) = service().await;
                 // A key already committed: a duplicate inside the batch.

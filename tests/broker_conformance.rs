@@ -895,6 +895,36 @@ pub async fn a_batch_that_cannot_commit_runs_its_deliveries_alone<F: Fixture>() 
     fx.teardown().await;
 }
 
+pub async fn batches_without_savepoints_run_a_failed_batch_again_one_by_one<F: Fixture>() {
+    let fx = F::setup("batch-lean").await;
+    let ledger = DbLedger::new("batch_lean").await;
+    // Its body fails once (after its effect's INSERT): with no savepoint to
+    // undo it alone, its whole batch rolls back and runs again one by one.
+    ledger.fail_once.lock().unwrap().insert("lean-3".into(), "error");
+    for i in 0..12 {
+        fx.publish(&payment(&format!("lean-{i}")), &format!("lean-{i}")).await;
+    }
+    let consumer = fx
+        .builder()
+        .concurrency(1)
+        .batch(ledger.store.clone(), 6)
+        .batch_savepoints(false)
+        .batch_wait(Duration::from_millis(20))
+        .stop_when_idle(Duration::from_millis(1500))
+        .build()
+        .unwrap();
+    let stats = run_batches(consumer, &ledger).await;
+    let effects = ledger.effects().await;
+    assert_eq!(effects.len(), 12, "every message applied: {effects:?}");
+    assert!(effects.values().all(|&n| n == 1), "none twice: {effects:?}");
+    assert_eq!(stats.batches_aborted, 1, "{stats:?}");
+    assert!(stats.batches >= 1, "the other batch committed: {stats:?}");
+    assert_eq!((stats.acked, stats.dead_lettered), (12, 0), "{stats:?}");
+    assert_eq!(fx.backlog().await, 0);
+    ledger.teardown().await;
+    fx.teardown().await;
+}
+
 #[test]
 fn the_body_size_limit_is_1_mib_by_default_and_at_least_1() {
     use idempotent_runtime::broker::DEFAULT_MAX_BODY_BYTES;
@@ -928,7 +958,21 @@ fn batch_settings_are_checked_at_build() {
     );
     assert!(long.contains("never longer"), "{long}");
     let alone = build(RabbitConsumer::builder("amqp://x", "q").batch_wait(Duration::from_millis(1)));
-    assert!(alone.contains("needs batch"), "{alone}");
+    assert!(alone.contains("batch_wait needs batch"), "{alone}");
+    let alone = build(RabbitConsumer::builder("amqp://x", "q").batch_savepoints(false));
+    assert!(alone.contains("batch_savepoints needs batch"), "{alone}");
+    // Set before or after `batch`, the setting holds.
+    let before = RabbitConsumer::builder("amqp://x", "q")
+        .batch(store(), 8)
+        .batch_savepoints(false);
+    assert_eq!(before.options().batch.as_ref().map(|b| b.savepoints), Some(false));
+    let kept = before.batch(store(), 16);
+    assert_eq!(
+        kept.options().batch.as_ref().map(|b| (b.max, b.savepoints)),
+        Some((16, false))
+    );
+    let default = RabbitConsumer::builder("amqp://x", "q").batch(store(), 8);
+    assert_eq!(default.options().batch.as_ref().map(|b| b.savepoints), Some(true));
 }
 
 macro_rules! conformance {
@@ -937,6 +981,10 @@ macro_rules! conformance {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn ok_handlers_are_acknowledged() {
                 super::ok_handlers_are_acknowledged::<$fixture>().await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn batches_without_savepoints_run_a_failed_batch_again_one_by_one() {
+                super::batches_without_savepoints_run_a_failed_batch_again_one_by_one::<$fixture>().await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn a_crash_between_commit_and_ack_is_redelivered_and_recognised() {

@@ -32,10 +32,14 @@ pub fn unique(prefix: &str) -> String {
 async fn every_variant_on(kind: Kind) {
     let env = Env::new(8).await.expect("PostgreSQL");
     let n = 60;
-    for (seed, variant) in [Variant::Plain, Variant::PerMessage, Variant::Batch(8)]
-        .into_iter()
-        .enumerate()
-    {
+    let variants = [
+        Variant::Plain,
+        Variant::ByHand,
+        Variant::PerMessage,
+        Variant::Batch(8),
+        Variant::Lean(8),
+    ];
+    for (seed, variant) in variants.into_iter().enumerate() {
         for feed in [Feed::Drain, Feed::Steady(400.0)] {
             let sample = run::run(&env, kind, variant, 3, n, 30, feed, seed as u64)
                 .await

@@ -26,29 +26,45 @@ pub enum Variant {
     /// (a) No idempotency: the effect in a transaction of its own, acked
     /// after the commit (a duplicate is applied again).
     Plain,
+    /// (s) The bound of (b): idempotency written by hand with one statement
+    /// more than (a) in its transaction, a plain claim (`INSERT .. ON
+    /// CONFLICT DO NOTHING` of the key; a duplicate rolls back).
+    ByHand,
     /// (b) `#[idempotent]` on `PgStore`, one transaction per message.
     PerMessage,
     /// (c) The same handler with the consumer's batch transactions of at
-    /// most this many messages.
+    /// most this many messages, each under a savepoint (the default).
     Batch(usize),
+    /// (c) without savepoints (`batch_savepoints(false)`): a failure
+    /// reruns the batch one message per transaction.
+    Lean(usize),
 }
 
 impl Variant {
     pub fn label(self) -> String {
         match self {
             Variant::Plain => "a".into(),
+            Variant::ByHand => "s".into(),
             Variant::PerMessage => "b".into(),
             Variant::Batch(max) => format!("c{max}"),
+            Variant::Lean(max) => format!("o{max}"),
         }
     }
 
-    /// `a`, `b`, `c` (batches of 32) or `cN`.
+    /// `a`, `b`, `c` (batches of 32), `cN`, `o` (32, no savepoints) or `oN`.
     pub fn parse(s: &str) -> Option<Variant> {
+        let size = |rest: &str| rest.parse().ok().filter(|&n: &usize| n > 0);
         match s {
             "a" => Some(Variant::Plain),
+            "s" => Some(Variant::ByHand),
             "b" => Some(Variant::PerMessage),
             "c" => Some(Variant::Batch(32)),
-            _ => s.strip_prefix('c')?.parse().ok().filter(|&n| n > 0).map(Variant::Batch),
+            "o" => Some(Variant::Lean(32)),
+            _ => match s.split_at_checked(1)? {
+                ("c", rest) => size(rest).map(Variant::Batch),
+                ("o", rest) => size(rest).map(Variant::Lean),
+                _ => None,
+            },
         }
     }
 }
@@ -75,6 +91,9 @@ pub struct Env {
     markers: String,
     effects: String,
     insert: String,
+    /// (s)'s marker table and claim.
+    hand_markers: String,
+    hand_claim: String,
 }
 
 impl Env {
@@ -94,18 +113,50 @@ impl Env {
         .execute(&pool)
         .await?;
         let insert = format!("INSERT INTO {effects} (id, amount) VALUES ($1, $2)");
+        let hand_markers = crate::unique("e2e_hand");
+        sqlx::query(AssertSqlSafe(format!(
+            "CREATE TABLE {hand_markers} (scope TEXT NOT NULL, message_id TEXT NOT NULL, \
+             processed_at TIMESTAMPTZ NOT NULL DEFAULT now(), PRIMARY KEY (scope, message_id))"
+        )))
+        .execute(&pool)
+        .await?;
+        let hand_claim =
+            format!("INSERT INTO {hand_markers} (scope, message_id) VALUES ('bench.e2e', $1) ON CONFLICT DO NOTHING");
         Ok(Arc::new(Env {
             pool,
             store,
             markers,
             effects,
             insert,
+            hand_markers,
+            hand_claim,
         }))
     }
 
     /// (a)'s handler.
     async fn plain(&self, msg: &Payment) -> Result<(), AppError> {
         let mut tx = self.pool.begin().await?;
+        sqlx::query(AssertSqlSafe(self.insert.as_str()))
+            .bind(&msg.id)
+            .bind(msg.amount)
+            .execute(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        Ok(())
+    }
+
+    /// (s)'s handler.
+    async fn by_hand(&self, msg: &Payment) -> Result<(), AppError> {
+        let mut tx = self.pool.begin().await?;
+        let claimed = sqlx::query(AssertSqlSafe(self.hand_claim.as_str()))
+            .bind(&msg.id)
+            .execute(&mut *tx)
+            .await?
+            .rows_affected();
+        if claimed == 0 {
+            tx.rollback().await?;
+            return Ok(());
+        }
         sqlx::query(AssertSqlSafe(self.insert.as_str()))
             .bind(&msg.id)
             .bind(msg.amount)
@@ -139,7 +190,7 @@ impl Env {
     }
 
     pub async fn drop_tables(&self) -> Result<(), BoxError> {
-        for table in [&self.markers, &self.effects] {
+        for table in [&self.markers, &self.effects, &self.hand_markers] {
             sqlx::query(AssertSqlSafe(format!("DROP TABLE IF EXISTS {table}")))
                 .execute(&self.pool)
                 .await?;
@@ -281,7 +332,7 @@ pub async fn run(
     }
     // Room at the broker for every slot's batch, and one more round.
     let per_slot = match variant {
-        Variant::Batch(max) => max,
+        Variant::Batch(max) | Variant::Lean(max) => max,
         _ => 1,
     };
     let prefetch = (slots * per_slot * 2).max(8);
@@ -326,6 +377,7 @@ async fn consume<B: Broker>(
     let builder = builder.concurrency(slots).max_attempts(3);
     let builder = match variant {
         Variant::Batch(max) => builder.batch(env.store.clone(), max),
+        Variant::Lean(max) => builder.batch(env.store.clone(), max).batch_savepoints(false),
         _ => builder,
     };
     let consumer = builder.build()?;
@@ -337,6 +389,13 @@ async fn consume<B: Broker>(
             move |msg: Payment| {
                 let env = Arc::clone(&handler_env);
                 async move { env.plain(&msg).await }
+            },
+            shutdown.clone(),
+        )),
+        Variant::ByHand => tokio::spawn(consumer.run(
+            move |msg: Payment| {
+                let env = Arc::clone(&handler_env);
+                async move { env.by_hand(&msg).await }
             },
             shutdown.clone(),
         )),

@@ -157,6 +157,9 @@ pub(crate) struct Shared {
     /// Fresh claims of the statement whose body has not ended.
     outstanding: AtomicUsize,
     settled: Notify,
+    /// Whether a fresh claim takes a savepoint for its body
+    /// ([`Batch::set_savepoints`]).
+    savepoints: AtomicBool,
 }
 
 impl std::fmt::Debug for Shared {
@@ -213,6 +216,11 @@ impl Shared {
 
     pub(crate) fn is_aborted(&self) -> bool {
         self.aborted.load(Ordering::Acquire)
+    }
+
+    /// Whether fresh claims take a savepoint for their body.
+    pub(crate) fn savepoints(&self) -> bool {
+        self.savepoints.load(Ordering::Relaxed)
     }
 
     /// Runs `f` once the batch has committed.
@@ -507,6 +515,7 @@ impl Batch {
                 changed: Notify::new(),
                 outstanding: AtomicUsize::new(0),
                 settled: Notify::new(),
+                savepoints: AtomicBool::new(true),
             }),
             finish: finish::<DB>,
             bulk,
@@ -644,6 +653,16 @@ impl Batch {
     /// it, including those undone after a failure).
     pub fn fresh_claims(&self) -> usize {
         self.shared.fresh.load(Ordering::Relaxed)
+    }
+
+    /// Whether each fresh claim's body runs under a savepoint of its own
+    /// (default `true`): a body that fails is then undone alone. Without
+    /// (`false`), a message costs one statement less, and a body that fails
+    /// aborts the batch ([`commit`](Self::commit) rolls everything back and
+    /// returns [`Error::BatchAborted`]: run the messages again, one per
+    /// transaction). Set it before the first call joins.
+    pub fn set_savepoints(&self, savepoints: bool) {
+        self.shared.savepoints.store(savepoints, Ordering::Relaxed);
     }
 
     /// Runs `f` after a successful [`commit`](Self::commit) (not after a

@@ -154,10 +154,15 @@ impl<B, D, R> ConsumerBuilder<B, D, R> {
     where
         S: crate::batch::BatchStore + Clone + 'static,
     {
-        let max_wait = self.options.batch.as_ref().map_or(Duration::ZERO, |b| b.max_wait);
+        let (max_wait, savepoints) = self
+            .options
+            .batch
+            .as_ref()
+            .map_or((Duration::ZERO, true), |b| (b.max_wait, b.savepoints));
         self.options.batch = Some(super::options::BatchMode {
             max,
             max_wait,
+            savepoints,
             begin: std::sync::Arc::new(move || {
                 let store = store.clone();
                 Box::pin(async move { store.begin_batch().await })
@@ -172,7 +177,26 @@ impl<B, D, R> ConsumerBuilder<B, D, R> {
     pub fn batch_wait(mut self, wait: Duration) -> Self {
         match &mut self.options.batch {
             Some(batch) => batch.max_wait = wait,
-            None => self.options.batch_wait_alone = true,
+            None => self.options.batch_setting_alone = Some("batch_wait"),
+        }
+        self
+    }
+
+    /// Whether each message of a batch runs under a savepoint of its own
+    /// (default `true`). With savepoints, a handler that fails is undone
+    /// alone and the rest of its batch commits; each message costs one
+    /// statement more (`SAVEPOINT`: a round trip, and a subtransaction on
+    /// PostgreSQL). Without, a message is its effect's statements alone in
+    /// the batch's transaction, and a handler that fails rolls the whole
+    /// batch back: its deliveries then run again one per transaction (the
+    /// others once more, the failing one alone, retried or dead-lettered as
+    /// usual), as for any batch that cannot commit. Choose `false` when
+    /// failures are rare (see `docs/performance.md`, end to end). Only with
+    /// [`batch`](Self::batch).
+    pub fn batch_savepoints(mut self, savepoints: bool) -> Self {
+        match &mut self.options.batch {
+            Some(batch) => batch.savepoints = savepoints,
+            None => self.options.batch_setting_alone = Some("batch_savepoints"),
         }
         self
     }

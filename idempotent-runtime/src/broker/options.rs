@@ -45,8 +45,9 @@ pub struct ConsumerOptions {
     /// Several deliveries per database transaction
     /// ([`ConsumerBuilder::batch`](super::ConsumerBuilder::batch)), or one per delivery (`None`).
     pub batch: Option<BatchMode>,
-    /// `batch_wait` was called without `batch`.
-    pub(crate) batch_wait_alone: bool,
+    /// A batch setting (`batch_wait`, `batch_savepoints`) called without
+    /// `batch` before it: its name.
+    pub(crate) batch_setting_alone: Option<&'static str>,
 }
 
 /// Deliveries run in one database transaction: see
@@ -58,6 +59,12 @@ pub struct BatchMode {
     pub max: usize,
     /// How long a batch may wait for more deliveries after its first.
     pub max_wait: Duration,
+    /// Whether each member's body runs under a savepoint of its own (the
+    /// default), so that a member that fails is undone alone; without, a
+    /// failure rolls the whole batch back and its deliveries run again one
+    /// per transaction
+    /// ([`ConsumerBuilder::batch_savepoints`](super::ConsumerBuilder::batch_savepoints)).
+    pub savepoints: bool,
     #[cfg(feature = "sqlx")]
     pub(crate) begin: std::sync::Arc<dyn Fn() -> BeginBatch + Send + Sync>,
 }
@@ -71,6 +78,7 @@ impl fmt::Debug for BatchMode {
         f.debug_struct("BatchMode")
             .field("max", &self.max)
             .field("max_wait", &self.max_wait)
+            .field("savepoints", &self.savepoints)
             .finish_non_exhaustive()
     }
 }
@@ -92,7 +100,7 @@ impl Default for ConsumerOptions {
             shutdown_timeout: DEFAULT_SHUTDOWN_TIMEOUT,
             stop_when_idle: None,
             batch: None,
-            batch_wait_alone: false,
+            batch_setting_alone: None,
         }
     }
 }
@@ -111,10 +119,10 @@ impl ConsumerOptions {
         if self.stop_when_idle.is_some_and(|idle| idle.is_zero()) {
             return Err(ConsumerError::Config("stop_when_idle must be longer than zero".into()));
         }
-        if self.batch_wait_alone {
-            return Err(ConsumerError::Config(
-                "batch_wait needs batch(store, max) before it".into(),
-            ));
+        if let Some(setting) = self.batch_setting_alone {
+            return Err(ConsumerError::Config(format!(
+                "{setting} needs batch(store, max) before it"
+            )));
         }
         if let Some(batch) = &self.batch {
             if batch.max == 0 {

@@ -425,7 +425,8 @@ impl<DB: SqlBackend> BatchClaim<DB> {
         })
     }
 
-    /// A fresh claim: takes the savepoint its body can be undone to.
+    /// A fresh claim: takes the savepoint its body can be undone to (when
+    /// the batch has them).
     pub(crate) async fn fresh(
         mut self,
         undo: Arc<str>,
@@ -433,7 +434,9 @@ impl<DB: SqlBackend> BatchClaim<DB> {
         outbox: Arc<OutboxTable>,
         req: &crate::store::Request<'_>,
     ) -> Result<SqlGuard<DB>, Error> {
-        if let Err(error) = DB::execute_keyed(&mut self.tx, SAVEPOINT.into(), None).await {
+        if self.batch.savepoints()
+            && let Err(error) = DB::execute_keyed(&mut self.tx, SAVEPOINT.into(), None).await
+        {
             return Err(self.batch.fail(self.tx, error));
         }
         let joined = Joined::new(Arc::clone(&self.batch), undo, self.turn, self.ticket);
@@ -499,6 +502,15 @@ impl<DB: SqlBackend> Guard for SqlGuard<DB> {
 
     async fn abort(mut self) {
         if let Some(joined) = self.batch.take() {
+            let batch = Arc::clone(&joined.shared);
+            if !batch.savepoints() {
+                // No savepoint to undo the body alone: nothing of the batch
+                // may commit.
+                batch.abort();
+                batch.give_back(self.tx);
+                joined.disarm();
+                return;
+            }
             // Undo the body, then the marker (inserted before the savepoint).
             let undone = match DB::execute_keyed(&mut self.tx, ROLLBACK_TO_SAVEPOINT.into(), None).await {
                 Ok(()) => {
@@ -506,7 +518,6 @@ impl<DB: SqlBackend> Guard for SqlGuard<DB> {
                 }
                 Err(error) => Err(error),
             };
-            let batch = Arc::clone(&joined.shared);
             match undone {
                 Ok(()) => batch.give_back(self.tx),
                 Err(error) => {

@@ -125,6 +125,7 @@ where
             return;
         }
     };
+    batch.set_savepoints(mode.savepoints);
     let (members, messages): (Vec<(usize, &Dl)>, Vec<M>) = ready.into_iter().unzip();
     let spans: Vec<Span> = members
         .iter()
