@@ -36,23 +36,14 @@ mod run;
 
 use std::collections::HashMap;
 use std::fmt::Write as _;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use std::time::Instant;
 
 use brokers::{BoxError, Kind};
 use run::{Env, Feed, Sample, Variant, percentile};
 
-/// A name no other run uses (the modules call it as `crate::unique`).
-pub fn unique(prefix: &str) -> String {
-    static COUNTER: AtomicU64 = AtomicU64::new(0);
-    let nanos = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos());
-    format!(
-        "{prefix}_{}_{}_{}",
-        std::process::id(),
-        nanos % 1_000_000_000,
-        COUNTER.fetch_add(1, Ordering::Relaxed)
-    )
-}
+#[path = "shared/unique.rs"]
+mod names;
+pub use names::unique;
 
 struct Args {
     brokers: Vec<Kind>,

@@ -44,7 +44,7 @@ use std::path::PathBuf;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use harness::{BoxError, Cell, Outcome, Plan, RunOptions, RunStats, Variant};
 use idempotent_runtime::{CachedStore, MemoryStore, PgStore};
@@ -53,17 +53,9 @@ use report::Group;
 /// The heading of the CPU table of every PostgreSQL section.
 const PG_CPU_HEADING: &str = "\nCPU per delivery, µs: this process (client) + every PostgreSQL process (server):\n\n";
 
-/// A name no other run uses: `prefix_<pid>_<n>`.
-pub fn unique(prefix: &str) -> String {
-    static COUNTER: AtomicU64 = AtomicU64::new(0);
-    let nanos = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos());
-    format!(
-        "{prefix}_{}_{}_{}",
-        std::process::id(),
-        nanos % 1_000_000_000,
-        COUNTER.fetch_add(1, Ordering::Relaxed)
-    )
-}
+#[path = "shared/unique.rs"]
+mod names;
+pub use names::unique;
 
 #[derive(Clone, Copy)]
 struct Timing {

@@ -25,22 +25,13 @@ mod my;
 mod pg;
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{SystemTime, UNIX_EPOCH};
 
 use harness::{Outcome, Variant};
 use idempotent_runtime::{CachedStore, MemoryStore};
 
-/// The name helper the benchmark's modules call as `crate::unique`.
-pub fn unique(prefix: &str) -> String {
-    static COUNTER: AtomicU64 = AtomicU64::new(0);
-    let nanos = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos());
-    format!(
-        "{prefix}_{}_{}_{}",
-        std::process::id(),
-        nanos % 1_000_000_000,
-        COUNTER.fetch_add(1, Ordering::Relaxed)
-    )
-}
+#[path = "../benches/shared/unique.rs"]
+mod names;
+pub use names::unique;
 
 /// One fresh delivery, then the same key again: a duplicate, unless the
 /// variant has no idempotency (`bare`).
