@@ -29,7 +29,6 @@
 //! and the ratios to (a) and (b). The load average is printed before and
 //! after: compare ratios within one run, not figures across runs.
 
-#[allow(dead_code)]
 #[path = "../tests/common/mod.rs"]
 mod common;
 #[path = "kafka/run.rs"]
