@@ -361,6 +361,13 @@ impl<D, R> ConsumerBuilder<Kafka, D, R> {
     /// `store` is `PgStore`, `MySqlStore` or `SqliteStore` ([`OffsetStore`]);
     /// others do not compile. A partitioned `PgStore` is refused at build,
     /// as are a group or topic longer than 255 bytes.
+    ///
+    /// ```compile_fail
+    /// # use idempotent_runtime::{MemoryStore, kafka::KafkaConsumer, rdkafka::ClientConfig};
+    /// // The memory store has no transaction to keep the offsets in.
+    /// let _ = KafkaConsumer::builder(ClientConfig::new(), "payments", "payment-service")
+    ///     .offsets_in(MemoryStore::new());
+    /// ```
     #[cfg(feature = "sqlx")]
     pub fn offsets_in<S: OffsetStore>(mut self, store: S) -> Self {
         self.broker.offsets = Some(store.offset_table(&self.broker.group, &self.broker.topic));
