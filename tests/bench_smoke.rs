@@ -1,13 +1,17 @@
 //! Every variant of `benches/throughput.rs` delivers one fresh message and
 //! its duplicate, once, in the default test run: the benchmark's code paths
 //! (PostgreSQL, SQLite, Redis, memory) keep compiling and keep telling a
-//! fresh message from a duplicate. No timing is measured here.
+//! fresh message from a duplicate; the three modes of `benches/kafka.rs`
+//! each consume a small topic once. No timing is measured here.
 
 mod common;
 
 #[allow(dead_code)]
 #[path = "../benches/throughput/harness.rs"]
 mod harness;
+#[allow(dead_code)]
+#[path = "../benches/kafka/run.rs"]
+mod kafka_bench;
 #[allow(dead_code)]
 #[path = "../benches/throughput/redis.rs"]
 mod kv;
@@ -195,4 +199,20 @@ async fn memory_variants_run_once() {
         false,
     )
     .await;
+}
+
+/// Each mode of `benches/kafka.rs` (no idempotency, markers, offsets in the
+/// database) consumes a small topic once, every record's effect applied
+/// once (the measurement checks the count).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kafka_modes_run_once() {
+    let kafka = common::kafka::Kafka::start();
+    let pool = common::pg_pool(8).await;
+    let topic = kafka_bench::topic(&kafka, 2, 20).await;
+    for mode in kafka_bench::Mode::ALL {
+        let rate = kafka_bench::measure(&kafka, &pool, &topic, mode, 20)
+            .await
+            .unwrap_or_else(|e| panic!("{}: {e}", mode.label()));
+        assert!(rate > 0.0, "{}", mode.label());
+    }
 }

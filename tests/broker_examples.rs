@@ -6,6 +6,8 @@
 //! duplicate; for the chain, every payment notified once downstream and the
 //! events published again recognised there).
 
+mod common;
+
 use std::path::PathBuf;
 use std::process::Command;
 
@@ -20,7 +22,13 @@ fn example(name: &str) -> PathBuf {
 }
 
 fn run(name: &str) -> String {
+    run_with(name, &[])
+}
+
+/// Runs the example `name` with the environment variables `env` set.
+fn run_with(name: &str, env: &[(&str, &str)]) -> String {
     let output = Command::new(example(name))
+        .envs(env.iter().copied())
         .output()
         .unwrap_or_else(|e| panic!("run example {name}: {e}"));
     let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
@@ -70,6 +78,35 @@ fn nats_payments_example_applies_each_payment_once() {
 #[test]
 fn redis_streams_payments_example_applies_each_payment_once() {
     assert_proof(&run("redis_streams_payments"));
+}
+
+/// `cargo run --example kafka_payments`, on a private Tansu broker (the
+/// Kafka-protocol broker of the Kafka tests): offsets in the database, so
+/// the payments consumer 1 committed before it died are not delivered
+/// again (no redelivery to flag), and the payments published twice are
+/// skipped by their markers.
+///
+/// Behind `IDEMPOTENT_KAFKA_EXAMPLE=1` for now: the example passed 2 runs in
+/// 4 here; in the other 2 the demo stalled after 3 payments (no transaction
+/// open, every partition's stored offset at 1 but one) until its deadline.
+/// Not diagnosed yet (a group member that does not leave after consumer 1's
+/// task is aborted is the suspect).
+#[test]
+fn kafka_payments_example_applies_each_payment_once() {
+    if std::env::var("IDEMPOTENT_KAFKA_EXAMPLE").is_err() {
+        eprintln!("skipped: set IDEMPOTENT_KAFKA_EXAMPLE=1 to run it");
+        return;
+    }
+    let tansu = common::servers::ChildServer::tansu();
+    let out = run_with("kafka_payments", &[("KAFKA_BOOTSTRAP", &tansu.kafka_bootstrap())]);
+    assert!(out.contains("each payment was applied exactly once."), "{out}");
+    assert_eq!(value(&out, "payment messages"), 200, "{out}");
+    assert_eq!(value(&out, "payments in the table"), 200, "{out}");
+    assert_eq!(value(&out, "orders charged twice"), 0, "{out}");
+    assert!(value(&out, "messages published (with duplicates)") > 200, "{out}");
+    assert!(value(&out, "duplicates skipped") >= 50, "{out}");
+    assert!(value(&out, "consumers killed before ack") >= 1, "{out}");
+    assert_eq!(value(&out, "messages left unsettled or dead-lettered"), 0, "{out}");
 }
 
 /// `cargo run --example outbox_chain`: payments -> outbox -> relay ->

@@ -642,6 +642,27 @@ impl Batch {
         }
     }
 
+    /// Borrows the batch's transaction, once every member gave it back,
+    /// for a statement of the consumer's own (a Kafka consumer's offsets);
+    /// `None` when it is not one of `DB` or a claim still holds it.
+    #[cfg(feature = "kafka")]
+    pub(crate) fn take_transaction<DB: SqlBackend>(&self) -> Option<Tx<DB>> {
+        self.shared.take::<DB>()
+    }
+
+    /// Gives the transaction back after [`take_transaction`](Self::take_transaction).
+    #[cfg(feature = "kafka")]
+    pub(crate) fn give_back_transaction<DB: SqlBackend>(&self, tx: Tx<DB>) {
+        self.shared.give_back(tx);
+    }
+
+    /// Gives the transaction back after `error`, which left it unusable:
+    /// the batch is aborted.
+    #[cfg(feature = "kafka")]
+    pub(crate) fn fail_transaction<DB: SqlBackend>(&self, tx: Tx<DB>, error: sqlx::Error) -> Error {
+        self.shared.fail(tx, error)
+    }
+
     /// Whether the batch can no longer commit (a statement failed in it, or
     /// a handler was dropped with its claim open): [`commit`](Self::commit)
     /// will roll it back. Stop adding messages to it.

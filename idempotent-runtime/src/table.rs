@@ -38,6 +38,16 @@ impl TableName {
         }
     }
 
+    /// The default table of a Kafka consumer's offsets in the database,
+    /// `idempotent_kafka_offsets`.
+    #[cfg(all(feature = "kafka", feature = "sqlx"))]
+    pub(crate) fn kafka_offsets() -> Self {
+        TableName {
+            schema: None,
+            table: crate::store::kafka_offsets::DEFAULT_KAFKA_OFFSETS_TABLE.to_owned(),
+        }
+    }
+
     /// Validates `name`.
     pub fn new(name: &str) -> Result<Self, Error> {
         let mut parts = name.split('.');

@@ -62,6 +62,14 @@
 //! tells the duplicate (its claim waits for, or replays, this one's effect).
 //! Records fetched but not started are dropped with the partition.
 //!
+//! # Offsets in the database
+//!
+//! With [`offsets_in(store)`](ConsumerBuilder::offsets_in) the offsets are
+//! also kept in the database, in each record's own transaction (marker,
+//! effect and offset commit together), and each assigned partition starts
+//! at its stored offset: see the method. The Kafka commits above go on, as a
+//! hint for monitoring ([`kafka_commits`](ConsumerBuilder::kafka_commits)).
+//!
 //! # Connection loss
 //!
 //! librdkafka reconnects to the brokers by itself; only a fatal client
@@ -102,10 +110,11 @@ use std::time::Duration;
 
 use rdkafka::client::ClientContext;
 use rdkafka::config::{ClientConfig, RDKafkaLogLevel};
-use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer as _, ConsumerContext, Rebalance};
+use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer as _, ConsumerContext, Rebalance, RebalanceProtocol};
 use rdkafka::error::KafkaError;
 use rdkafka::message::{Header, Headers as _, Message as _, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
+use rdkafka::types::RDKafkaRespErr;
 use rdkafka::{Offset, TopicPartitionList};
 use tokio::sync::Notify;
 use tokio::time::Instant;
@@ -118,7 +127,11 @@ use super::{
 use super::{Consumer, ConsumerBuilder, TRACING_TARGET};
 
 #[cfg(feature = "sqlx")]
+pub(crate) mod offsets;
+#[cfg(feature = "sqlx")]
 pub(crate) mod publisher;
+#[cfg(feature = "sqlx")]
+pub use offsets::OffsetStore;
 #[cfg(feature = "sqlx")]
 pub use publisher::HEADER_OUTBOX_ROW;
 
@@ -154,6 +167,12 @@ const METADATA_TIMEOUT: Duration = Duration::from_secs(10);
 /// Longest wait, at connection, for the group's first assignment (the
 /// session starts anyway after it, and takes partitions when they come).
 const JOIN_WAIT: Duration = Duration::from_secs(30);
+/// Offsets in the database: how long one read of the stored offsets may
+/// take at an assignment, and how many reads are tried.
+#[cfg(feature = "sqlx")]
+const READ_OFFSETS_TIMEOUT: Duration = Duration::from_secs(5);
+#[cfg(feature = "sqlx")]
+const READ_OFFSETS_ATTEMPTS: u32 = 3;
 
 /// Properties of the consumer's configuration that its dead-letter
 /// producer leaves out (librdkafka warns about consumer properties given to
@@ -191,6 +210,13 @@ pub struct Kafka {
     commit_interval: Duration,
     revoke_timeout: Duration,
     max_buffered: usize,
+    /// Offsets in the database: the table, or why the store cannot keep
+    /// them (reported at build).
+    #[cfg(feature = "sqlx")]
+    offsets: Option<Result<Arc<dyn offsets::OffsetTable>, String>>,
+    /// Commit the offsets to Kafka too (always without offsets in the
+    /// database).
+    kafka_commits: bool,
     /// Set by `prepare`.
     ready: Option<Arc<Ready>>,
 }
@@ -208,6 +234,10 @@ struct Ready {
     commit_interval: Duration,
     revoke_timeout: Duration,
     max_buffered: usize,
+    /// Offsets in the database: read at each assignment.
+    #[cfg(feature = "sqlx")]
+    offsets: Option<Arc<dyn offsets::OffsetTable>>,
+    kafka_commits: bool,
 }
 
 impl fmt::Debug for Kafka {
@@ -242,6 +272,9 @@ impl KafkaConsumer {
             commit_interval: DEFAULT_COMMIT_INTERVAL,
             revoke_timeout: DEFAULT_REVOKE_TIMEOUT,
             max_buffered: DEFAULT_MAX_BUFFERED,
+            #[cfg(feature = "sqlx")]
+            offsets: None,
+            kafka_commits: true,
             ready: None,
         })
     }
@@ -294,6 +327,64 @@ impl<D, R> ConsumerBuilder<Kafka, D, R> {
         self
     }
 
+    /// Keeps the offsets in the database (the mode no other Kafka client
+    /// offers): each record's handler runs in a transaction that the
+    /// consumer opens on `store`, which the `#[idempotent]` handlers on
+    /// that store join, and that transaction also stores the partition's
+    /// next offset in the store's Kafka offsets table (created by its
+    /// `migrate()`, default
+    /// [`DEFAULT_KAFKA_OFFSETS_TABLE`](crate::store::DEFAULT_KAFKA_OFFSETS_TABLE):
+    /// one row per group, topic and partition). When the group assigns it
+    /// partitions, the consumer starts each at its stored offset (at the
+    /// group's committed offset, or `auto.offset.reset`, for one with no
+    /// row yet). A record is then applied once even without a marker: a
+    /// restart, a crash or a rebalance resumes exactly after the last
+    /// committed effect, and the markers only catch duplicates produced
+    /// upstream (the same message published twice).
+    ///
+    /// A stored offset never moves backwards: the transaction of the record
+    /// at offset `o` moves it to `o + 1` only if it is at most `o`. A
+    /// transaction that finds it past `o` (a revoked consumer's handler that
+    /// outlived the [revoke timeout](Self::revoke_timeout), whose partition's
+    /// new owner committed the record meanwhile) is rolled back with its
+    /// effect, and the record settled as a duplicate. A dead-lettered record
+    /// moves the offset in a transaction of its own, after its dead letter
+    /// was produced. With [`batch`](ConsumerBuilder::batch), the batch's
+    /// transaction (begun on this `store`) stores each partition's offset
+    /// past its members that returned `Ok`.
+    ///
+    /// The offsets are still committed to Kafka after the transactions, as
+    /// a hint for tools that show a group's lag (see
+    /// [`kafka_commits`](Self::kafka_commits)); the database is what the
+    /// consumer starts from.
+    ///
+    /// `store` is `PgStore`, `MySqlStore` or `SqliteStore` ([`OffsetStore`]);
+    /// others do not compile. A partitioned `PgStore` is refused at build,
+    /// as are a group or topic longer than 255 bytes.
+    ///
+    /// ```compile_fail
+    /// # use idempotent_runtime::{MemoryStore, kafka::KafkaConsumer, rdkafka::ClientConfig};
+    /// // The memory store has no transaction to keep the offsets in.
+    /// let _ = KafkaConsumer::builder(ClientConfig::new(), "payments", "payment-service")
+    ///     .offsets_in(MemoryStore::new());
+    /// ```
+    #[cfg(feature = "sqlx")]
+    pub fn offsets_in<S: OffsetStore>(mut self, store: S) -> Self {
+        self.broker.offsets = Some(store.offset_table(&self.broker.group, &self.broker.topic));
+        self
+    }
+
+    /// Whether the consumer commits the offsets of finished records to
+    /// Kafka (default `true`). Only with [`offsets_in`](Self::offsets_in),
+    /// where the database holds the offsets and Kafka's are a hint for
+    /// monitoring: `false` saves the commits (and a group's lag then shows
+    /// its whole topic). Without offsets in the database the consumer needs
+    /// them, and refuses `false` at build.
+    pub fn kafka_commits(mut self, commit: bool) -> Self {
+        self.broker.kafka_commits = commit;
+        self
+    }
+
     /// Most records fetched but not started, per partition, before the
     /// partition's fetching pauses (at least 1; default
     /// [`DEFAULT_MAX_BUFFERED`]); it resumes below half.
@@ -307,7 +398,7 @@ impl Broker for Kafka {
     const NAME: &'static str = "kafka";
     type Session = Session;
 
-    fn prepare(&mut self, _options: &mut ConsumerOptions) -> Result<(), ConsumerError> {
+    fn prepare(&mut self, options: &mut ConsumerOptions) -> Result<(), ConsumerError> {
         for (what, value) in [("topic", &self.topic), ("group", &self.group)] {
             if value.is_empty() {
                 return Err(ConsumerError::Config(format!("the {what} is empty")));
@@ -343,6 +434,33 @@ impl Broker for Kafka {
                     .into(),
             ));
         }
+        #[cfg(feature = "sqlx")]
+        let offsets = match self.offsets.clone() {
+            Some(Ok(table)) => {
+                for (what, value) in [("group", &self.group), ("topic", &self.topic)] {
+                    if value.len() > 255 {
+                        return Err(ConsumerError::Config(format!(
+                            "the {what} is longer than 255 bytes: the offsets table cannot hold it"
+                        )));
+                    }
+                }
+                options.offsets = Some(super::options::OffsetsMode(Arc::clone(&table)));
+                Some(table)
+            }
+            Some(Err(why)) => return Err(ConsumerError::Config(why)),
+            None => None,
+        };
+        #[cfg(not(feature = "sqlx"))]
+        let _ = options;
+        #[cfg(feature = "sqlx")]
+        let in_database = offsets.is_some();
+        #[cfg(not(feature = "sqlx"))]
+        let in_database = false;
+        if !self.kafka_commits && !in_database {
+            return Err(ConsumerError::Config(
+                "kafka_commits(false) without offsets_in(store): the consumer would keep no offsets at all".into(),
+            ));
+        }
         let client_id = self
             .config
             .get("client.id")
@@ -376,6 +494,9 @@ impl Broker for Kafka {
             commit_interval: self.commit_interval,
             revoke_timeout: self.revoke_timeout,
             max_buffered: self.max_buffered,
+            #[cfg(feature = "sqlx")]
+            offsets,
+            kafka_commits: self.kafka_commits,
         }));
         Ok(())
     }
@@ -414,6 +535,8 @@ impl Broker for Kafka {
             wake: Notify::new(),
             producer,
             alive: AtomicBool::new(true),
+            #[cfg(feature = "sqlx")]
+            runtime: tokio::runtime::Handle::current(),
         });
         let context = Context {
             shared: Arc::clone(&shared),
@@ -567,6 +690,10 @@ struct Shared {
     wake: Notify,
     producer: FutureProducer,
     alive: AtomicBool,
+    /// The runtime the consumer runs on: the consumer's thread reads the
+    /// stored offsets on it (offsets in the database).
+    #[cfg(feature = "sqlx")]
+    runtime: tokio::runtime::Handle,
 }
 
 impl Shared {
@@ -606,6 +733,46 @@ impl ClientContext for Context {
 }
 
 impl ConsumerContext for Context {
+    /// librdkafka's rebalance, as rdkafka's default runs it (`pre_rebalance`,
+    /// the assignment, `post_rebalance`), with partitions assigned at their
+    /// offsets stored in the database (offsets in the database).
+    fn rebalance(&self, consumer: &BaseConsumer<Self>, err: RDKafkaRespErr, list: &mut TopicPartitionList) {
+        let cooperative = matches!(consumer.rebalance_protocol(), RebalanceProtocol::Cooperative);
+        match err {
+            RDKafkaRespErr::RD_KAFKA_RESP_ERR__ASSIGN_PARTITIONS => {
+                #[cfg(feature = "sqlx")]
+                start_at_stored_offsets(&self.shared, list);
+                self.pre_rebalance(consumer, &Rebalance::Assign(list));
+                let assigned = if cooperative {
+                    consumer.incremental_assign(list)
+                } else {
+                    consumer.assign(list)
+                };
+                if let Err(err) = assigned {
+                    tracing::warn!(target: TRACING_TARGET, error = %err, "assigning the partitions failed");
+                }
+                self.post_rebalance(consumer, &Rebalance::Assign(list));
+            }
+            RDKafkaRespErr::RD_KAFKA_RESP_ERR__REVOKE_PARTITIONS => {
+                self.pre_rebalance(consumer, &Rebalance::Revoke(list));
+                let unassigned = if cooperative {
+                    consumer.incremental_unassign(list)
+                } else {
+                    consumer.unassign()
+                };
+                if let Err(err) = unassigned {
+                    tracing::warn!(target: TRACING_TARGET, error = %err, "releasing the partitions failed");
+                }
+                self.post_rebalance(consumer, &Rebalance::Revoke(list));
+            }
+            other => {
+                let rebalance = Rebalance::Error(KafkaError::Rebalance(other.into()));
+                self.pre_rebalance(consumer, &rebalance);
+                self.post_rebalance(consumer, &rebalance);
+            }
+        }
+    }
+
     fn pre_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
         match rebalance {
             Rebalance::Revoke(list) => {
@@ -655,6 +822,67 @@ impl ConsumerContext for Context {
             tracing::info!(target: TRACING_TARGET, topic = %self.shared.ready.topic, ?assigned, "partitions assigned");
         }
     }
+}
+
+/// Offsets in the database: sets each partition of the assignment `list`
+/// that has a stored offset to start there (the others start at the
+/// group's committed offset, or `auto.offset.reset`). Runs on the
+/// consumer's thread, inside librdkafka's rebalance: the read runs on the
+/// consumer's runtime, and the thread waits for it. When the database
+/// cannot be read, the partitions start at the group's committed offsets,
+/// which are never ahead of the database: records it already has are then
+/// handled again, and their transactions, finding the stored offset past
+/// them, roll back (no effect twice).
+#[cfg(feature = "sqlx")]
+fn start_at_stored_offsets(shared: &Shared, list: &mut TopicPartitionList) {
+    let Some(offsets) = shared.ready.offsets.as_ref() else {
+        return;
+    };
+    let topic = shared.ready.topic.as_str();
+    let assigned: Vec<i32> = list.elements_for_topic(topic).iter().map(|e| e.partition()).collect();
+    if assigned.is_empty() {
+        return;
+    }
+    let mut failure = String::new();
+    for attempt in 1..=READ_OFFSETS_ATTEMPTS {
+        let (send, receive) = std::sync::mpsc::channel();
+        let table = Arc::clone(offsets);
+        shared.runtime.spawn(async move {
+            let _ = send.send(table.read().await);
+        });
+        match receive.recv_timeout(READ_OFFSETS_TIMEOUT) {
+            Ok(Ok(stored)) => {
+                let mut starts = Vec::new();
+                for (partition, next) in stored.into_iter().filter(|(p, _)| assigned.contains(p)) {
+                    match list.set_partition_offset(topic, partition, Offset::Offset(next)) {
+                        Ok(()) => starts.push((partition, next)),
+                        Err(err) => {
+                            tracing::warn!(target: TRACING_TARGET, partition, error = %err, "cannot start the partition at its stored offset");
+                        }
+                    }
+                }
+                tracing::info!(
+                    target: TRACING_TARGET,
+                    topic,
+                    offsets = %offsets.describe(),
+                    ?starts,
+                    "assigned partitions start at their offsets stored in the database (partition, next offset)"
+                );
+                return;
+            }
+            Ok(Err(error)) => failure = error.to_string(),
+            Err(_) => failure = format!("no answer within {READ_OFFSETS_TIMEOUT:?}"),
+        }
+        tracing::warn!(target: TRACING_TARGET, attempt, error = %failure, "reading the stored offsets failed");
+        std::thread::sleep(Duration::from_millis(200) * attempt);
+    }
+    tracing::error!(
+        target: TRACING_TARGET,
+        topic,
+        error = %failure,
+        "cannot read the offsets stored in the database: the partitions start at the group's committed offsets; \
+         records the database already has roll back as duplicates"
+    );
 }
 
 /// Revokes `partitions`: nothing more of them starts, their handlers in
@@ -708,7 +936,7 @@ fn revoke(consumer: &BaseConsumer<Context>, shared: &Shared, partitions: &[i32])
         }
     }
     drop(state);
-    if offsets.count() > 0 {
+    if offsets.count() > 0 && ready.kafka_commits {
         match consumer.commit(&offsets, CommitMode::Sync) {
             Ok(()) => {
                 tracing::info!(target: TRACING_TARGET, topic = %ready.topic, ?partitions, "offsets of revoked partitions committed");
@@ -847,7 +1075,7 @@ fn commit_finished(consumer: &BaseConsumer<Context>, shared: &Shared) {
             }
         }
     }
-    if listed.is_empty() {
+    if listed.is_empty() || !ready.kafka_commits {
         return;
     }
     match consumer.commit(&offsets, CommitMode::Sync) {
@@ -1156,6 +1384,17 @@ impl pipeline::Delivery for Delivery {
                     ready.dead_letter_topic
                 ))
             })?;
+        // Offsets in the database: the record is settled once its offset
+        // is stored (in a transaction of its own), after its dead letter.
+        #[cfg(feature = "sqlx")]
+        if let Some(offsets) = &ready.offsets
+            && let Err(error) = offsets.advance_alone(self.partition, self.record.offset).await
+        {
+            return Err(Settle::Refused(format!(
+                "the dead letter was produced, but storing the record's offset in {} failed: {error}",
+                offsets.describe()
+            )));
+        }
         self.finish()
     }
 

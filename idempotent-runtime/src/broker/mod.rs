@@ -143,6 +143,11 @@ pub(crate) enum Called<E> {
     Ok,
     Err(E),
     Panicked(String),
+    /// The handler returned `Ok`, but the transaction that stores the
+    /// delivery's offset with its effect could not begin, store it or
+    /// commit: nothing of it took effect (offsets in the database).
+    #[cfg_attr(not(all(feature = "kafka", feature = "sqlx")), allow(dead_code))]
+    Unstored(String),
 }
 
 /// Runs the handler's future, catching a panic so that it counts as a failed

@@ -48,6 +48,24 @@ pub struct ConsumerOptions {
     /// A batch setting (`batch_wait`, `batch_savepoints`) called without
     /// `batch` before it: its name.
     pub(crate) batch_setting_alone: Option<&'static str>,
+    /// Each delivery's transaction also stores its partition's next offset
+    /// (a Kafka consumer's
+    /// [`offsets_in`](crate::broker::ConsumerBuilder::offsets_in)).
+    #[cfg(all(feature = "kafka", feature = "sqlx"))]
+    pub(crate) offsets: Option<OffsetsMode>,
+}
+
+/// The offsets table of a consumer whose deliveries' transactions store
+/// their offsets.
+#[cfg(all(feature = "kafka", feature = "sqlx"))]
+#[derive(Clone)]
+pub(crate) struct OffsetsMode(pub(crate) std::sync::Arc<dyn crate::broker::kafka::offsets::OffsetTable>);
+
+#[cfg(all(feature = "kafka", feature = "sqlx"))]
+impl fmt::Debug for OffsetsMode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_tuple("OffsetsMode").field(&self.0.describe()).finish()
+    }
 }
 
 /// Deliveries run in one database transaction: see
@@ -101,6 +119,8 @@ impl Default for ConsumerOptions {
             stop_when_idle: None,
             batch: None,
             batch_setting_alone: None,
+            #[cfg(all(feature = "kafka", feature = "sqlx"))]
+            offsets: None,
         }
     }
 }

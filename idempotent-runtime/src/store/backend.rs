@@ -64,6 +64,29 @@ pub trait SqlBackend: sqlx::Database {
     /// aborted the transaction (nothing was committed).
     fn commit(tx: Transaction<'static, Self>) -> impl Future<Output = Result<(), Error>> + Send + 'static;
 
+    /// Moves a Kafka partition's stored offset to `next` in the open
+    /// transaction, if it is at most `first` (the offset of the partition's
+    /// first record being committed) or the partition has no row yet:
+    /// `true` when it moved, `false` when it is already past `first`.
+    #[cfg(feature = "kafka")]
+    fn advance_offset<'a>(
+        conn: &'a mut Self::Connection,
+        sql: &'a crate::store::kafka_offsets::OffsetSql,
+        at: (&'a str, &'a str, i32),
+        first: i64,
+        next: i64,
+    ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send + 'a;
+
+    /// The stored next offsets `(partition, next offset)` of a consumer
+    /// group's topic.
+    #[cfg(feature = "kafka")]
+    fn read_offsets<'a>(
+        pool: &'a sqlx::Pool<Self>,
+        sql: &'a crate::store::kafka_offsets::OffsetSql,
+        group: &'a str,
+        topic: &'a str,
+    ) -> impl Future<Output = Result<Vec<(i32, i64)>, sqlx::Error>> + Send + 'a;
+
     /// Makes the server end the session of `conn`, so that its release to
     /// the pool fails and the pool closes it (see [`crate::store::tx`]).
     fn retire(conn: &mut Self::Connection) -> impl Future<Output = ()> + Send + '_;
@@ -154,6 +177,55 @@ macro_rules! sql_backend {
                 tx: sqlx::Transaction<'static, $db>,
             ) -> impl ::std::future::Future<Output = Result<(), $crate::Error>> + Send + 'static {
                 $commit(tx)
+            }
+
+            #[cfg(feature = "kafka")]
+            async fn advance_offset<'a>(
+                conn: &'a mut $conn,
+                sql: &'a $crate::store::kafka_offsets::OffsetSql,
+                (group, topic, partition): (&'a str, &'a str, i32),
+                first: i64,
+                next: i64,
+            ) -> Result<bool, sqlx::Error> {
+                let advanced = sqlx::query(sqlx::AssertSqlSafe(::std::sync::Arc::clone(&sql.advance)))
+                    .bind(next)
+                    .bind(group)
+                    .bind(topic)
+                    .bind(partition)
+                    .bind(first)
+                    .execute(&mut *conn)
+                    .await?
+                    .rows_affected();
+                if advanced > 0 {
+                    return Ok(true);
+                }
+                // No row yet, or one already past `first`: the insert tells.
+                let inserted = sqlx::query(sqlx::AssertSqlSafe(::std::sync::Arc::clone(&sql.insert)))
+                    .bind(group)
+                    .bind(topic)
+                    .bind(partition)
+                    .bind(next)
+                    .execute(&mut *conn)
+                    .await?
+                    .rows_affected();
+                Ok(inserted > 0)
+            }
+
+            #[cfg(feature = "kafka")]
+            async fn read_offsets<'a>(
+                pool: &'a sqlx::Pool<$db>,
+                sql: &'a $crate::store::kafka_offsets::OffsetSql,
+                group: &'a str,
+                topic: &'a str,
+            ) -> Result<Vec<(i32, i64)>, sqlx::Error> {
+                let rows = sqlx::query(sqlx::AssertSqlSafe(::std::sync::Arc::clone(&sql.read)))
+                    .bind(group)
+                    .bind(topic)
+                    .fetch_all(pool)
+                    .await?;
+                rows.iter()
+                    .map(|row| Ok((sqlx::Row::try_get(row, 0)?, sqlx::Row::try_get(row, 1)?)))
+                    .collect()
             }
 
             fn retire(conn: &mut $conn) -> impl ::std::future::Future<Output = ()> + Send + '_ {

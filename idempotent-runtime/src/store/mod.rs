@@ -359,6 +359,8 @@ pub use crate::janitor::{JanitorLock, PurgeExpired};
 pub use crate::scope::intern_namespace;
 pub use crate::table::{MAX_TABLE_NAME_BYTES, TableName};
 pub use cached::{CacheStats, CachedGuard, CachedStore, DEFAULT_CACHE_MAX_AGE};
+#[cfg(all(feature = "kafka", feature = "sqlx"))]
+pub use kafka_offsets::DEFAULT_KAFKA_OFFSETS_TABLE;
 pub use memory::{MemoryGuard, MemoryStore};
 #[cfg(feature = "mysql")]
 pub use mysql::outbox::MySqlOutboxBatch;
@@ -380,6 +382,8 @@ pub use sqlite::{SqliteStore, SqliteStoreBuilder};
 #[cfg(feature = "sqlx")]
 pub(crate) mod backend;
 pub(crate) mod cached;
+#[cfg(all(feature = "kafka", feature = "sqlx"))]
+pub(crate) mod kafka_offsets;
 pub(crate) mod memory;
 #[cfg(feature = "mysql")]
 pub(crate) mod mysql;

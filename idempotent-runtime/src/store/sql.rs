@@ -665,6 +665,23 @@ impl<P, B> SqlStoreBuilder<P, B> {
         self
     }
 
+    /// The table where a Kafka consumer in offsets-in-the-database mode
+    /// keeps its partitions' offsets (default
+    /// [`DEFAULT_KAFKA_OFFSETS_TABLE`](crate::store::DEFAULT_KAFKA_OFFSETS_TABLE));
+    /// same rules as [`table`](Self::table). `migrate()` creates it. See
+    /// [`offsets_in`](crate::broker::ConsumerBuilder::offsets_in).
+    #[cfg(feature = "kafka")]
+    pub fn kafka_offsets_table(mut self, name: &str) -> Self {
+        self.settings.kafka_offsets = TableName::new(name).map_err(|e| e.to_string());
+        self
+    }
+
+    /// The validated Kafka offsets table.
+    #[cfg(feature = "kafka")]
+    pub(crate) fn kafka_offsets_settings(&self) -> Result<TableName, Error> {
+        self.settings.kafka_offsets.clone().map_err(Error::Config)
+    }
+
     /// The validated outbox table and its retention.
     pub(crate) fn outbox_settings(&self) -> Result<(TableName, std::time::Duration), Error> {
         let table = self.settings.outbox.clone().map_err(Error::Config)?;
@@ -684,6 +701,8 @@ pub(crate) struct Settings {
     pub(crate) purge_batch: u32,
     pub(crate) outbox: Result<TableName, String>,
     pub(crate) outbox_retention: std::time::Duration,
+    #[cfg(feature = "kafka")]
+    pub(crate) kafka_offsets: Result<TableName, String>,
 }
 
 impl Default for Settings {
@@ -693,6 +712,8 @@ impl Default for Settings {
             purge_batch: DEFAULT_PURGE_BATCH,
             outbox: Ok(TableName::outbox()),
             outbox_retention: DEFAULT_OUTBOX_RETENTION,
+            #[cfg(feature = "kafka")]
+            kafka_offsets: Ok(TableName::kafka_offsets()),
         }
     }
 }

@@ -10,9 +10,9 @@ use super::deliver::{Beat, process};
 use super::span::delivery_span;
 use super::traits::{Delivery, Next, Session};
 use super::worker::Worker;
-use crate::broker::options::BatchMode;
+use crate::broker::options::{BatchMode, ConsumerOptions};
 use crate::broker::stats::Recorder;
-use crate::broker::{Decoder, Handler, RetryPolicy, TRACING_TARGET};
+use crate::broker::{Called, Decoder, Handler, RetryPolicy, TRACING_TARGET};
 
 /// Gathers a batch: `first`, then what the session has ready, up to the
 /// batch's size, waiting at most its `max_wait`. Also returns what ended
@@ -109,7 +109,7 @@ where
     if ready.is_empty() {
         return;
     }
-    let batch = match (mode.begin)().await {
+    let batch = match begin(worker, mode).await {
         Ok(batch) => batch,
         Err(error) => {
             tracing::warn!(
@@ -159,7 +159,13 @@ where
         .collect();
     let size = ran.len();
     let fresh = batch.fresh_claims();
-    match batch.commit().await {
+    // Where the members that returned `Ok` are (offsets in the database).
+    let committing: Vec<(i32, i64)> = ran
+        .iter()
+        .filter(|(_, _, (called, _))| matches!(called, Called::Ok))
+        .filter_map(|((_, delivery), _, _)| Some((delivery.meta().partition?, delivery.meta().offset?)))
+        .collect();
+    match commit(&worker.options, batch, committing).await {
         Ok(()) => {
             worker.recorder.batch(size);
             tracing::debug!(target: TRACING_TARGET, deliveries = size, fresh, "batch committed");
@@ -182,6 +188,44 @@ where
             }
         }
     }
+}
+
+/// Begins a batch: on the offsets' store with offsets in the database
+/// (the transaction stores them), else on the batch's store.
+async fn begin<D, R, H>(worker: &Worker<D, R, H>, mode: &BatchMode) -> Result<crate::batch::Batch, crate::Error> {
+    #[cfg(feature = "kafka")]
+    if let Some(offsets) = &worker.options.offsets {
+        return offsets.0.begin().await;
+    }
+    #[cfg(not(feature = "kafka"))]
+    let _ = worker;
+    (mode.begin)().await
+}
+
+/// Commits a batch whose handlers ran. With offsets in the database, its
+/// transaction first stores the next offset of each partition of
+/// `committing` (the `(partition, offset)` of the members whose handler
+/// returned `Ok`); it is rolled back, as a batch that did not commit, when
+/// a stored offset is already past one of them (another consumer committed
+/// it).
+async fn commit(
+    options: &ConsumerOptions,
+    batch: crate::batch::Batch,
+    committing: Vec<(i32, i64)>,
+) -> Result<(), String> {
+    #[cfg(feature = "kafka")]
+    if let Some(offsets) = &options.offsets {
+        use super::offsets::{Stored, store};
+        let advances = crate::broker::kafka::offsets::Advance::of(committing);
+        return match store(offsets.0.as_ref(), batch, &advances).await {
+            Stored::Committed => Ok(()),
+            Stored::AlreadyPast => Err("a stored offset is already past a record of the batch".into()),
+            Stored::Failed(why) => Err(why),
+        };
+    }
+    #[cfg(not(feature = "kafka"))]
+    let _ = (options, committing);
+    batch.commit().await.map_err(|error| error.to_string())
 }
 
 /// Which deliveries of a batch its [`keep_alive`] still sends progress

@@ -131,7 +131,7 @@ impl<D, R, H> Worker<D, R, H> {
                         }
                     };
                     acked_at_start = self.recorder.processed();
-                    let call = self.call(meta, decoded, check_only);
+                    let call = self.call_alone(meta, decoded, check_only);
                     let Some(outcome) = self.watched(delivery, &mut beat, call).await else {
                         self.let_go(delivery).await;
                         return;
@@ -192,6 +192,9 @@ impl<D, R, H> Worker<D, R, H> {
                     (err.to_string(), verdict, handler_error)
                 }
                 Called::Panicked(reason) => (reason, Verdict::Retry, "panic"),
+                // The database is down (or the transaction failed): as an
+                // outage of the handler's store.
+                Called::Unstored(reason) => (reason, Verdict::Outage, "offset_store"),
             };
             self.recorder.handler_failed();
             if verdict != Verdict::Outage {
@@ -322,6 +325,28 @@ impl<D, R, H> Worker<D, R, H> {
             crate::signal::checking(check_only, self.handler.call(message, info)),
             &self.recorder,
         )
+    }
+
+    /// The handler's call on a delivery handled alone: [`call`](Self::call);
+    /// with offsets in the database, in a transaction of the consumer's that
+    /// also stores the delivery's offset.
+    async fn call_alone<M, A>(&self, meta: &Meta, message: M, check_only: bool) -> (Called<H::Error>, Noted)
+    where
+        H: Handler<M, A>,
+    {
+        #[cfg(all(feature = "kafka", feature = "sqlx"))]
+        if let (Some(offsets), Some(partition), Some(offset)) = (&self.options.offsets, meta.partition, meta.offset) {
+            // On the heap: the transaction's future holds the handler's.
+            return Box::pin(self.call_storing_offset(
+                offsets.0.as_ref(),
+                (partition, offset),
+                meta,
+                message,
+                check_only,
+            ))
+            .await;
+        }
+        self.call(meta, message, check_only).await
     }
 
     /// Runs `fut` while sending the delivery's progress at each `beat`;

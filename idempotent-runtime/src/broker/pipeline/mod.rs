@@ -37,12 +37,15 @@
 //! exchanges with the pipeline), `run` (the loop and the drain), `deliver`
 //! (one delivery: decoding, the handler's call, the verdict, acknowledging,
 //! retrying, dead-lettering, releasing), `batch` (several deliveries in one
-//! database transaction), `span` (a delivery's `tracing` span) and `worker`
+//! database transaction), `offsets` (a Kafka consumer's offsets stored in
+//! the handler's transaction), `span` (a delivery's `tracing` span) and `worker`
 //! (what a consumer's delivery tasks share).
 
 #[cfg(feature = "sqlx")]
 mod batch;
 mod deliver;
+#[cfg(all(feature = "kafka", feature = "sqlx"))]
+mod offsets;
 mod run;
 mod span;
 mod traits;

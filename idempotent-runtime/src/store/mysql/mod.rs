@@ -118,6 +118,9 @@ pub struct MySqlStore {
     outbox: Arc<MySqlOutbox>,
     /// The server's durability settings were checked (on the first claim).
     checked: Arc<tokio::sync::OnceCell<()>>,
+    /// The Kafka offsets table (offsets-in-the-database mode).
+    #[cfg(feature = "kafka")]
+    kafka_offsets: Arc<crate::store::kafka_offsets::OffsetSql>,
 }
 
 #[derive(Debug)]
@@ -141,9 +144,15 @@ impl SqlStoreBuilder<MySqlPool> {
     /// The store, or [`Error::Config`] for an invalid setting.
     pub fn build(self) -> Result<MySqlStore, Error> {
         let outbox = self.outbox_settings()?;
+        #[cfg(feature = "kafka")]
+        let kafka_offsets = self.kafka_offsets_settings()?;
         let (pool, table, purge_batch) = self.into_parts()?;
         let mut store = MySqlStore::assemble(pool, table, purge_batch);
         store.outbox = Arc::new(mysql_outbox(&outbox));
+        #[cfg(feature = "kafka")]
+        {
+            store.kafka_offsets = crate::store::kafka_offsets::OffsetSql::mysql(&kafka_offsets);
+        }
         Ok(store)
     }
 }
@@ -193,6 +202,8 @@ impl MySqlStore {
                 DEFAULT_OUTBOX_RETENTION,
             ))),
             checked: Arc::default(),
+            #[cfg(feature = "kafka")]
+            kafka_offsets: crate::store::kafka_offsets::OffsetSql::mysql(&crate::table::TableName::kafka_offsets()),
         }
     }
 
@@ -220,6 +231,25 @@ impl MySqlStore {
         &self.sql.table
     }
 
+    /// The Kafka offsets table's statements (offsets-in-the-database mode).
+    #[cfg(feature = "kafka")]
+    pub(crate) fn kafka_offsets(&self) -> &Arc<crate::store::kafka_offsets::OffsetSql> {
+        &self.kafka_offsets
+    }
+
+    /// The Kafka offsets table's DDL, run by `migrate` (none without the
+    /// `kafka` feature).
+    fn kafka_offsets_ddl(&self) -> &[String] {
+        #[cfg(feature = "kafka")]
+        {
+            &self.kafka_offsets.ddl
+        }
+        #[cfg(not(feature = "kafka"))]
+        {
+            &[]
+        }
+    }
+
     pub(crate) fn outbox(&self) -> &MySqlOutbox {
         &self.outbox
     }
@@ -227,8 +257,18 @@ impl MySqlStore {
     /// Creates the marker table with its `expires_at` index if it does not
     /// exist (the DDL of `sql/mysql.sql`, one `CREATE TABLE IF NOT EXISTS`
     /// statement). Safe to run concurrently.
+    ///
+    /// With the `kafka` feature it also creates the Kafka offsets table
+    /// (`sql/mysql_kafka_offsets.sql`, default `idempotent_kafka_offsets`), where a
+    /// consumer in offsets-in-the-database mode keeps its partitions' offsets.
     pub async fn migrate(&self) -> Result<(), Error> {
-        for statement in self.sql.ddl.iter().chain(&self.outbox.ddl) {
+        for statement in self
+            .sql
+            .ddl
+            .iter()
+            .chain(&self.outbox.ddl)
+            .chain(self.kafka_offsets_ddl())
+        {
             match sqlx::query(AssertSqlSafe(statement.as_str())).execute(&self.pool).await {
                 Ok(_) => {}
                 // A concurrent migration created it between the existence

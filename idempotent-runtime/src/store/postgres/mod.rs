@@ -124,6 +124,9 @@ pub struct PgStore {
     /// Set once a claim met a session whose default isolation is not Read
     /// Committed: single claims then set the level in `BEGIN`.
     set_isolation: Arc<std::sync::atomic::AtomicBool>,
+    /// The Kafka offsets table (offsets-in-the-database mode).
+    #[cfg(feature = "kafka")]
+    kafka_offsets: Arc<crate::store::kafka_offsets::OffsetSql>,
 }
 
 #[derive(Debug)]
@@ -165,12 +168,20 @@ impl SqlStoreBuilder<PgPool, PgBuilderSettings> {
     pub fn build(self) -> Result<PgStore, Error> {
         let outbox = self.outbox_settings()?;
         let partitioning = self.backend.partitions;
+        #[cfg(feature = "kafka")]
+        let kafka_offsets = self.kafka_offsets_settings()?;
         let (pool, table, purge_batch) = self.into_parts()?;
         let partitions = match partitioning {
             Some(settings) => Some(Partitions::new(&table, settings)?),
             None => None,
         };
-        Ok(PgStore::assemble(pool, table, purge_batch, partitions).with_outbox(&outbox))
+        #[allow(unused_mut)]
+        let mut store = PgStore::assemble(pool, table, purge_batch, partitions).with_outbox(&outbox);
+        #[cfg(feature = "kafka")]
+        {
+            store.kafka_offsets = crate::store::kafka_offsets::OffsetSql::postgres(&kafka_offsets);
+        }
+        Ok(store)
     }
 
     /// Partitions the marker table by expiry, one partition per `period`
@@ -303,6 +314,8 @@ impl PgStore {
                 DEFAULT_OUTBOX_RETENTION,
             ))),
             set_isolation: Arc::default(),
+            #[cfg(feature = "kafka")]
+            kafka_offsets: crate::store::kafka_offsets::OffsetSql::postgres(&crate::table::TableName::kafka_offsets()),
         }
     }
 
@@ -313,6 +326,32 @@ impl PgStore {
 
     pub(crate) fn outbox(&self) -> &PgOutbox {
         &self.outbox
+    }
+
+    /// The Kafka offsets table's statements (offsets-in-the-database mode).
+    #[cfg(feature = "kafka")]
+    pub(crate) fn kafka_offsets(&self) -> &Arc<crate::store::kafka_offsets::OffsetSql> {
+        &self.kafka_offsets
+    }
+
+    /// Whether the marker table is partitioned (its claims keep their own
+    /// transaction inside a batch).
+    #[cfg(feature = "kafka")]
+    pub(crate) fn is_partitioned(&self) -> bool {
+        self.sql.partitions.is_some()
+    }
+
+    /// The Kafka offsets table's DDL, run by `migrate` (none without the
+    /// `kafka` feature).
+    fn kafka_offsets_ddl(&self) -> &[String] {
+        #[cfg(feature = "kafka")]
+        {
+            &self.kafka_offsets.ddl
+        }
+        #[cfg(not(feature = "kafka"))]
+        {
+            &[]
+        }
     }
 
     pub(crate) fn purge_batch(&self) -> i64 {
@@ -348,6 +387,10 @@ impl PgStore {
     /// table and its indexes, if they do not exist (the DDL of
     /// `sql/postgres.sql` and `sql/postgres_outbox.sql`). Safe to run
     /// concurrently.
+    ///
+    /// With the `kafka` feature it also creates the Kafka offsets table
+    /// (`sql/postgres_kafka_offsets.sql`, default `idempotent_kafka_offsets`), where a
+    /// consumer in offsets-in-the-database mode keeps its partitions' offsets.
     ///
     /// A [`partitioned`](PgStoreBuilder::partitioned) store creates the
     /// partitioned table of `sql/postgres_partitioned.sql` instead, and its
@@ -385,7 +428,13 @@ impl PgStore {
                 )));
             }
         }
-        for statement in self.sql.ddl.iter().chain(&self.outbox.ddl) {
+        for statement in self
+            .sql
+            .ddl
+            .iter()
+            .chain(&self.outbox.ddl)
+            .chain(self.kafka_offsets_ddl())
+        {
             sqlx::query(AssertSqlSafe(statement.as_str())).execute(&mut *tx).await?;
         }
         if let Some(partitions) = &self.sql.partitions {

@@ -46,6 +46,9 @@ pub struct SqliteStore {
     writer: Arc<Semaphore>,
     sql: Arc<SqliteSql>,
     outbox: Arc<SqliteOutbox>,
+    /// The Kafka offsets table (offsets-in-the-database mode).
+    #[cfg(feature = "kafka")]
+    kafka_offsets: Arc<crate::store::kafka_offsets::OffsetSql>,
 }
 
 /// The store's outbox table (statements in `outbox.rs`).
@@ -79,8 +82,14 @@ impl SqlStoreBuilder<SqlitePool> {
     /// The store, or [`Error::Config`] for an invalid setting.
     pub fn build(self) -> Result<SqliteStore, Error> {
         let outbox = self.outbox_settings()?;
+        #[cfg(feature = "kafka")]
+        let kafka_offsets = self.kafka_offsets_settings()?;
+        #[cfg(feature = "kafka")]
+        let offsets_schema = kafka_offsets.schema().is_some();
+        #[cfg(not(feature = "kafka"))]
+        let offsets_schema = false;
         let (pool, table, purge_batch) = self.into_parts()?;
-        if table.schema().is_some() || outbox.0.schema().is_some() {
+        if table.schema().is_some() || outbox.0.schema().is_some() || offsets_schema {
             return Err(Error::Config(format!(
                 "invalid table name {:?}: SQLite stores take a plain table name",
                 table.to_string()
@@ -88,6 +97,10 @@ impl SqlStoreBuilder<SqlitePool> {
         }
         let mut store = SqliteStore::assemble(pool, table, purge_batch);
         store.outbox = Arc::new(sqlite_outbox(&outbox));
+        #[cfg(feature = "kafka")]
+        {
+            store.kafka_offsets = crate::store::kafka_offsets::OffsetSql::sqlite(&kafka_offsets);
+        }
         Ok(store)
     }
 }
@@ -125,6 +138,8 @@ impl SqliteStore {
                 crate::table::TableName::outbox(),
                 DEFAULT_OUTBOX_RETENTION,
             ))),
+            #[cfg(feature = "kafka")]
+            kafka_offsets: crate::store::kafka_offsets::OffsetSql::sqlite(&crate::table::TableName::kafka_offsets()),
         }
     }
 
@@ -179,15 +194,44 @@ impl SqliteStore {
         &self.sql.table
     }
 
+    /// The Kafka offsets table's statements (offsets-in-the-database mode).
+    #[cfg(feature = "kafka")]
+    pub(crate) fn kafka_offsets(&self) -> &Arc<crate::store::kafka_offsets::OffsetSql> {
+        &self.kafka_offsets
+    }
+
+    /// The Kafka offsets table's DDL, run by `migrate` (none without the
+    /// `kafka` feature).
+    fn kafka_offsets_ddl(&self) -> &[String] {
+        #[cfg(feature = "kafka")]
+        {
+            &self.kafka_offsets.ddl
+        }
+        #[cfg(not(feature = "kafka"))]
+        {
+            &[]
+        }
+    }
+
     pub(crate) fn outbox(&self) -> &SqliteOutbox {
         &self.outbox
     }
 
     /// Creates the marker table and its `expires_at` index if they do not
     /// exist (the DDL of `sql/sqlite.sql`).
+    ///
+    /// With the `kafka` feature it also creates the Kafka offsets table
+    /// (`sql/sqlite_kafka_offsets.sql`, default `idempotent_kafka_offsets`), where a
+    /// consumer in offsets-in-the-database mode keeps its partitions' offsets.
     pub async fn migrate(&self) -> Result<(), Error> {
         let (mut tx, _writer) = self.begin_immediate().await?;
-        for statement in self.sql.ddl.iter().chain(&self.outbox.ddl) {
+        for statement in self
+            .sql
+            .ddl
+            .iter()
+            .chain(&self.outbox.ddl)
+            .chain(self.kafka_offsets_ddl())
+        {
             sqlx::query(AssertSqlSafe(statement.as_str())).execute(&mut *tx).await?;
         }
         tx.commit().await?;
