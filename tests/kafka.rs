@@ -1018,3 +1018,55 @@ async fn an_idle_member_takes_over_when_a_member_with_partitions_leaves() {
     members.assert_each_once(total);
     assert_eq!(kafka.lag(group, &topic).await, 0);
 }
+
+/// Where Tansu differs from Kafka: a member that leaves the group while a
+/// rebalance is under way (its partitions revoked, the new member's join
+/// pending) leaves that rebalance hanging: the member that joined gets no
+/// partition for tens of seconds (the combination checker saw over three
+/// minutes). Kafka completes the rebalance with the members that are left.
+/// docs/brokers.md says so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tansu_leaves_a_rebalance_hanging_when_a_member_leaves_during_it() {
+    let kafka = Kafka::start();
+    let topic = common::unique("hang");
+    let group = "hang";
+    kafka.create_topic(&topic, 4).await;
+    kafka.create_topic(&format!("{topic}.dlq"), 1).await;
+    for seq in 0..100 {
+        let partition = (seq % 4) as i32;
+        kafka
+            .produce(&topic, Some(partition), None, &step(partition, seq), &[])
+            .await;
+    }
+    let members = Members::new();
+    let slow = Duration::from_millis(100);
+    let (stats_a, shutdown_a, run_a) = members.start(builder(&kafka, &topic, group), "member-a", slow);
+    wait_until("A under way", || stats_a.snapshot().acked >= 4).await;
+    let (stats_b, shutdown_b, run_b) = members.start(builder(&kafka, &topic, group), "member-b", slow);
+    // B's join starts a rebalance: A's partitions are revoked once its
+    // handlers finished, and A stops calling them. Then A leaves.
+    let last_call_of_a = |members: &Members| {
+        members
+            .calls
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|c| c.0 == "member-a")
+            .map(|c| c.2)
+            .max()
+    };
+    wait_until("A revoked", || {
+        last_call_of_a(&members).is_some_and(|at| at.elapsed() > Duration::from_millis(600))
+    })
+    .await;
+    shutdown_a.cancel();
+    run_a.await.unwrap().unwrap();
+    tokio::time::sleep(Duration::from_secs(15)).await;
+    let b = stats_b.snapshot();
+    shutdown_b.cancel();
+    let _ = tokio::time::timeout(WAIT, run_b).await;
+    assert_eq!(
+        b.received, 0,
+        "Tansu now completes a rebalance a member left during: drop this test and the note in docs/brokers.md"
+    );
+}
