@@ -129,6 +129,13 @@
 //! of what the checker produced to it. The seeds from 40 up drew another
 //! broker before Kafka was drawn: `IDEMPOTENT_CHECKER_FORCE=kafka=off`
 //! draws what they drew then (the long runs quoted above ran before it).
+//! The long run on Kafka (40 configurations from seed 1000 with
+//! `IDEMPOTENT_CHECKER_FORCE=broker=kafka`, 8 050 messages) lost none and
+//! applied none twice; 7 configurations (seeds 1010, 1014, 1018, 1021, 1029, 1030 and 1035) stopped
+//! consuming and did not drain in 180 s: a consumer left the group while a
+//! rebalance was under way, which Tansu leaves hanging
+//! (`tansu_leaves_a_rebalance_hanging_when_a_member_leaves_during_it` in
+//! `tests/kafka.rs`); replays of three of them drained.
 //!
 //! # The checks, after draining
 //!
