@@ -239,7 +239,7 @@
 //!   fixed list of seeds covering every store, broker, the cache, batches,
 //!   the outbox and the faults (one of them, 1008, with a private Redis
 //!   restarted: a private NATS or Redis starts in well under a second; one,
-//!   127, on Kafka),
+//!   291, on Kafka),
 //!   plus the sabotage test.
 //! - `IDEMPOTENT_CHECKER_SEED=n`: replays configuration `n` and its fault
 //!   schedule (add `-- --nocapture` to see the report).
@@ -304,10 +304,12 @@ use run::{Report, Sabotage};
 /// The short form's seeds (from `IDEMPOTENT_CHECKER_LIST`): every store and
 /// broker, the cache, both batch sizes, the outbox to the same and to
 /// another broker, and every fault kind; 1008 (Redis Streams on a private
-/// Redis restarted once) is the one seed with a restart; 127 runs on Kafka
-/// (partitioned PostgreSQL, the cache, the outbox relayed to Kafka, a
-/// consumer SIGKILLed).
-const SHORT: &[u64] = &[1, 3, 5, 10, 15, 16, 19, 21, 31, 38, 127, 1008];
+/// Redis restarted once) is the one seed with a restart; 291 runs on Kafka
+/// (SQLite, batches of 8, the outbox relayed to Kafka, relay kills, a
+/// consumer SIGKILLed), a seed that stops no in-process consumer: Tansu
+/// leaves a rebalance hanging when a member leaves during it (the header's
+/// Kafka paragraph), which stalled 7 of 40 Kafka configurations that do.
+const SHORT: &[u64] = &[1, 3, 5, 10, 15, 16, 19, 21, 31, 38, 291, 1008];
 
 fn env(name: &str) -> Option<String> {
     std::env::var(name).ok().filter(|v| !v.is_empty())
