@@ -12,6 +12,13 @@
 //! The broker and PostgreSQL are private servers started by the test (so
 //! the machine's shared ones, used by every other test, are not restarted).
 //!
+//! On Kafka (a private Tansu broker, memory storage: it is not restarted)
+//! the members of one consumer group over a topic of 4 partitions are
+//! SIGKILLed and started again, and a member joins and leaves (SIGTERM: a
+//! clean leave), each a rebalance; `kafka_soak` is its long form
+//! (`IDEMPOTENT_KAFKA_SOAK=1`, `IDEMPOTENT_SOAK_MESSAGES` messages, default
+//! 20 000).
+//!
 //! The fast runs are part of the default test command. The soak runs with
 //! `IDEMPOTENT_SOAK=1 cargo test --test chaos soak -- --nocapture` and prints
 //! its figures (docs/testing.md quotes the last one); `IDEMPOTENT_SOAK_MESSAGES`
@@ -41,6 +48,7 @@ use rand::seq::SliceRandom;
 enum BrokerKind {
     RabbitMq,
     Nats,
+    Kafka,
 }
 
 impl BrokerKind {
@@ -48,9 +56,13 @@ impl BrokerKind {
         match self {
             BrokerKind::RabbitMq => "rabbitmq",
             BrokerKind::Nats => "nats",
+            BrokerKind::Kafka => "kafka",
         }
     }
 }
+
+/// The partitions of the Kafka chaos run's topic.
+const KAFKA_PARTITIONS: i32 = 4;
 
 struct Plan {
     broker: BrokerKind,
@@ -67,6 +79,12 @@ struct Plan {
     deadline: Duration,
     /// Batches of up to this many deliveries per transaction.
     batch: Option<usize>,
+    /// Kafka: a consumer joins the group, or (every other time) leaves it
+    /// cleanly (SIGTERM), this many times.
+    member_changes: usize,
+    /// The first delivery of each message whose id ends so crashes its
+    /// process after the commit, before the ack (once per message).
+    forced_crash_suffix: &'static str,
 }
 
 #[derive(Debug, Default)]
@@ -80,6 +98,12 @@ struct Figures {
     connection_kills: usize,
     connections_killed: i64,
     database_restarts: usize,
+    /// Kafka: members that joined and left the group (besides the kills).
+    joins: usize,
+    leaves: usize,
+    /// Kafka: times a partition's records went from one process to another
+    /// (in the delivery log's order): the rebalances' visible effect.
+    handovers: usize,
     crashes_after_commit: i64,
     crashes_mid_batch: i64,
     injected_failures: i64,
@@ -108,6 +132,15 @@ enum Broker {
         dead_letter_stream: String,
         /// Stream sequence of the last dead letter read.
         read_up_to: u64,
+    },
+    Kafka {
+        kafka: common::kafka::Kafka,
+        topic: String,
+        /// The partition of each message id (every copy of a message is
+        /// keyed by its id: one partition).
+        partition_of: HashMap<String, i32>,
+        /// Each partition's end (the offset after its last record).
+        ends: HashMap<i32, i64>,
     },
 }
 
@@ -166,6 +199,17 @@ impl Broker {
                     read_up_to: 0,
                 }
             }
+            BrokerKind::Kafka => {
+                let kafka = tokio::task::spawn_blocking(common::kafka::Kafka::start).await.unwrap();
+                kafka.create_topic(name, KAFKA_PARTITIONS).await;
+                kafka.create_topic(&format!("{name}.dlq"), 1).await;
+                Broker::Kafka {
+                    kafka,
+                    topic: name.to_owned(),
+                    partition_of: HashMap::new(),
+                    ends: HashMap::new(),
+                }
+            }
         }
     }
 
@@ -174,6 +218,7 @@ impl Broker {
         match self {
             Broker::Rabbit { server, queue, .. } => (queue.clone(), server.url()),
             Broker::Nats { server, stream, .. } => (stream.clone(), server.lock().unwrap().nats_url()),
+            Broker::Kafka { kafka, topic, .. } => (topic.clone(), kafka.bootstrap()),
         }
     }
 
@@ -206,7 +251,7 @@ impl Broker {
             Broker::Rabbit { .. } => {
                 let queue = match self {
                     Broker::Rabbit { queue, .. } => queue.clone(),
-                    Broker::Nats { .. } => unreachable!(),
+                    _ => unreachable!(),
                 };
                 let channel = self.rabbit_admin().await;
                 let mut confirms = Vec::new();
@@ -248,6 +293,29 @@ impl Broker {
                     ack.await.unwrap();
                 }
             }
+            Broker::Kafka {
+                kafka,
+                topic,
+                partition_of,
+                ends,
+            } => {
+                let (kafka, topic) = (&*kafka, topic.as_str());
+                for chunk in bodies.chunks(500) {
+                    let sends = chunk.iter().map(|body| {
+                        let value: serde_json::Value = serde_json::from_slice(body).unwrap();
+                        let id = value["message_id"].as_str().unwrap().to_owned();
+                        async move {
+                            let at = kafka.produce_one(topic, &id, body).await;
+                            (id, at)
+                        }
+                    });
+                    for (id, (partition, offset)) in futures_util::future::join_all(sends).await {
+                        partition_of.insert(id, partition);
+                        let end = ends.entry(partition).or_default();
+                        *end = (*end).max(offset + 1);
+                    }
+                }
+            }
         }
     }
 
@@ -273,6 +341,19 @@ impl Broker {
                 let stream = js.get_stream(stream.as_str()).await.ok()?;
                 let info = stream.consumer_info("chaos").await.ok()?;
                 Some(info.num_pending + info.num_ack_pending as u64)
+            }
+            // Not committed by the group: not fetched, buffered or in
+            // flight.
+            Broker::Kafka { kafka, topic, ends, .. } => {
+                let committed = kafka.committed("chaos", topic).await;
+                Some(
+                    ends.iter()
+                        .map(|(p, end)| {
+                            let at = committed.get(*p as usize).copied().flatten().unwrap_or(0);
+                            (end - at).max(0) as u64
+                        })
+                        .sum(),
+                )
             }
         }
     }
@@ -316,6 +397,11 @@ impl Broker {
                     *read_up_to += 1;
                 }
             }
+            Broker::Kafka { kafka, topic, .. } => {
+                for record in kafka.read_all(&format!("{topic}.dlq")).await {
+                    into.insert(id_of(&record.value));
+                }
+            }
         }
     }
 
@@ -331,6 +417,9 @@ impl Broker {
                 let server = Arc::clone(server);
                 Box::new(move || server.lock().unwrap().restart(down))
             }
+            // Plans on Kafka restart nothing: Tansu's memory storage would
+            // lose every record and offset.
+            Broker::Kafka { .. } => Box::new(|| panic!("the Kafka chaos run does not restart its broker")),
         }
     }
 }
@@ -340,6 +429,10 @@ struct Consumers {
     env: Vec<(String, String)>,
     children: Vec<Child>,
     restarts: usize,
+    /// Kafka: the member that joined (until it leaves).
+    extra: Option<Child>,
+    joins: usize,
+    leaves: usize,
 }
 
 impl Consumers {
@@ -361,6 +454,34 @@ impl Consumers {
                 self.restarts += 1;
             }
         }
+        if let Some(extra) = &mut self.extra
+            && extra.try_wait().unwrap().is_some()
+        {
+            self.extra = Some(self.spawn());
+            self.restarts += 1;
+        }
+    }
+
+    /// A consumer joins the group, or the one that joined leaves it
+    /// cleanly: SIGTERM, and it finishes its handlers, commits its offsets
+    /// and leaves (killed if it has not exited after 30 s).
+    async fn change_membership(&mut self) {
+        let Some(mut member) = self.extra.take() else {
+            self.extra = Some(self.spawn());
+            self.joins += 1;
+            return;
+        };
+        let _ = Command::new("kill").args(["-TERM", &member.id().to_string()]).status();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while member.try_wait().unwrap().is_none() {
+            if Instant::now() > deadline {
+                let _ = member.kill();
+                let _ = member.wait();
+                panic!("a member that was asked to leave (SIGTERM) did not exit within 30 s");
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        self.leaves += 1;
     }
 
     fn kill_one(&mut self) {
@@ -371,7 +492,7 @@ impl Consumers {
     }
 
     fn stop(&mut self) {
-        for child in &mut self.children {
+        for child in self.children.iter_mut().chain(&mut self.extra) {
             let _ = child.kill();
             let _ = child.wait();
         }
@@ -441,6 +562,33 @@ async fn applied_ids(pool: &PgPool, payments: &str) -> Option<HashSet<String>> {
     Some(rows.into_iter().collect())
 }
 
+/// Kafka: how many times a partition's deliveries went from one process to
+/// another, in the delivery log's order (each delivery logs its process's
+/// id).
+async fn handovers(pool: &PgPool, log: &str, partition_of: &HashMap<String, i32>) -> usize {
+    let rows: Vec<(String, String)> = sqlx::query_as(AssertSqlSafe(format!(
+        "SELECT message_id, event FROM {log} WHERE event LIKE 'delivery%' ORDER BY seq"
+    )))
+    .fetch_all(pool)
+    .await
+    .unwrap();
+    let mut owner: HashMap<i32, String> = HashMap::new();
+    let mut handovers = 0;
+    for (id, event) in rows {
+        let (Some(partition), Some(pid)) = (partition_of.get(&id), event.rsplit_once(" pid=")) else {
+            continue;
+        };
+        let pid = pid.1.to_owned();
+        if owner
+            .insert(*partition, pid.clone())
+            .is_some_and(|before| before != pid)
+        {
+            handovers += 1;
+        }
+    }
+    handovers
+}
+
 async fn run(plan: Plan) -> Figures {
     let started = Instant::now();
     let database = tokio::task::spawn_blocking(PrivatePostgres::start).await.unwrap();
@@ -461,7 +609,7 @@ async fn run(plan: Plan) -> Figures {
         .unwrap();
     for ddl in [
         format!("CREATE TABLE {payments} (message_id TEXT NOT NULL, amount BIGINT NOT NULL, pid BIGINT NOT NULL)"),
-        format!("CREATE TABLE {log} (message_id TEXT NOT NULL, event TEXT NOT NULL)"),
+        format!("CREATE TABLE {log} (seq BIGSERIAL, message_id TEXT NOT NULL, event TEXT NOT NULL)"),
     ] {
         sqlx::query(AssertSqlSafe(ddl)).execute(&pool).await.unwrap();
     }
@@ -509,9 +657,13 @@ async fn run(plan: Plan) -> Figures {
                 plan.batch.map_or_else(String::new, |n| n.to_string()),
             ),
             ("IDEMPOTENT_PG_URL".into(), database.url()),
+            ("IDEMPOTENT_CHAOS_CRASH_SUFFIX".into(), plan.forced_crash_suffix.into()),
         ],
         children: Vec::new(),
         restarts: 0,
+        extra: None,
+        joins: 0,
+        leaves: 0,
     };
     consumers.children = (0..plan.consumers).map(|_| consumers.spawn()).collect();
 
@@ -520,6 +672,7 @@ async fn run(plan: Plan) -> Figures {
     let mut broker_restarts = Schedule::new(plan.broker_restarts);
     let mut connection_kills = Schedule::new(plan.connection_kills);
     let mut database_restarts = Schedule::new(plan.database_restarts);
+    let mut member_changes = Schedule::new(plan.member_changes);
     let mut connections_killed = 0i64;
     let mut dead: HashSet<String> = HashSet::new();
     let all_ids: Vec<String> = (0..plan.messages).map(|i| format!("pay-{i:06}")).collect();
@@ -532,6 +685,9 @@ async fn run(plan: Plan) -> Figures {
         consumers.revive();
         if kills.due(progress) {
             consumers.kill_one();
+        }
+        if member_changes.due(progress) {
+            consumers.change_membership().await;
         }
         if broker_restarts.due(progress) {
             tokio::task::spawn_blocking(broker.restart()).await.unwrap();
@@ -564,8 +720,12 @@ async fn run(plan: Plan) -> Figures {
         }
         // Done when every fault happened, every message is applied or
         // dead-lettered, and the broker holds nothing more.
-        let faults_done =
-            kills.left() + broker_restarts.left() + connection_kills.left() + database_restarts.left() == 0;
+        let faults_done = kills.left()
+            + broker_restarts.left()
+            + connection_kills.left()
+            + database_restarts.left()
+            + member_changes.left()
+            == 0;
         let applied = if progress >= 1.0 || Instant::now() >= deadline {
             applied_ids(&pool, payments).await
         } else {
@@ -631,6 +791,10 @@ async fn run(plan: Plan) -> Figures {
     for id in &always_fail {
         assert!(!effects.contains_key(id), "{id} always fails: it has no effect");
     }
+    let handovers = match &broker {
+        Broker::Kafka { partition_of, .. } => handovers(&pool, log, partition_of).await,
+        _ => 0,
+    };
     Figures {
         broker: plan.broker.name(),
         messages: plan.messages,
@@ -641,6 +805,9 @@ async fn run(plan: Plan) -> Figures {
         connection_kills: plan.connection_kills,
         connections_killed,
         database_restarts: plan.database_restarts,
+        joins: consumers.joins,
+        leaves: consumers.leaves,
+        handovers,
         crashes_after_commit: events("crash").await,
         crashes_mid_batch: events("mid-batch crash").await,
         injected_failures: events("failure").await,
@@ -659,7 +826,8 @@ fn report(name: &str, f: &Figures) {
     use std::io::Write;
     let text = format!(
         "chaos {name} ({}): {:.1?}\n  messages {} (published {} with duplicates)\n  deliveries to handlers {} \
-         (logged best effort)\n  SIGKILLs {}, aborts after commit before ack {}, mid-batch aborts {}\n  broker restarts {}, \
+         (logged best effort)\n  SIGKILLs {}, aborts after commit before ack {}, mid-batch aborts {}\n  members joined {}, left {}, \
+         partition handovers {}\n  broker restarts {}, \
          database connection kills {} ({} connections), database restarts {}\n  injected handler failures {}\n  \
          effects {} (= messages {} - dead-lettered only {}); dead-lettered {}\n  lost {}, applied twice {}\n",
         f.broker,
@@ -670,6 +838,9 @@ fn report(name: &str, f: &Figures) {
         f.kills,
         f.crashes_after_commit,
         f.crashes_mid_batch,
+        f.joins,
+        f.leaves,
+        f.handovers,
         f.broker_restarts,
         f.connection_kills,
         f.connections_killed,
@@ -718,6 +889,34 @@ fn fast(broker: BrokerKind) -> Plan {
         database_restarts: 1,
         deadline: Duration::from_secs(120),
         batch: None,
+        member_changes: 0,
+        forced_crash_suffix: "07",
+    }
+}
+
+/// A Kafka run of `messages`: 3 members of one group over 4 partitions,
+/// SIGKILLed and started again, a member joining and leaving; each kill
+/// stalls its partitions for the group's session timeout (6 s), so the
+/// crashes after commit are fewer than on the other brokers (the first
+/// delivery of every thousandth message). The broker is not restarted
+/// (Tansu's memory storage would lose everything).
+fn kafka(messages: usize) -> Plan {
+    Plan {
+        broker: BrokerKind::Kafka,
+        messages,
+        duplicate_percent: 20,
+        always_fail_percent: 1,
+        consumers: 3,
+        fail_percent: 10,
+        crash_percent: 0,
+        kills: (messages / 1500).max(3),
+        broker_restarts: 0,
+        connection_kills: (messages / 10_000).max(1),
+        database_restarts: (messages / 20_000).max(1),
+        deadline: Duration::from_secs(300 + messages as u64 / 15),
+        batch: None,
+        member_changes: 2 * (messages / 6000).max(1),
+        forced_crash_suffix: "0007",
     }
 }
 
@@ -751,6 +950,37 @@ async fn rabbitmq_batches_apply_each_message_once_through_every_fault() {
     assert!(figures.crashes_mid_batch > 0, "aborts landed mid-batch: {figures:?}");
 }
 
+/// Kafka: members SIGKILLed and started again, one joining and leaving
+/// (rebalances each), crashes after commit before the offset commit, a
+/// database connection kill and restart, duplicates published upstream.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kafka_group_members_apply_each_message_once_through_sigkills_and_rebalances() {
+    let figures = run(kafka(1200)).await;
+    report("fast", &figures);
+    check(&figures);
+    assert!(
+        figures.joins == 1 && figures.leaves == 1 && figures.handovers > 0,
+        "a member joined and left, and partitions moved: {figures:?}"
+    );
+}
+
+/// The long form on Kafka: `IDEMPOTENT_KAFKA_SOAK=1`, `IDEMPOTENT_SOAK_MESSAGES`
+/// messages (default 20 000).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kafka_soak() {
+    if std::env::var("IDEMPOTENT_KAFKA_SOAK").as_deref() != Ok("1") {
+        println!("Kafka soak skipped: set IDEMPOTENT_KAFKA_SOAK=1 to run it");
+        return;
+    }
+    let messages: usize = std::env::var("IDEMPOTENT_SOAK_MESSAGES")
+        .ok()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(20_000);
+    let figures = run(kafka(messages)).await;
+    report("soak", &figures);
+    check(&figures);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn soak() {
     if std::env::var("IDEMPOTENT_SOAK").as_deref() != Ok("1") {
@@ -780,6 +1010,8 @@ async fn soak() {
         database_restarts: (messages / 50_000).max(1),
         deadline: Duration::from_secs(300 + messages as u64 / 20),
         batch: std::env::var("IDEMPOTENT_SOAK_BATCH").ok().and_then(|n| n.parse().ok()),
+        member_changes: 0,
+        forced_crash_suffix: "07",
     })
     .await;
     report("soak", &figures);

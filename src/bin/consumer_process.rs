@@ -6,11 +6,13 @@
 //! waits until the given instant, then handles the message once against
 //! PostgreSQL and prints `processed` or `duplicate`.
 //!
-//! `consumer_process chaos <rabbitmq|nats> <source> <markers_table> <payments_table> <log_table> <fail_percent> <crash_percent>`
+//! `consumer_process chaos <rabbitmq|nats|kafka> <source> <markers_table> <payments_table> <log_table> <fail_percent> <crash_percent>`
 //! consumes payments into PostgreSQL, from a RabbitMQ queue (`source`) with
-//! `RabbitConsumer` or from a JetStream stream (`source`, durable consumer
+//! `RabbitConsumer`, from a JetStream stream (`source`, durable consumer
 //! `chaos`, dead letters on `<source>.dlq` subject) with
-//! `JetStreamConsumer`; the body fails on purpose `fail_percent` of the
+//! `JetStreamConsumer`, or from a Kafka topic (`source`, as a member of the
+//! consumer group `chaos`, dead letters to the topic `<source>.dlq`) with
+//! `KafkaConsumer`; the body fails on purpose `fail_percent` of the
 //! time (and always for messages marked `always_fail`), and the process
 //! aborts right after a commit, before the ack, `crash_percent` of the
 //! time. Every delivery, injected failure and crash is logged in
@@ -21,7 +23,11 @@
 //! `n` deliveries per transaction (`ConsumerBuilder::batch`): the abort in
 //! the handler then lands mid-batch (before the commit), and a batch aborts
 //! the process right after its commit, before its acks, five times
-//! `crash_percent` of the time.
+//! `crash_percent` of the time. Besides, the first delivery of each message
+//! whose id ends with `IDEMPOTENT_CHAOS_CRASH_SUFFIX` (default `07` when
+//! `crash_percent` is not 0) aborts
+//! the process after its commit (once per message: Kafka keeps no delivery
+//! count, so the log says whether it crashed before).
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -29,6 +35,7 @@ use std::sync::Arc;
 
 use idempotent_runtime::async_nats::{self, jetstream};
 use idempotent_runtime::broker::{Backoff, DeliveryInfo, Reconnect, shutdown_on_signal};
+use idempotent_runtime::kafka::KafkaConsumer;
 use idempotent_runtime::nats::JetStreamConsumer;
 use idempotent_runtime::rabbitmq::RabbitConsumer;
 use idempotent_runtime::sqlx::{self, AssertSqlSafe, PgConnection, PgPool};
@@ -107,6 +114,24 @@ impl ChaosConsumer {
         Ok(())
     }
 
+    /// Whether the log has a crash of this message (a crash after commit
+    /// happens once per message).
+    async fn crashed_before(&self, message_id: &str) -> bool {
+        let query = format!(
+            "SELECT count(*) FROM {} WHERE message_id = $1 AND event = 'crash'",
+            self.log
+        );
+        let crashes: Result<i64, _> = sqlx::query_scalar(AssertSqlSafe(query))
+            .bind(message_id)
+            .fetch_one(&self.pool)
+            .await;
+        match crashes {
+            Ok(n) => n > 0,
+            // Unknown (the database is down): no crash.
+            Err(_) => true,
+        }
+    }
+
     /// Logs an event outside the handler's transaction (best effort).
     async fn log(&self, message_id: &str, event: &str) {
         let insert = format!("INSERT INTO {} (message_id, event) VALUES ($1, $2)", self.log);
@@ -183,23 +208,31 @@ async fn chaos(args: &[&str]) -> Result<(), Box<dyn std::error::Error + Send + S
         log: (*log).to_owned(),
         fail_percent: fail_percent.parse()?,
     });
+    // Forced crashes: with the suffix given, or `07` with random crashes.
+    let crash_suffix = std::env::var("IDEMPOTENT_CHAOS_CRASH_SUFFIX")
+        .ok()
+        .filter(|s| !s.is_empty())
+        .or_else(|| (crash_percent > 0).then(|| "07".to_owned()));
     let handler = move |msg: ChaosPayment, info: DeliveryInfo| {
         let consumer = Arc::clone(&consumer);
+        let crash_suffix = crash_suffix.clone();
         async move {
             let redelivered = if info.redelivered { " redelivered" } else { "" };
-            consumer
-                .log(&msg.message_id, &format!("delivery {}{redelivered}", info.attempt))
-                .await;
+            // The process id: the Kafka run counts partition handovers.
+            let event = format!("delivery {}{redelivered} pid={}", info.attempt, std::process::id());
+            consumer.log(&msg.message_id, &event).await;
             consumer.pay(&msg).await?;
             // Besides the random crashes, the first delivery of every
             // hundredth message (`pay-…07`) crashes after its commit, so a
             // run always has some (a 2 % draw over a few hundred deliveries
             // came out 0 once).
-            let forced = crash_percent > 0
-                && batch.is_none()
-                && msg.message_id.ends_with("07")
+            let forced = batch.is_none()
+                && crash_suffix
+                    .as_deref()
+                    .is_some_and(|suffix| msg.message_id.ends_with(suffix))
                 && info.attempt == 1
-                && !info.redelivered;
+                && !info.redelivered
+                && !consumer.crashed_before(&msg.message_id).await;
             if forced || rand::rng().random_ratio(crash_percent, 100) {
                 if batch.is_some() {
                     // Mid-batch: nothing of the batch is committed.
@@ -248,6 +281,34 @@ async fn chaos(args: &[&str]) -> Result<(), Box<dyn std::error::Error + Send + S
                     .prefetch(4 * n)
                     .batch(batches, n)
                     .batch_wait(Duration::from_millis(2)),
+                None => builder,
+            };
+            builder.build()?.run_with_info(handler, shutdown_on_signal()).await?;
+        }
+        "kafka" => {
+            let bootstrap = std::env::var("IDEMPOTENT_BROKER_URL").unwrap_or_else(|_| "127.0.0.1:9092".to_owned());
+            // The group settings of the tests: joins and rebalances in
+            // seconds (a SIGKILLed member's partitions move after the
+            // session timeout).
+            let mut config = idempotent_runtime::rdkafka::ClientConfig::new();
+            config
+                .set("bootstrap.servers", bootstrap)
+                .set("broker.address.family", "v4")
+                .set("session.timeout.ms", "6000")
+                .set("heartbeat.interval.ms", "500")
+                .set("max.poll.interval.ms", "20000")
+                .set("topic.metadata.refresh.interval.ms", "1000")
+                .set("fetch.wait.max.ms", "100");
+            let builder = KafkaConsumer::builder(config, *source, "chaos")
+                .dead_letter_topic(format!("{source}.dlq"))
+                .concurrency(4)
+                .max_attempts(5)
+                .retry_backoff(retry)
+                .reconnect(fast_reconnect)
+                .commit_interval(Duration::from_millis(200))
+                .revoke_timeout(Duration::from_secs(3));
+            let builder = match batch {
+                Some(n) => builder.batch(batches, n).batch_wait(Duration::from_millis(2)),
                 None => builder,
             };
             builder.build()?.run_with_info(handler, shutdown_on_signal()).await?;

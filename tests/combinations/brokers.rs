@@ -1,14 +1,17 @@
 //! The broker side of a configuration: the source the consumers read (with
 //! its dead-letter destination) and the sink the outbox relay publishes to,
-//! each on RabbitMQ, NATS JetStream or Redis Streams, under names of their
-//! own.
+//! each on RabbitMQ, NATS JetStream, Redis Streams or Kafka (a private
+//! Tansu broker per configuration), under names of their own.
 
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use idempotent_runtime::async_nats::jetstream::consumer::{AckPolicy, PullConsumer, pull};
 use idempotent_runtime::async_nats::jetstream::{self, stream};
 use idempotent_runtime::async_nats::{self, HeaderMap};
 use idempotent_runtime::broker::{Backoff, ConsumerBuilder, HEADER_KIND};
+use idempotent_runtime::kafka::{Kafka, KafkaConsumer};
 use idempotent_runtime::lapin::options::{
     BasicGetOptions, BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions, QueueDeleteOptions,
 };
@@ -16,6 +19,10 @@ use idempotent_runtime::lapin::types::{AMQPValue, FieldTable};
 use idempotent_runtime::lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
 use idempotent_runtime::nats::{JetStream, JetStreamConsumer};
 use idempotent_runtime::rabbitmq::{Rabbit, RabbitConsumer};
+use idempotent_runtime::rdkafka::consumer::{BaseConsumer, Consumer as _};
+use idempotent_runtime::rdkafka::message::{Header, OwnedHeaders};
+use idempotent_runtime::rdkafka::producer::{FutureProducer, FutureRecord};
+use idempotent_runtime::rdkafka::{Offset, TopicPartitionList};
 use idempotent_runtime::redis::{self, AsyncCommands};
 use idempotent_runtime::redis_streams::{RedisStream, StreamConsumer};
 
@@ -33,6 +40,10 @@ pub struct Endpoints {
     pub nats: String,
     pub redis: String,
     pub pg: String,
+    /// The configuration's private Tansu broker (`bootstrap.servers`), if
+    /// Kafka is its broker or its outbox's.
+    #[serde(default)]
+    pub kafka: String,
 }
 
 impl Default for Endpoints {
@@ -42,9 +53,16 @@ impl Default for Endpoints {
             nats: NATS_URL.into(),
             redis: common::REDIS_URL.into(),
             pg: common::PG_URL.into(),
+            kafka: String::new(),
         }
     }
 }
+
+/// The partitions of a configuration's Kafka topic (more than the
+/// consumers of most configurations, so that a rebalance moves some).
+pub const KAFKA_PARTITIONS: i32 = 4;
+/// The consumer group of a configuration's Kafka consumers.
+const KAFKA_GROUP: &str = "workers";
 /// How long a message held by a consumer that died takes to come back
 /// (JetStream's ack wait, Redis Streams' claim idle time).
 pub const REDELIVERY: Duration = Duration::from_millis(800);
@@ -79,6 +97,18 @@ pub enum Source {
         conn: redis::aio::ConnectionManager,
         stream: String,
         dlq: String,
+    },
+    Kafka {
+        bootstrap: String,
+        topic: String,
+        dlq: String,
+        producer: FutureProducer,
+        /// Reads the group's committed offsets (it never joins the group).
+        offsets: Arc<BaseConsumer>,
+        /// Each partition's end: the offset after the last record the
+        /// checker produced to it (from the producer's acknowledgements:
+        /// Tansu's high watermark is short after a batch).
+        ends: Mutex<HashMap<i32, i64>>,
     },
 }
 
@@ -135,6 +165,7 @@ impl Source {
             // Declaring the same durable queues again changes nothing;
             // Redis Streams has nothing to create.
             BrokerKind::Rabbit | BrokerKind::RedisStreams => Source::setup(kind, name, at).await,
+            BrokerKind::Kafka => Source::kafka_at(name, at),
             BrokerKind::JetStream => {
                 let js = jetstream::new(async_nats::connect(at.nats.as_str()).await.expect("NATS"));
                 let stream_name = name.to_uppercase().replace('.', "_");
@@ -226,6 +257,36 @@ impl Source {
                     dlq: format!("{name}.dlq"),
                 }
             }
+            BrokerKind::Kafka => {
+                let source = Source::kafka_at(name, at);
+                if let Source::Kafka { topic, dlq, .. } = &source {
+                    common::kafka::create_topic(&at.kafka, topic, KAFKA_PARTITIONS).await;
+                    common::kafka::create_topic(&at.kafka, dlq, 1).await;
+                }
+                source
+            }
+        }
+    }
+
+    /// The Kafka source of run `name` (its topics are created by `setup`).
+    fn kafka_at(name: &str, at: &Endpoints) -> Source {
+        let producer = common::kafka::base_config(&at.kafka)
+            .set("enable.idempotence", "true")
+            .set("linger.ms", "0")
+            .create()
+            .expect("a Kafka producer");
+        let offsets = common::kafka::base_config(&at.kafka)
+            .set("group.id", KAFKA_GROUP)
+            .set("enable.auto.commit", "false")
+            .create()
+            .expect("a Kafka client");
+        Source::Kafka {
+            bootstrap: at.kafka.clone(),
+            topic: format!("{name}.in"),
+            dlq: format!("{name}.dlq"),
+            producer,
+            offsets: Arc::new(offsets),
+            ends: Mutex::default(),
         }
     }
 
@@ -267,6 +328,21 @@ impl Source {
                 .dead_letter_stream(dlq)
                 .claim_idle(REDELIVERY)
                 .block(Duration::from_millis(300))
+                .retry_backoff(fast())
+                .outage_backoff(fast())
+                .shutdown_timeout(Duration::from_secs(5)),
+            _ => unreachable!(),
+        }
+    }
+
+    pub fn kafka(&self) -> ConsumerBuilder<Kafka> {
+        match self {
+            Source::Kafka {
+                bootstrap, topic, dlq, ..
+            } => KafkaConsumer::builder(common::kafka::group_config(bootstrap), topic, KAFKA_GROUP)
+                .dead_letter_topic(dlq)
+                .commit_interval(Duration::from_millis(100))
+                .revoke_timeout(Duration::from_secs(3))
                 .retry_backoff(fast())
                 .outage_backoff(fast())
                 .shutdown_timeout(Duration::from_secs(5)),
@@ -325,6 +401,25 @@ impl Source {
                     .xadd(stream, "*", &[("message_id", id.as_bytes()), ("body", body)])
                     .await
                     .unwrap();
+            }
+            Source::Kafka {
+                topic, producer, ends, ..
+            } => {
+                // Keyed by the broker-level id: the copies of a message
+                // land in partitions of their own, handled concurrently.
+                let headers = OwnedHeaders::new().insert(Header {
+                    key: "message_id",
+                    value: Some(id),
+                });
+                let record: FutureRecord<'_, str, [u8]> =
+                    FutureRecord::to(topic).key(id).payload(body).headers(headers);
+                let delivered = producer
+                    .send(record, Duration::from_secs(10))
+                    .await
+                    .unwrap_or_else(|(err, _)| panic!("produce {id} to {topic}: {err}"));
+                let mut ends = ends.lock().unwrap();
+                let end = ends.entry(delivered.partition).or_default();
+                *end = (*end).max(delivered.offset + 1);
             }
         }
     }
@@ -393,6 +488,16 @@ impl Source {
                     })
                     .collect()
             }
+            Source::Kafka { bootstrap, dlq, .. } => {
+                let (bootstrap, dlq) = (bootstrap.clone(), dlq.clone());
+                let records = tokio::task::spawn_blocking(move || common::kafka::read_all(&bootstrap, &dlq))
+                    .await
+                    .unwrap();
+                records
+                    .into_iter()
+                    .map(|r| (r.value, r.headers.get(HEADER_KIND).cloned().unwrap_or_default()))
+                    .collect()
+            }
         }
     }
 
@@ -434,6 +539,37 @@ impl Source {
                     Err(_) => u64::MAX,
                 }
             }
+            Source::Kafka {
+                topic, offsets, ends, ..
+            } => {
+                // What the group has not committed: records in flight,
+                // buffered or not fetched yet.
+                let ends = ends.lock().unwrap().clone();
+                let mut list = TopicPartitionList::new();
+                for partition in 0..KAFKA_PARTITIONS {
+                    list.add_partition(topic, partition);
+                }
+                let offsets = Arc::clone(offsets);
+                let committed =
+                    tokio::task::spawn_blocking(move || offsets.committed_offsets(list, Duration::from_secs(5))).await;
+                let Ok(Ok(committed)) = committed else {
+                    return u64::MAX;
+                };
+                let committed: HashMap<i32, i64> = committed
+                    .elements()
+                    .iter()
+                    .map(|e| {
+                        let at = match e.offset() {
+                            Offset::Offset(o) => o,
+                            _ => 0,
+                        };
+                        (e.partition(), at)
+                    })
+                    .collect();
+                ends.iter()
+                    .map(|(partition, end)| (end - committed.get(partition).copied().unwrap_or(0)).max(0) as u64)
+                    .sum()
+            }
         }
     }
 
@@ -463,6 +599,8 @@ impl Source {
             } => {
                 let _: Result<(), _> = conn.del(&[&stream, &dlq]).await;
             }
+            // The topics go with the configuration's private broker.
+            Source::Kafka { .. } => {}
         }
     }
 }
@@ -484,6 +622,10 @@ pub enum Sink {
     Redis {
         conn: redis::aio::ConnectionManager,
         key: String,
+    },
+    Kafka {
+        bootstrap: String,
+        topic: String,
     },
 }
 
@@ -533,6 +675,14 @@ impl Sink {
                     key: format!("{name}.sink"),
                 }
             }
+            BrokerKind::Kafka => {
+                let topic = format!("{name}.sink");
+                common::kafka::create_topic(&at.kafka, &topic, 2).await;
+                Sink::Kafka {
+                    bootstrap: at.kafka.clone(),
+                    topic,
+                }
+            }
         }
     }
 
@@ -541,6 +691,7 @@ impl Sink {
             Sink::Rabbit { .. } => BrokerKind::Rabbit,
             Sink::Js { .. } => BrokerKind::JetStream,
             Sink::Redis { .. } => BrokerKind::RedisStreams,
+            Sink::Kafka { .. } => BrokerKind::Kafka,
         }
     }
 
@@ -550,6 +701,7 @@ impl Sink {
             Sink::Rabbit { queue, .. } => queue.clone(),
             Sink::Js { subject, .. } => subject.clone(),
             Sink::Redis { key, .. } => key.clone(),
+            Sink::Kafka { topic, .. } => topic.clone(),
         }
     }
 
@@ -615,6 +767,23 @@ impl Sink {
                     })
                     .collect()
             }
+            Sink::Kafka { bootstrap, topic } => {
+                let (bootstrap, topic) = (bootstrap.clone(), topic.clone());
+                let records = tokio::task::spawn_blocking(move || common::kafka::read_all(&bootstrap, &topic))
+                    .await
+                    .unwrap();
+                records
+                    .into_iter()
+                    .map(|r| {
+                        let id = r
+                            .headers
+                            .get(idempotent_runtime::kafka::DEFAULT_MESSAGE_ID_HEADER)
+                            .cloned()
+                            .unwrap_or_default();
+                        (id, r.value)
+                    })
+                    .collect()
+            }
         }
     }
 
@@ -642,6 +811,7 @@ impl Sink {
             Sink::Redis { mut conn, key } => {
                 let _: Result<(), _> = conn.del(&key).await;
             }
+            Sink::Kafka { .. } => {}
         }
     }
 }

@@ -273,6 +273,12 @@ pub async fn child_main(spec: ChildSpec) {
                 .max_attempts(cfg.max_attempts);
             consume(builder, &st, &spec).await
         }
+        BrokerKind::Kafka => {
+            let builder = run::with_batch(source.kafka(), &batch, cfg.batch)
+                .concurrency(cfg.concurrency)
+                .max_attempts(cfg.max_attempts);
+            consume(builder, &st, &spec).await
+        }
     }
     // A consumer that stopped by itself waits for its SIGKILL too.
     std::future::pending::<()>().await

@@ -67,10 +67,23 @@ pub enum BrokerKind {
     Rabbit,
     JetStream,
     RedisStreams,
+    /// A private Tansu broker per configuration (Kafka protocol, memory
+    /// storage): drawn from a stream of its own (`KAFKA_FROM`), never
+    /// restarted.
+    Kafka,
 }
 
 impl BrokerKind {
+    /// The brokers drawn from the seed's main stream (Kafka comes from a
+    /// stream of its own, so that the seeds drawn before it keep their
+    /// draws).
     pub const ALL: [BrokerKind; 3] = [BrokerKind::Rabbit, BrokerKind::JetStream, BrokerKind::RedisStreams];
+
+    /// Whether its server can be restarted during a run (Tansu keeps its
+    /// topics in memory only: a restart loses them, so Kafka is not).
+    pub fn restartable(self) -> bool {
+        self != BrokerKind::Kafka
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -282,6 +295,13 @@ pub struct Schedule {
 /// form's fixed seeds below it draw none, except those listed from here up.
 pub const RESTARTS_FROM: u64 = 1000;
 
+/// The first seed that may draw Kafka (as the consumers' broker 1 time in
+/// 4, as the outbox's other broker 1 time in 4 of the rest, from a stream
+/// of its own): the seeds below it (the short form's and the sabotage's,
+/// whose failures on earlier runtimes the checker's documentation quotes)
+/// draw what they drew before Kafka existed.
+pub const KAFKA_FROM: u64 = 40;
+
 /// One configuration of the library, with its fault schedule.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Config {
@@ -312,9 +332,23 @@ impl Config {
     /// The configuration and schedule of `seed`, leaving out the fault kinds
     /// in `without`.
     pub fn from_seed(seed: u64, without: &[FaultKind]) -> Config {
+        Config::draw(seed, without, true)
+    }
+
+    /// The configuration `seed` drew before Kafka was drawn (`kafka`
+    /// false), or now.
+    pub fn draw(seed: u64, without: &[FaultKind], kafka: bool) -> Config {
         let mut rng = Rng::new(seed);
         let store = rng.pick(&StoreKind::ALL);
-        let broker = rng.pick(&BrokerKind::ALL);
+        let mut broker = rng.pick(&BrokerKind::ALL);
+        // Kafka comes from a stream of its own: the rest of the seed's
+        // draws are what they were before it.
+        let mut kafka_rng = Rng::new(seed ^ 0x00ca_fca0);
+        let kafka_source = kafka && seed >= KAFKA_FROM && kafka_rng.percent(25);
+        let kafka_sink = kafka && seed >= KAFKA_FROM && kafka_rng.percent(25);
+        if kafka_source {
+            broker = BrokerKind::Kafka;
+        }
         let cached = rng.percent(40);
         let batch = if store.transactional() && rng.percent(50) {
             Some(rng.pick(&[8, 32]))
@@ -330,6 +364,12 @@ impl Config {
             }
         } else {
             OutboxMode::Off
+        };
+        let outbox = match outbox {
+            OutboxMode::OtherBroker(_) if kafka_sink && broker != BrokerKind::Kafka => {
+                OutboxMode::OtherBroker(BrokerKind::Kafka)
+            }
+            other => other,
         };
         let fingerprint = rng.percent(50);
         let value_result = rng.percent(50);
@@ -447,7 +487,8 @@ impl Config {
                 let down = Duration::from_millis(300 + restarts.below(1700));
                 (at, kind(down))
             };
-            if broker_restart && allowed(FaultKind::BrokerRestart) {
+            // Not on Kafka: its test broker keeps nothing over a restart.
+            if broker_restart && broker.restartable() && allowed(FaultKind::BrokerRestart) {
                 schedule.timed.push(draw(TimedFault::BrokerRestart));
             }
             if db_restart && allowed(FaultKind::DbRestart) {

@@ -10,7 +10,8 @@ use idempotent_runtime::async_nats;
 use idempotent_runtime::broker::pipeline::Broker;
 use idempotent_runtime::broker::{Backoff, CancellationToken, ConsumerBuilder};
 use idempotent_runtime::outbox::{
-    JetStreamPublisher, OutboxRow, OutboxStore, PublishError, Publisher, RabbitPublisher, Relay, StreamPublisher,
+    JetStreamPublisher, KafkaPublisher, OutboxRow, OutboxStore, PublishError, Publisher, RabbitPublisher, Relay,
+    StreamPublisher,
 };
 use idempotent_runtime::{MySqlStore, PgStore, SqliteStore, redis};
 use tokio::sync::{Notify, mpsc};
@@ -31,13 +32,16 @@ const CANCEL_AFTER: Duration = Duration::from_millis(300);
 /// No handler call for this long, nothing left on the broker: drained.
 const QUIET: Duration = Duration::from_millis(1500);
 /// A configuration that has not drained by then is reported stuck
-/// (`IDEMPOTENT_CHECKER_DEADLINE` seconds, default 90).
-fn deadline() -> Duration {
+/// (`IDEMPOTENT_CHECKER_DEADLINE` seconds, default 90; twice that on Kafka,
+/// where each consumer start, stop and death is a rebalance of seconds and
+/// a SIGKILLed member's partitions wait out the session timeout).
+fn deadline(cfg: &Config) -> Duration {
     let secs = std::env::var("IDEMPOTENT_CHECKER_DEADLINE")
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(90);
-    Duration::from_secs(secs)
+    let kafka = if cfg.broker == BrokerKind::Kafka { 2 } else { 1 };
+    Duration::from_secs(secs * kafka)
 }
 
 /// A deliberate break of the run, which an invariant must catch.
@@ -359,6 +363,9 @@ struct Private {
     /// NATS or Redis.
     child: Option<Arc<Mutex<common::servers::ChildServer>>>,
     pg: Option<Arc<common::servers::PrivatePostgres>>,
+    /// The Tansu (Kafka) broker of a configuration on Kafka, or relaying
+    /// to it (never restarted: it keeps its topics in memory).
+    tansu: Option<Arc<common::servers::ChildServer>>,
 }
 
 impl Private {
@@ -366,6 +373,11 @@ impl Private {
     async fn start(cfg: &Config) -> (Private, Endpoints) {
         let mut at = Endpoints::default();
         let mut private = Private::default();
+        if cfg.broker == BrokerKind::Kafka || cfg.sink() == Some(BrokerKind::Kafka) {
+            let tansu = blocking(common::servers::ChildServer::tansu).await;
+            at.kafka = tansu.kafka_bootstrap();
+            private.tansu = Some(Arc::new(tansu));
+        }
         if cfg.broker_restart() {
             match cfg.broker {
                 BrokerKind::Rabbit => {
@@ -383,6 +395,8 @@ impl Private {
                     at.redis = redis.redis_url();
                     private.child = Some(Arc::new(Mutex::new(redis)));
                 }
+                // Never drawn (`BrokerKind::restartable`).
+                BrokerKind::Kafka => {}
             }
         }
         if cfg.db_restart() {
@@ -577,7 +591,7 @@ async fn drive<B: Broker>(
         let backlog = bounded("read of the broker's backlog", violations, source.backlog())
             .await
             .unwrap_or(u64::MAX);
-        if quiet && (timed_done || start.elapsed() > deadline() / 2) && backlog == 0 {
+        if quiet && (timed_done || start.elapsed() > deadline(cfg) / 2) && backlog == 0 {
             // A child that never reached its kill point is killed now.
             if let Some(c) = joined.take() {
                 sigkill_child(c, "at the drain (kill point not reached)", None, sh, fired, violations).await;
@@ -596,13 +610,13 @@ async fn drive<B: Broker>(
             let left = bounded("read of the broker's backlog", violations, source.backlog())
                 .await
                 .unwrap_or(u64::MAX);
-            if left == 0 || start.elapsed() > deadline() {
+            if left == 0 || start.elapsed() > deadline(cfg) {
                 return left;
             }
             instances = (0..cfg.consumers).map(|i| spawn_instance(make(), sh, i)).collect();
             *sh.last_call.lock().unwrap() = Instant::now();
         }
-        if start.elapsed() > deadline() {
+        if start.elapsed() > deadline(cfg) {
             if let Some(c) = joined.take() {
                 sigkill_child(c, "at the deadline", None, sh, fired, violations).await;
             }
@@ -610,7 +624,7 @@ async fn drive<B: Broker>(
                 token.cancel();
                 task.abort();
             }
-            violations.push(format!("not drained within {:?}", deadline()));
+            violations.push(format!("not drained within {:?}", deadline(cfg)));
             return bounded("read of the broker's backlog", violations, source.backlog())
                 .await
                 .unwrap_or(u64::MAX);
@@ -720,6 +734,16 @@ async fn relay_with<S: OutboxStore>(store: S, plan: RelayPlan) {
                 .batch_size(16)
                 .spawn()
         }
+        BrokerKind::Kafka => {
+            let config = common::kafka::base_config(&plan.at.kafka);
+            let publisher = KafkaPublisher::new(&config).expect("a Kafka publisher");
+            Relay::builder(store, wrap(PublisherKind::Kafka(publisher)))
+                .poll_interval(Duration::from_millis(50))
+                .publish_timeout(Duration::from_secs(2))
+                .retry_backoff(Duration::from_millis(20), Duration::from_millis(200))
+                .batch_size(16)
+                .spawn()
+        }
     };
     std::future::pending::<()>().await;
     drop(handle);
@@ -744,12 +768,13 @@ async fn retrying<T, E: std::fmt::Display, F: std::future::Future<Output = Resul
     }
 }
 
-/// One publisher type for the three brokers (one relay instantiation per
+/// One publisher type for the four brokers (one relay instantiation per
 /// store).
 enum PublisherKind {
     Rabbit(RabbitPublisher),
     Js(JetStreamPublisher),
     Redis(StreamPublisher),
+    Kafka(KafkaPublisher),
 }
 
 impl Publisher for PublisherKind {
@@ -758,6 +783,7 @@ impl Publisher for PublisherKind {
             PublisherKind::Rabbit(p) => p.publish(row).await,
             PublisherKind::Js(p) => p.publish(row).await,
             PublisherKind::Redis(p) => p.publish(row).await,
+            PublisherKind::Kafka(p) => p.publish(row).await,
         }
     }
 }
@@ -981,6 +1007,25 @@ pub async fn run(cfg: &Config, sabotage: Option<Sabotage>) -> Report {
         BrokerKind::RedisStreams => {
             let make = || {
                 with_batch(source.streams(), &batch, cfg.batch)
+                    .concurrency(cfg.concurrency)
+                    .max_attempts(cfg.max_attempts)
+            };
+            drive(
+                cfg,
+                &make,
+                &sh,
+                &source,
+                abort_rx,
+                &mut fired,
+                &private,
+                &children,
+                &mut violations,
+            )
+            .await
+        }
+        BrokerKind::Kafka => {
+            let make = || {
+                with_batch(source.kafka(), &batch, cfg.batch)
                     .concurrency(cfg.concurrency)
                     .max_attempts(cfg.max_attempts)
             };

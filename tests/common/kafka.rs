@@ -26,10 +26,27 @@ pub struct Record {
     pub headers: HashMap<String, String>,
 }
 
+/// A producer to a test's broker (see [`Kafka::producer`]).
+#[derive(Clone)]
+pub struct Producer(FutureProducer);
+
+impl Producer {
+    /// Produces `value` to `partition` of `topic` (acknowledged).
+    pub async fn send(&self, topic: &str, partition: i32, value: &[u8]) {
+        let record: FutureRecord<'_, str, [u8]> = FutureRecord::to(topic).payload(value).partition(partition);
+        self.0
+            .send(record, TIMEOUT)
+            .await
+            .unwrap_or_else(|(err, _)| panic!("produce to {topic}: {err}"));
+    }
+}
+
 /// A private Tansu broker, stopped on drop.
 pub struct Kafka {
     pub server: ChildServer,
     producer: FutureProducer,
+    /// Sends each record in a batch of its own (see `produce_one`).
+    single: FutureProducer,
 }
 
 impl Kafka {
@@ -39,59 +56,37 @@ impl Kafka {
             .set("enable.idempotence", "true")
             .create()
             .expect("a producer");
-        Kafka { server, producer }
+        let single = base_config(&server.kafka_bootstrap())
+            .set("enable.idempotence", "true")
+            .set("linger.ms", "0")
+            .set("batch.num.messages", "1")
+            .create()
+            .expect("a producer");
+        Kafka {
+            server,
+            producer,
+            single,
+        }
     }
 
     pub fn bootstrap(&self) -> String {
         self.server.kafka_bootstrap()
     }
 
+    /// A producer to this broker, for a task of its own.
+    pub fn producer(&self) -> Producer {
+        Producer(self.producer.clone())
+    }
+
     /// The client configuration of the consumers under test: the group
     /// settings tuned so that joins and rebalances take seconds, not tens
     /// of seconds.
     pub fn config(&self) -> ClientConfig {
-        let mut config = base_config(&self.bootstrap());
-        config
-            .set("session.timeout.ms", "6000")
-            .set("heartbeat.interval.ms", "500")
-            .set("max.poll.interval.ms", "20000")
-            .set("topic.metadata.refresh.interval.ms", "1000")
-            .set("fetch.wait.max.ms", "100");
-        config
+        group_config(&self.bootstrap())
     }
 
     pub async fn create_topic(&self, name: &str, partitions: i32) {
-        let admin: AdminClient<DefaultClientContext> =
-            base_config(&self.bootstrap()).create().expect("an admin client");
-        let topic = NewTopic::new(name, partitions, TopicReplication::Fixed(1));
-        let results = admin
-            .create_topics([&topic], &AdminOptions::new().operation_timeout(Some(TIMEOUT)))
-            .await
-            .expect("create topic");
-        for result in results {
-            result.unwrap_or_else(|(topic, err)| panic!("create topic {topic}: {err}"));
-        }
-        // Until its metadata shows every partition.
-        let bootstrap = self.bootstrap();
-        let name = name.to_owned();
-        tokio::task::spawn_blocking(move || {
-            let consumer: BaseConsumer = base_config(&bootstrap).create().unwrap();
-            let deadline = Instant::now() + TIMEOUT;
-            loop {
-                let metadata = consumer.fetch_metadata(Some(&name), TIMEOUT).unwrap();
-                let ready = metadata
-                    .topics()
-                    .iter()
-                    .any(|t| t.name() == name && t.error().is_none() && t.partitions().len() == partitions as usize);
-                if ready {
-                    return;
-                }
-                assert!(Instant::now() < deadline, "topic {name} not in the metadata");
-                std::thread::sleep(Duration::from_millis(50));
-            }
-        })
-        .await
-        .unwrap();
+        create_topic(&self.bootstrap(), name, partitions).await;
     }
 
     /// Produces `values` at once (librdkafka batches them), each
@@ -135,6 +130,20 @@ impl Kafka {
         }
         let delivered = self
             .producer
+            .send(record, TIMEOUT)
+            .await
+            .unwrap_or_else(|(err, _)| panic!("produce to {topic}: {err}"));
+        (delivered.partition, delivered.offset)
+    }
+
+    /// Produces one record keyed `key` (acknowledged), in a batch of its
+    /// own however many are in flight at once: Tansu reports a batch's high
+    /// watermark short (see `high_watermarks`). Returns its partition and
+    /// offset.
+    pub async fn produce_one(&self, topic: &str, key: &str, value: &[u8]) -> (i32, i64) {
+        let record: FutureRecord<'_, str, [u8]> = FutureRecord::to(topic).key(key).payload(value);
+        let delivered = self
+            .single
             .send(record, TIMEOUT)
             .await
             .unwrap_or_else(|(err, _)| panic!("produce to {topic}: {err}"));
@@ -208,7 +217,56 @@ impl Kafka {
     }
 }
 
-fn base_config(bootstrap: &str) -> ClientConfig {
+/// The client configuration of the consumers under test at `bootstrap`:
+/// the group settings tuned so that joins and rebalances take seconds, not
+/// tens of seconds.
+pub fn group_config(bootstrap: &str) -> ClientConfig {
+    let mut config = base_config(bootstrap);
+    config
+        .set("session.timeout.ms", "6000")
+        .set("heartbeat.interval.ms", "500")
+        .set("max.poll.interval.ms", "20000")
+        .set("topic.metadata.refresh.interval.ms", "1000")
+        .set("fetch.wait.max.ms", "100");
+    config
+}
+
+/// Creates `name` with `partitions` partitions on the broker at
+/// `bootstrap`, and waits until its metadata shows every partition.
+pub async fn create_topic(bootstrap: &str, name: &str, partitions: i32) {
+    let admin: AdminClient<DefaultClientContext> = base_config(bootstrap).create().expect("an admin client");
+    let topic = NewTopic::new(name, partitions, TopicReplication::Fixed(1));
+    let results = admin
+        .create_topics([&topic], &AdminOptions::new().operation_timeout(Some(TIMEOUT)))
+        .await
+        .expect("create topic");
+    for result in results {
+        result.unwrap_or_else(|(topic, err)| panic!("create topic {topic}: {err}"));
+    }
+    // Until its metadata shows every partition.
+    let bootstrap = bootstrap.to_owned();
+    let name = name.to_owned();
+    tokio::task::spawn_blocking(move || {
+        let consumer: BaseConsumer = base_config(&bootstrap).create().unwrap();
+        let deadline = Instant::now() + TIMEOUT;
+        loop {
+            let metadata = consumer.fetch_metadata(Some(&name), TIMEOUT).unwrap();
+            let ready = metadata
+                .topics()
+                .iter()
+                .any(|t| t.name() == name && t.error().is_none() && t.partitions().len() == partitions as usize);
+            if ready {
+                return;
+            }
+            assert!(Instant::now() < deadline, "topic {name} not in the metadata");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    })
+    .await
+    .unwrap();
+}
+
+pub fn base_config(bootstrap: &str) -> ClientConfig {
     let mut config = ClientConfig::new();
     config
         .set("bootstrap.servers", bootstrap)
@@ -225,7 +283,9 @@ fn partitions(consumer: &BaseConsumer, topic: &str) -> i32 {
         .map_or(0, |t| t.partitions().len() as i32)
 }
 
-fn read_all(bootstrap: &str, topic: &str) -> Vec<Record> {
+/// Every record of `topic` at `bootstrap`, by partition then offset
+/// (blocking).
+pub fn read_all(bootstrap: &str, topic: &str) -> Vec<Record> {
     let consumer: BaseConsumer = base_config(bootstrap)
         .set("group.id", super::unique("reader"))
         .set("enable.auto.commit", "false")

@@ -790,7 +790,7 @@ impl ConsumerContext for Context {
         }
     }
 
-    fn post_rebalance(&self, _consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+    fn post_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
         if let Rebalance::Assign(list) = rebalance {
             let mut state = self.shared.lock();
             let mut assigned = Vec::new();
@@ -818,6 +818,12 @@ impl ConsumerContext for Context {
             }
             state.joined = true;
             drop(state);
+            // librdkafka keeps a partition paused over a rebalance: one this
+            // member paused (too much buffered) and is given again would
+            // never be fetched. A new assignment has nothing buffered.
+            for partition in &assigned {
+                set_paused(consumer, &self.shared.ready, *partition, false);
+            }
             self.shared.wake.notify_one();
             tracing::info!(target: TRACING_TARGET, topic = %self.shared.ready.topic, ?assigned, "partitions assigned");
         }
