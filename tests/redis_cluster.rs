@@ -67,15 +67,15 @@ impl Ledger {
     }
 }
 
-#[idempotent(key = "id", store = store, scope = "cluster", lease = "5s")]
+#[idempotent(key = "id", store = store, scope = "cluster", shared_scope = true, lease = "5s")]
 async fn apply(store: &RedisStore, id: u32, ledger: &Ledger) -> Result<(), AppError> {
     ledger.run(id);
     tokio::time::sleep(Duration::from_millis(1)).await;
     Ok(())
 }
 
-/// Holds its claim until `release` is notified.
-#[idempotent(key = "id", store = store, scope = "cluster")]
+/// Holds its claim until `release` is notified (the markers of `apply`).
+#[idempotent(key = "id", store = store, scope = "cluster", shared_scope = true)]
 async fn apply_held(
     store: &RedisStore,
     id: u32,
@@ -121,7 +121,9 @@ async fn claims_and_completions_follow_a_slot_migration() {
         let (store, ledger, started, release) = (store.clone(), ledger.clone(), started.clone(), release.clone());
         tokio::spawn(async move { apply_held(&store, 1000, &ledger, &started, &release).await })
     };
-    started.notified().await;
+    tokio::time::timeout(Duration::from_secs(10), started.notified())
+        .await
+        .expect("the held claim's body started");
 
     // The slot is migrating, 20 of its 41 keys have moved: a key still on
     // the old owner is served there, a moved one is redirected (ASK).
@@ -483,7 +485,9 @@ async fn a_completion_that_no_replica_acknowledges_fails() {
         let (store, ledger, started, release) = (store.clone(), ledger.clone(), started.clone(), release.clone());
         tokio::spawn(async move { apply_held(&store, 7, &ledger, &started, &release).await })
     };
-    started.notified().await;
+    tokio::time::timeout(Duration::from_secs(10), started.notified())
+        .await
+        .expect("the held claim's body started");
     pair.replica.kill();
     release.notify_one();
     let err = held.await.unwrap().unwrap_err();
