@@ -374,24 +374,31 @@ fn chaos_setting(name: &str, default: usize) -> usize {
     std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
 }
 
+impl Chaos {
+    /// The short run (2 000 messages, one kill), or with
+    /// `IDEMPOTENT_CLUSTER_CHAOS` the long one.
+    fn from_env(wait: bool) -> Chaos {
+        let long = std::env::var_os("IDEMPOTENT_CLUSTER_CHAOS").is_some();
+        Chaos {
+            messages: if long {
+                chaos_setting("IDEMPOTENT_CLUSTER_CHAOS_MESSAGES", 20_000) as u32
+            } else {
+                2_000
+            },
+            kills: if long {
+                chaos_setting("IDEMPOTENT_CLUSTER_CHAOS_KILLS", 3)
+            } else {
+                1
+            },
+            migrations: if long { 2 } else { 0 },
+            wait,
+        }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_primary_killed_mid_run_without_waiting_for_replicas() {
-    let long = std::env::var_os("IDEMPOTENT_CLUSTER_CHAOS").is_some();
-    let figures = failover_run(Chaos {
-        messages: if long {
-            chaos_setting("IDEMPOTENT_CLUSTER_CHAOS_MESSAGES", 20_000) as u32
-        } else {
-            2_000
-        },
-        kills: if long {
-            chaos_setting("IDEMPOTENT_CLUSTER_CHAOS_KILLS", 3)
-        } else {
-            1
-        },
-        migrations: if long { 2 } else { 0 },
-        wait: false,
-    })
-    .await;
+    let figures = failover_run(Chaos::from_env(false)).await;
     report("failover without wait_for_replicas", &figures);
     // Asynchronous replication: a marker or a lease the failover lost runs
     // a body again. Those are the honest figures (reported above and in the
@@ -401,22 +408,7 @@ async fn a_primary_killed_mid_run_without_waiting_for_replicas() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_primary_killed_mid_run_waiting_for_replicas_loses_no_acknowledged_marker() {
-    let long = std::env::var_os("IDEMPOTENT_CLUSTER_CHAOS").is_some();
-    let figures = failover_run(Chaos {
-        messages: if long {
-            chaos_setting("IDEMPOTENT_CLUSTER_CHAOS_MESSAGES", 20_000) as u32
-        } else {
-            2_000
-        },
-        kills: if long {
-            chaos_setting("IDEMPOTENT_CLUSTER_CHAOS_KILLS", 3)
-        } else {
-            1
-        },
-        migrations: if long { 2 } else { 0 },
-        wait: true,
-    })
-    .await;
+    let figures = failover_run(Chaos::from_env(true)).await;
     report("failover with wait_for_replicas(1, 500ms)", &figures);
     assert_eq!(
         figures.after_ack, 0,
