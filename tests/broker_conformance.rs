@@ -2,7 +2,8 @@
 //!
 //! The promises every consumer keeps, whatever its broker, instantiated by
 //! `conformance!` at the bottom for RabbitMQ, NATS JetStream, Redis
-//! Streams and Kafka (a private Tansu broker per test) on the real servers: ack after commit, a crash between commit and
+//! Streams (on one server, and on a private Redis Cluster shared by the
+//! binary's tests) and Kafka (a private Tansu broker per test) on the real servers: ack after commit, a crash between commit and
 //! ack redelivered and recognised by the marker, bounded retries then the
 //! dead-letter destination with the body intact, permanent errors and poison
 //! (undecodable, or longer than the body size limit) dead-lettered at once, a graceful shutdown that loses nothing, "consume
@@ -1396,16 +1397,62 @@ mod tansu {
 
 mod streams {
     use idempotent_runtime::redis::{self, AsyncCommands};
-    use idempotent_runtime::redis_streams::{RedisStream, StreamConsumer};
+    use idempotent_runtime::redis_streams::{RedisStream, StreamConsumer, StreamConsumerBuilder};
 
     use super::*;
 
-    pub struct RedisFixture {
-        client: redis::Client,
-        conn: redis::aio::MultiplexedConnection,
+    /// A stream on one Redis server (`MultiplexedConnection`, the
+    /// machine's Redis) or on a Redis Cluster (`ClusterConnection`, the
+    /// private cluster this test binary shares): the same fixture, on the
+    /// server's connection type.
+    pub struct RedisFixture<C = redis::aio::MultiplexedConnection> {
+        consumer: MakeConsumer,
+        conn: C,
         stream: String,
         dlq: String,
     }
+
+    /// How a fixture reaches its server: a connection for the fixture's
+    /// own commands, a consumer builder, and the stream's name (in a
+    /// cluster, a hash tag, so that its dead-letter stream shares its
+    /// slot).
+    pub trait Server: redis::aio::ConnectionLike + Clone + Send + Sync + Sized + 'static {
+        fn open(name: &str) -> impl Future<Output = (Self, MakeConsumer, String)> + Send;
+    }
+
+    /// A consumer builder of the named stream.
+    type MakeConsumer = Box<dyn Fn(&str) -> StreamConsumerBuilder + Send + Sync>;
+
+    impl Server for redis::aio::MultiplexedConnection {
+        fn open(name: &str) -> impl Future<Output = (Self, MakeConsumer, String)> + Send {
+            let stream = common::unique(&format!("conf.{name}"));
+            async move {
+                let client = redis::Client::open(common::REDIS_URL).unwrap();
+                let conn = client
+                    .get_multiplexed_async_connection()
+                    .await
+                    .expect("Redis at 127.0.0.1:6379");
+                let consumer = move |stream: &str| StreamConsumer::builder(client.clone(), stream, "workers");
+                (conn, Box::new(consumer) as MakeConsumer, stream)
+            }
+        }
+    }
+
+    impl Server for redis::cluster_async::ClusterConnection {
+        fn open(name: &str) -> impl Future<Output = (Self, MakeConsumer, String)> + Send {
+            let stream = format!("{{{}}}", common::unique(&format!("conf.{name}")));
+            async move {
+                let cluster = common::cluster::RedisCluster::shared();
+                let conn = cluster.connection().await;
+                let client = cluster.client();
+                let consumer = move |stream: &str| StreamConsumer::cluster_builder(client.clone(), stream, "workers");
+                (conn, Box::new(consumer) as MakeConsumer, stream)
+            }
+        }
+    }
+
+    /// The fixture on the Redis Cluster.
+    pub type ClusterFixture = RedisFixture<redis::cluster_async::ClusterConnection>;
 
     fn text(value: &redis::Value) -> String {
         match value {
@@ -1416,20 +1463,15 @@ mod streams {
         }
     }
 
-    impl Fixture for RedisFixture {
+    impl<C: Server> Fixture for RedisFixture<C> {
         type B = RedisStream;
         const REDELIVERY: Duration = Duration::from_millis(600);
 
         async fn setup(name: &str) -> Self {
-            let client = redis::Client::open(common::REDIS_URL).unwrap();
-            let conn = client
-                .get_multiplexed_async_connection()
-                .await
-                .expect("Redis at 127.0.0.1:6379");
-            let stream = common::unique(&format!("conf.{name}"));
+            let (conn, consumer, stream) = C::open(name).await;
             let dlq = format!("{stream}.dlq");
             RedisFixture {
-                client,
+                consumer,
                 conn,
                 stream,
                 dlq,
@@ -1437,7 +1479,7 @@ mod streams {
         }
 
         fn builder(&self) -> ConsumerBuilder<RedisStream> {
-            StreamConsumer::builder(self.client.clone(), &self.stream, "workers")
+            (self.consumer)(&self.stream)
                 .claim_idle(Self::REDELIVERY)
                 .block(Duration::from_millis(300))
                 .retry_backoff(fast())
@@ -1489,4 +1531,5 @@ mod streams {
 conformance!(rabbitmq, super::rabbit::RabbitFixture);
 conformance!(nats, super::jetstream::NatsFixture);
 conformance!(redis_streams, super::streams::RedisFixture);
+conformance!(redis_streams_cluster, super::streams::ClusterFixture);
 conformance!(kafka, super::tansu::KafkaFixture);

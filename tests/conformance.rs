@@ -7,7 +7,8 @@
 //! and Redis, and each SQL store again under the server settings users
 //! change (PostgreSQL's default isolation, MariaDB's session isolation,
 //! SQLite's journal mode), and Redis again on a Valkey 8.1 server, where the
-//! completion is a native `SET .. IFEQ` instead of a script. Where
+//! completion is a native `SET .. IFEQ` instead of a script, and on a Redis
+//! Cluster of Valkey nodes, with and without waiting for replicas. Where
 //! transactional stores (Postgres, SQLite, MySQL) and lease stores (Redis,
 //! memory) differ, the test says so through `Fixture::TRANSACTIONAL` rather
 //! than hiding it:
@@ -621,11 +622,48 @@ impl Fixture for Valkey {
     }
 }
 
+/// `RedisStore` on a Redis Cluster of private Valkey 8.1 nodes (3
+/// primaries with a replica each, shared by this binary's tests, stopped
+/// when it exits); with `WAIT`, waiting for one replica after each claim
+/// and completion (`wait_for_replicas`). Its keys go with the cluster: no
+/// teardown.
+struct RedisClusterStore<const WAIT: bool> {
+    store: idempotent_runtime::RedisStore,
+}
+
+impl<const WAIT: bool> Fixture for RedisClusterStore<WAIT> {
+    type S = idempotent_runtime::RedisStore;
+    const TRANSACTIONAL: bool = false;
+    const PURGES: bool = false;
+    async fn setup() -> Self {
+        let cluster = common::cluster::RedisCluster::shared();
+        let mut builder = idempotent_runtime::RedisStore::cluster_builder(cluster.connection().await)
+            .prefix(format!("{}:", common::unique("conformance")));
+        if WAIT {
+            builder = builder.wait_for_replicas(1, Duration::from_secs(1));
+        }
+        RedisClusterStore {
+            store: builder.build().unwrap(),
+        }
+    }
+    fn store(&self) -> &Self::S {
+        &self.store
+    }
+    async fn purge(&self) -> u64 {
+        idempotent_runtime::store::PurgeExpired::purge_expired(&self.store)
+            .await
+            .unwrap()
+    }
+    async fn teardown(self) {}
+}
+
 use common::settings::*;
 
 conformance!(memory, Memory);
 conformance!(redis, Redis);
 conformance!(valkey, Valkey);
+conformance!(redis_cluster, RedisClusterStore<false>);
+conformance!(redis_cluster_waiting_for_replicas, RedisClusterStore<true>);
 // Each SQL store under the settings users change: the promises must not
 // depend on the server's default isolation or the journal mode.
 conformance!(postgres, Postgres<PG_SERVER_DEFAULT>);

@@ -42,7 +42,7 @@
 //! | [`PgStore`] | `postgres` | yes | waits, then replays |
 //! | [`SqliteStore`] | `sqlite` | yes | waits, then replays |
 //! | `MySqlStore` | `mysql` | yes | waits, then replays |
-//! | `RedisStore` | `redis` | no (lease) | [`Error::InProgress`] |
+//! | `RedisStore` | `redis` (`redis-cluster` for Redis Cluster) | no (lease) | [`Error::InProgress`] |
 //! | [`MemoryStore`] | always | no (lease) | [`Error::InProgress`] |
 //!
 //! Stores that cannot join a transaction hold a lease while the body runs;

@@ -1,6 +1,7 @@
 //! Helpers shared by the integration tests: service URLs, unique names.
 #![allow(dead_code)]
 
+pub mod cluster;
 pub mod kafka;
 pub mod servers;
 

@@ -52,9 +52,20 @@
 //! n`, or `XTRIM .. MINID`), far enough behind that no consumer group still
 //! needs the entries. The dead-letter stream is trimmed to
 //! [`dead_letter_max_len`](ConsumerBuilder::dead_letter_max_len) when one
-//! is set, and is never trimmed otherwise. In Redis Cluster, the stream and
-//! its dead-letter stream must share a hash tag (`{payments}` and
-//! `{payments}.dlq`, the default name).
+//! is set, and is never trimmed otherwise.
+//!
+//! # Redis Cluster
+//!
+//! [`StreamConsumer::cluster_builder`] (feature `redis-cluster`) reads a
+//! stream of a Redis Cluster: a stream, its consumer group and its pending
+//! entries are one key, so they live in one slot, on one primary, and the
+//! settlement scripts touch the stream and the dead-letter stream
+//! together: the two must share a hash tag (`{payments}` and
+//! `{payments}.dlq`, the default name; the builder refuses names in two
+//! slots). One stream is served by one primary: to spread the load over
+//! the cluster, write to several streams with different hash tags
+//! (`{payments-0}` .. `{payments-7}`, the partition chosen from the
+//! message key) and run a consumer per stream.
 //!
 //! # Connection loss
 //!
@@ -91,13 +102,12 @@ use std::collections::{HashMap, VecDeque};
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, LazyLock};
 use std::time::Duration;
 
-use redis::aio::MultiplexedConnection;
 use redis::streams::{StreamAutoClaimReply, StreamId, StreamPendingCountReply, StreamReadReply};
-use redis::{AsyncConnectionConfig, Script, Value};
+use redis::{AsyncConnectionConfig, Value};
 use tokio::time::Instant;
 
 use super::pipeline::{self, Broker, Connect, Letter, Messaging, Meta, Next, Settle};
@@ -106,6 +116,7 @@ use super::{
     HEADER_SOURCE, Json, RetryAll,
 };
 use super::{Consumer, ConsumerBuilder, TRACING_TARGET, sleep_unless_cancelled};
+use crate::store::redis_conn::{Lua, RedisConn};
 
 #[cfg(feature = "sqlx")]
 pub(crate) mod publisher;
@@ -126,21 +137,18 @@ pub type StreamConsumerBuilder<D = Json, R = RetryAll> = ConsumerBuilder<RedisSt
 /// Checks the entry is still pending for this consumer, then acknowledges
 /// it. KEYS: stream. ARGV: group, consumer, id. Returns 1, or 0 when the
 /// entry is no longer this consumer's.
-static ACK: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(
-        r"local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[3], ARGV[3], 1)
+static ACK: Lua = Lua::new(
+    r"local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[3], ARGV[3], 1)
 if #p == 0 or p[1][2] ~= ARGV[2] then return 0 end
 redis.call('XACK', KEYS[1], ARGV[1], ARGV[3])
 return 1",
-    )
-});
+);
 
 /// Checks ownership, adds an entry to KEYS[2] (a retry copy or a dead
 /// letter), then acknowledges the original. KEYS: stream, target. ARGV:
 /// group, consumer, id, max length (0: none), then field/value pairs.
-static MOVE: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(
-        r"local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[3], ARGV[3], 1)
+static MOVE: Lua = Lua::new(
+    r"local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[3], ARGV[3], 1)
 if #p == 0 or p[1][2] ~= ARGV[2] then return 0 end
 local fields = {}
 for i = 5, #ARGV do fields[#fields + 1] = ARGV[i] end
@@ -151,24 +159,21 @@ else
 end
 redis.call('XACK', KEYS[1], ARGV[1], ARGV[3])
 return 1",
-    )
-});
+);
 
 /// Resets the idle time of an entry still pending for this consumer (its
 /// delivery count is unchanged). KEYS: stream. ARGV: group, consumer, id.
-static TOUCH: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(
-        r"local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[3], ARGV[3], 1)
+static TOUCH: Lua = Lua::new(
+    r"local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[3], ARGV[3], 1)
 if #p == 0 or p[1][2] ~= ARGV[2] then return 0 end
 redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[3], 'JUSTID')
 return 1",
-    )
-});
+);
 
 /// What a [`StreamConsumer`] consumes: the Redis client, the stream, the
 /// group and this consumer's name (the Redis half of the builder).
 pub struct RedisStream {
-    client: redis::Client,
+    client: Source,
     stream: String,
     group: String,
     consumer: String,
@@ -182,6 +187,39 @@ pub struct RedisStream {
     start_id: String,
     /// Set by `prepare`.
     ready: Option<Arc<Ready>>,
+}
+
+/// The server a [`RedisStream`] reads (each client boxed: their sizes
+/// differ widely, with TLS and without).
+enum Source {
+    /// One Redis server.
+    Server(Box<redis::Client>),
+    /// A Redis Cluster.
+    #[cfg(feature = "redis-cluster")]
+    Cluster(Box<redis::cluster::ClusterClient>),
+}
+
+impl Source {
+    /// A connection whose replies may take `response_timeout`.
+    async fn connect(&self, response_timeout: Duration) -> redis::RedisResult<RedisConn> {
+        match self {
+            Source::Server(client) => {
+                let config = AsyncConnectionConfig::new()
+                    .set_connection_timeout(Some(Duration::from_secs(5)))
+                    .set_response_timeout(Some(response_timeout));
+                let conn = client.get_multiplexed_async_connection_with_config(&config).await?;
+                Ok(RedisConn::Multiplexed(conn))
+            }
+            #[cfg(feature = "redis-cluster")]
+            Source::Cluster(client) => {
+                let config = redis::cluster::ClusterConfig::new()
+                    .set_connection_timeout(Duration::from_secs(5))
+                    .set_response_timeout(response_timeout);
+                let conn = client.get_async_connection_with_config(config).await?;
+                Ok(RedisConn::Cluster(conn))
+            }
+        }
+    }
 }
 
 /// The validated settings.
@@ -220,10 +258,38 @@ impl StreamConsumer {
         stream: impl Into<String>,
         group: impl Into<String>,
     ) -> StreamConsumerBuilder {
+        StreamConsumer::on(Source::Server(Box::new(client)), stream.into(), group.into())
+    }
+
+    /// Starts configuring a consumer of `stream` in the consumer group
+    /// `group`, on the Redis Cluster `client` points at (feature
+    /// `redis-cluster`); see [Redis Cluster](self#redis-cluster). The
+    /// stream and its dead-letter stream must share a hash tag.
+    ///
+    /// ```no_run
+    /// # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+    /// use idempotent_runtime::redis::cluster::ClusterClient;
+    /// use idempotent_runtime::redis_streams::StreamConsumer;
+    ///
+    /// let client = ClusterClient::new(["redis://10.0.0.1:6379/", "redis://10.0.0.2:6379/"])?;
+    /// // Dead letters go to `{payments}.dlq`, in the same slot.
+    /// let consumer = StreamConsumer::cluster_builder(client, "{payments}", "payment-service").build()?;
+    /// # Ok(()) }
+    /// ```
+    #[cfg(feature = "redis-cluster")]
+    pub fn cluster_builder(
+        client: redis::cluster::ClusterClient,
+        stream: impl Into<String>,
+        group: impl Into<String>,
+    ) -> StreamConsumerBuilder {
+        StreamConsumer::on(Source::Cluster(Box::new(client)), stream.into(), group.into())
+    }
+
+    fn on(client: Source, stream: String, group: String) -> StreamConsumerBuilder {
         ConsumerBuilder::new(RedisStream {
             client,
-            stream: stream.into(),
-            group: group.into(),
+            stream,
+            group,
             consumer: default_consumer_name(),
             dead_letter_stream: None,
             dead_letter_max_len: None,
@@ -328,6 +394,17 @@ impl Broker for RedisStream {
                 "the dead-letter stream is the consumed stream".into(),
             ));
         }
+        #[cfg(feature = "redis-cluster")]
+        if matches!(self.client, Source::Cluster(_)) {
+            use redis::cluster_routing::Slot;
+            if Slot::for_key(&self.stream) != Slot::for_key(&dead_letter_stream) {
+                return Err(ConsumerError::Config(format!(
+                    "in a Redis Cluster the stream `{}` and its dead-letter stream `{dead_letter_stream}` must \
+                     share a hash tag (one slot): name the stream `{{{}}}`, whose dead letters go to `{{{}}}.dlq`",
+                    self.stream, self.stream, self.stream
+                )));
+            }
+        }
         if self.claim_idle < Duration::from_millis(100) {
             return Err(ConsumerError::Config(format!(
                 "claim_idle {:?} is too short: entries of live consumers would be taken from them; use at least 100ms",
@@ -367,22 +444,12 @@ impl Broker for RedisStream {
             .ok_or_else(|| Connect::Fatal(ConsumerError::Config("the consumer was not built".into())))?;
         let failed = |err: redis::RedisError| Connect::Failed(format!("Redis: {err}"));
         // Reads block: they get a connection of their own.
-        let read_config = AsyncConnectionConfig::new()
-            .set_connection_timeout(Some(Duration::from_secs(5)))
-            .set_response_timeout(Some(ready.block + Duration::from_secs(5)));
-        let settle_config = AsyncConnectionConfig::new()
-            .set_connection_timeout(Some(Duration::from_secs(5)))
-            .set_response_timeout(Some(Duration::from_secs(5)));
         let mut read = self
             .client
-            .get_multiplexed_async_connection_with_config(&read_config)
+            .connect(ready.block + Duration::from_secs(5))
             .await
             .map_err(failed)?;
-        let settle = self
-            .client
-            .get_multiplexed_async_connection_with_config(&settle_config)
-            .await
-            .map_err(failed)?;
+        let settle = self.client.connect(Duration::from_secs(5)).await.map_err(failed)?;
         if self.create_group {
             let created: redis::RedisResult<()> = redis::cmd("XGROUP")
                 .arg("CREATE")
@@ -420,7 +487,7 @@ impl Broker for RedisStream {
 struct Shared {
     ready: Arc<Ready>,
     /// Settlements go on their own connection (reads block theirs).
-    conn: MultiplexedConnection,
+    conn: RedisConn,
     /// Cleared when the session's connection is lost.
     alive: AtomicBool,
 }
@@ -437,7 +504,7 @@ type Pending = Pin<Box<dyn Future<Output = Result<Read, redis::RedisError>> + Se
 /// A consumer in the group, on one connection.
 pub struct Session {
     shared: Arc<Shared>,
-    read: MultiplexedConnection,
+    read: RedisConn,
     /// Entries read, not yet handed out.
     buffered: VecDeque<(StreamId, u32)>,
     /// A read or reclaim in progress (kept across cancelled `next` calls).
@@ -634,18 +701,14 @@ impl Delivery {
 
     /// Runs `script` on the settle connection; `Lost` when the entry is no
     /// longer this consumer's (or the connection failed).
-    async fn settle(&self, script: &Script, keys: &[&str], extra: Vec<Vec<u8>>) -> Result<(), Settle> {
+    async fn settle(&self, script: &'static Lua, keys: &[&str], extra: Vec<Vec<u8>>) -> Result<(), Settle> {
         let ready = &self.shared.ready;
-        let mut invocation = script.prepare_invoke();
-        for key in keys {
-            invocation.key(*key);
-        }
-        invocation.arg(&ready.group).arg(&ready.consumer).arg(&self.id);
+        let mut invocation = script.key(keys).arg(&ready.group).arg(&ready.consumer).arg(&self.id);
         for arg in extra {
-            invocation.arg(arg);
+            invocation = invocation.arg(arg);
         }
         let mut conn = self.shared.conn.clone();
-        let done: i64 = invocation.invoke_async(&mut conn).await.map_err(|err| classify(&err))?;
+        let done: i64 = invocation.invoke(&mut conn).await.map_err(|err| classify(&err))?;
         if done == 1 {
             Ok(())
         } else {

@@ -371,7 +371,7 @@ pub use postgres::outbox::PgOutboxBatch;
 #[cfg(feature = "postgres")]
 pub use postgres::{PgBuilderSettings, PgStore, PgStoreBuilder};
 #[cfg(feature = "redis")]
-pub use redis::{RedisGuard, RedisStore, RedisStoreBuilder};
+pub use redis::{NotReplicated, RedisGuard, RedisStore, RedisStoreBuilder};
 #[cfg(feature = "sqlx")]
 pub use sql::{DEFAULT_OUTBOX_RETENTION, DEFAULT_OUTBOX_TABLE, DEFAULT_PURGE_BATCH, SqlGuard, SqlStoreBuilder};
 #[cfg(feature = "sqlite")]
@@ -391,6 +391,8 @@ pub(crate) mod mysql;
 pub(crate) mod postgres;
 #[cfg(feature = "redis")]
 pub(crate) mod redis;
+#[cfg(feature = "redis")]
+pub(crate) mod redis_conn;
 #[cfg(feature = "redis")]
 mod redis_renewal;
 #[cfg(feature = "sqlx")]

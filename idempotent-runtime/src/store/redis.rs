@@ -33,11 +33,12 @@ use std::fmt;
 use std::hash::{BuildHasher, Hasher};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, LazyLock};
+use std::time::Duration;
 
-use redis::Script;
 use redis::aio::ConnectionManager;
 
 use crate::Error;
+use crate::store::redis_conn::{Lua, RedisConn, Replicas, Sent};
 use crate::store::redis_renewal::{Renewal, Renewer};
 use crate::store::{Claim, Guard, Replay, Request, Store};
 
@@ -50,30 +51,33 @@ const MAX_PREFIX_BYTES: usize = 128;
 /// Sets the lease if the key is free; otherwise returns the current value.
 /// ARGV: lease value, lease ms. Returns nil when claimed. For servers older
 /// than 7.0, which refuse `SET .. NX .. GET`.
-static CLAIM: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(
-        r"if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return false end
+static CLAIM: Lua = Lua::new(
+    r"if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return false end
 return redis.call('GET', KEYS[1])",
-    )
-});
+);
 
 /// Replaces the lease by the completed marker if the token still matches.
 /// ARGV: lease value, marker value, ttl ms. For servers without `SET ..
 /// IFEQ` (before Valkey 8.1 and Redis 8.4).
-static COMPLETE: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(
-        r"if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3]) return 1 end
+static COMPLETE: Lua = Lua::new(
+    r"if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3]) return 1 end
 return 0",
-    )
-});
+);
 
 /// Deletes the lease if the token still matches. ARGV: lease value.
-static RELEASE: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(
-        r"if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+static RELEASE: Lua = Lua::new(
+    r"if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
 return 0",
-    )
-});
+);
+
+/// Writes the completed marker again, unchanged and with its expiry, if
+/// it is still the key's value, so that a `WAIT` after it tells whether the
+/// replicas have it (they receive writes in order). ARGV: marker value.
+/// Only with [`RedisStoreBuilder::wait_for_replicas`], before a replay.
+static CONFIRM: Lua = Lua::new(
+    r"if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('SET', KEYS[1], ARGV[1], 'KEEPTTL') return 1 end
+return 0",
+);
 
 /// A store on Redis: markers are keys under a prefix, claims are leases.
 ///
@@ -103,9 +107,33 @@ return 0",
 ///     .build()?;
 /// # Ok(()) }
 /// ```
+///
+/// # Redis Cluster
+///
+/// [`RedisStore::cluster`] (feature `redis-cluster`) runs the same commands
+/// on a cluster connection, which sends each to the primary of its key's
+/// hash slot and follows `MOVED` and `ASK` redirections (resharding, slot
+/// migrations, failovers). A claim touches one key from its start to its
+/// end (lease, renewals, completion or release), so every step of it lives
+/// in one slot without hash tags, and the key layout is the single
+/// server's: markers spread over the slots by their key. A prefix holding a
+/// hash tag (`{payments}:`) would put every marker of the store in one slot,
+/// on one primary.
+///
+/// # Replicas
+///
+/// Replication is asynchronous: a lease or a completed marker a primary
+/// acknowledged and had not yet sent to its replicas is gone after a
+/// failover. With [`RedisStoreBuilder::wait_for_replicas`], the claim, the
+/// completion and the lease renewals are each followed by `WAIT` on the
+/// same connection, and a claim or a completion that fewer replicas
+/// acknowledge than asked fails with [`NotReplicated`] instead of
+/// reporting success.
 #[derive(Clone)]
 pub struct RedisStore {
-    conn: ConnectionManager,
+    conn: RedisConn,
+    /// Replicas that must acknowledge claims and completions.
+    wait: Option<Replicas>,
     prefix: Arc<str>,
     namespace: &'static str,
     /// Extends the leases of running claims (`None`: renewal off).
@@ -127,30 +155,40 @@ fn namespace(prefix: &str) -> &'static str {
 impl RedisStore {
     /// A store on `conn` with the key prefix `idempotent:`.
     pub fn new(conn: ConnectionManager) -> Self {
-        RedisStore::assemble(conn, DEFAULT_PREFIX, true)
+        RedisStore::builder(conn).assemble(DEFAULT_PREFIX)
     }
 
-    /// The store on `conn` under a valid `prefix`, renewing leases if
-    /// `renew`.
-    fn assemble(conn: ConnectionManager, prefix: &str, renew: bool) -> Self {
-        RedisStore {
-            renewer: renew.then(|| Renewer::new(conn.clone())),
-            conn,
-            prefix: Arc::from(prefix),
-            namespace: namespace(prefix),
-            checked: Arc::default(),
-            scripted_claim: Arc::default(),
-            scripted_completion: Arc::default(),
-        }
+    /// A store on a Redis Cluster with the key prefix `idempotent:`; see
+    /// [above](RedisStore#redis-cluster). Feature
+    /// `redis-cluster`.
+    ///
+    /// ```no_run
+    /// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+    /// use std::time::Duration;
+    /// use idempotent_runtime::{RedisStore, redis};
+    ///
+    /// let nodes = ["redis://10.0.0.1:6379/", "redis://10.0.0.2:6379/", "redis://10.0.0.3:6379/"];
+    /// let client = redis::cluster::ClusterClient::new(nodes)?;
+    /// let store = RedisStore::cluster_builder(client.get_async_connection().await?)
+    ///     .prefix("payments:idempotent:")
+    ///     .wait_for_replicas(1, Duration::from_millis(500))
+    ///     .build()?;
+    /// # Ok(()) }
+    /// ```
+    #[cfg(feature = "redis-cluster")]
+    pub fn cluster(conn: redis::cluster_async::ClusterConnection) -> Self {
+        RedisStore::cluster_builder(conn).assemble(DEFAULT_PREFIX)
+    }
+
+    /// A builder of a store on a Redis Cluster. Feature `redis-cluster`.
+    #[cfg(feature = "redis-cluster")]
+    pub fn cluster_builder(conn: redis::cluster_async::ClusterConnection) -> RedisStoreBuilder {
+        RedisStoreBuilder::on(RedisConn::Cluster(conn))
     }
 
     /// A builder to set the key prefix.
     pub fn builder(conn: ConnectionManager) -> RedisStoreBuilder {
-        RedisStoreBuilder {
-            conn,
-            prefix: DEFAULT_PREFIX.to_owned(),
-            renew: true,
-        }
+        RedisStoreBuilder::on(RedisConn::Manager(conn))
     }
 
     /// The prefix of every key this store writes.
@@ -165,11 +203,38 @@ impl RedisStore {
     }
 }
 
+impl RedisStoreBuilder {
+    fn on(conn: RedisConn) -> RedisStoreBuilder {
+        RedisStoreBuilder {
+            conn,
+            prefix: DEFAULT_PREFIX.to_owned(),
+            renew: true,
+            wait: None,
+        }
+    }
+
+    /// The store under a valid `prefix`.
+    fn assemble(self, prefix: &str) -> RedisStore {
+        let conn = self.conn;
+        RedisStore {
+            renewer: self.renew.then(|| Renewer::new(conn.clone(), self.wait)),
+            conn,
+            wait: self.wait,
+            prefix: Arc::from(prefix),
+            namespace: namespace(prefix),
+            checked: Arc::default(),
+            scripted_claim: Arc::default(),
+            scripted_completion: Arc::default(),
+        }
+    }
+}
+
 impl fmt::Debug for RedisStore {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RedisStore")
             .field("prefix", &self.prefix)
             .field("renew", &self.renewer.is_some())
+            .field("wait_for_replicas", &self.wait)
             .finish()
     }
 }
@@ -177,9 +242,10 @@ impl fmt::Debug for RedisStore {
 /// Configures a [`RedisStore`].
 #[derive(Clone)]
 pub struct RedisStoreBuilder {
-    conn: ConnectionManager,
+    conn: RedisConn,
     prefix: String,
     renew: bool,
+    wait: Option<Replicas>,
 }
 
 impl RedisStoreBuilder {
@@ -204,9 +270,61 @@ impl RedisStoreBuilder {
         self
     }
 
-    /// The store, or [`Error::Config`] for an invalid prefix.
+    /// Waits, after each claim, completion and lease renewal, until
+    /// `replicas` replicas of the key's server (in a cluster: of its slot's
+    /// primary) acknowledge it, at most `timeout` (`WAIT replicas timeout`
+    /// on the same connection, in one round trip with the write). Off by
+    /// default.
+    ///
+    /// Replication is asynchronous: without this, a failover can lose a
+    /// lease (another consumer then runs the body while the first still
+    /// does) or a completed marker (a later duplicate runs the body again).
+    /// With it:
+    ///
+    /// - a claim that fewer replicas acknowledge is released and fails with
+    ///   [`Error::Store`] holding a [`NotReplicated`]; the body does not run
+    ///   (the message is redelivered later);
+    /// - a completion that fewer replicas acknowledge fails the same way:
+    ///   the marker is on the primary but not known to be on a replica, so
+    ///   the message must not be acknowledged; its redelivery replays the
+    ///   marker if it survived, and runs the body again if a failover lost
+    ///   it (as after a crash between the body and the completion);
+    /// - a completed marker found by a claim is written again unchanged and
+    ///   waited for before it is replayed, so that no duplicate is
+    ///   acknowledged on the strength of a marker the replicas may not have;
+    /// - a renewal that fewer replicas acknowledge is logged and retried at
+    ///   the next renewal.
+    ///
+    /// What a claim or a completion reported as done is then on `replicas`
+    /// replicas, and survives the failover to one of them. `replicas`
+    /// should be the number of replicas of each primary (a failover may
+    /// promote any of them); a primary with fewer reachable replicas fails
+    /// every claim until they are back. Each claim and completion waits for
+    /// a replica's acknowledgement: one round trip between the primary and
+    /// a replica more (see the README's Redis Cluster section for the
+    /// measured cost).
+    ///
+    /// `replicas` must be at least 1 and `timeout` at least a millisecond.
+    pub fn wait_for_replicas(mut self, replicas: u32, timeout: Duration) -> Self {
+        self.wait = Some(Replicas {
+            count: replicas,
+            timeout,
+        });
+        self
+    }
+
+    /// The store, or [`Error::Config`] for an invalid prefix or
+    /// [`wait_for_replicas`](Self::wait_for_replicas) setting.
     pub fn build(self) -> Result<RedisStore, Error> {
-        let prefix = self.prefix;
+        if let Some(wait) = self.wait
+            && (wait.count == 0 || wait.timeout < Duration::from_millis(1))
+        {
+            return Err(Error::Config(format!(
+                "wait_for_replicas({}, {:?}): wait for at least 1 replica and at least 1ms",
+                wait.count, wait.timeout
+            )));
+        }
+        let prefix = self.prefix.clone();
         if prefix.is_empty() || prefix.len() > MAX_PREFIX_BYTES {
             return Err(Error::Config(format!(
                 "Redis key prefix {prefix:?} must be 1 to {MAX_PREFIX_BYTES} bytes long"
@@ -217,7 +335,7 @@ impl RedisStoreBuilder {
                 "Redis key prefix {prefix:?} must not contain whitespace or control characters"
             )));
         }
-        Ok(RedisStore::assemble(self.conn, &prefix, self.renew))
+        Ok(self.assemble(&prefix))
     }
 }
 
@@ -226,6 +344,7 @@ impl fmt::Debug for RedisStoreBuilder {
         f.debug_struct("RedisStoreBuilder")
             .field("prefix", &self.prefix)
             .field("renew", &self.renew)
+            .field("wait_for_replicas", &self.wait)
             .finish()
     }
 }
@@ -245,14 +364,28 @@ impl Store for RedisStore {
         let lease = new_lease();
         let lease_ms = req.lease_millis();
         let mut conn = self.conn.clone();
-        let current = self.set_lease(&mut conn, &key, &lease, lease_ms).await?;
+        let sent = self.set_lease(&mut conn, &key, &lease, lease_ms).await?;
+        let claimed = sent.replicated(self.wait);
+        let current: Option<Vec<u8>> = sent_reply(sent)?;
+        // Our own lease: the connection sent the claim again after losing
+        // the reply to the first one (a cluster connection retries).
+        let current = current.filter(|value| value.as_slice() != lease.as_bytes());
         let Some(current) = current else {
+            if !claimed {
+                // Not on enough replicas: a failover could lose it while the
+                // body runs. Released; the message is processed later.
+                if let Err(error) = release(&mut conn, &key, &lease).await {
+                    tracing::warn!(target: "idempotent", %key, %error, "releasing the Redis lease failed; it will expire");
+                }
+                return Err(not_replicated(&key, "claim", self.wait));
+            }
             let renewal = self
                 .renewer
                 .as_ref()
                 .and_then(|renewer| renewer.register(&key, &lease, lease_ms));
             return Ok(Claim::Fresh(RedisGuard {
                 conn,
+                wait: self.wait,
                 key,
                 lease,
                 ttl_ms: req.ttl_millis(),
@@ -264,10 +397,13 @@ impl Store for RedisStore {
         };
         match current.first() {
             Some(b'L') => Err(req.in_progress()),
-            // A `()` handler without fingerprint replays `()` whatever the
-            // marker holds: nothing to decode.
-            Some(b'D') if !req.needs_read() => Ok(Claim::Done(Replay::default())),
             Some(b'D') => {
+                self.confirm_marker(&mut conn, &key, &current, req).await?;
+                // A `()` handler without fingerprint replays `()` whatever
+                // the marker holds: nothing to decode.
+                if !req.needs_read() {
+                    return Ok(Claim::Done(Replay::default()));
+                }
                 let (fingerprint, result) = std::str::from_utf8(&current[1..])
                     .ok()
                     .and_then(decode_done)
@@ -280,43 +416,109 @@ impl Store for RedisStore {
     }
 }
 
+/// The reply of `sent` as `T`, or the store error.
+fn sent_reply<T: redis::FromRedisValue>(sent: Sent) -> Result<T, Error> {
+    sent.parse().map_err(Error::store)
+}
+
 impl RedisStore {
-    /// Sets the lease on `key` unless it exists: `None` when set, else the
-    /// current value. One native command (`SET key lease NX PX ms GET`,
-    /// Redis ≥ 7.0), or the `CLAIM` script on a server that refuses it.
-    async fn set_lease(
-        &self,
-        conn: &mut ConnectionManager,
-        key: &str,
-        lease: &str,
-        lease_ms: i64,
-    ) -> Result<Option<Vec<u8>>, Error> {
+    /// Sets the lease on `key` unless it exists; the reply is `nil` when
+    /// set, else the current value. One native command (`SET key lease NX
+    /// PX ms GET`, Redis ≥ 7.0), or the `CLAIM` script on a server that
+    /// refuses it; followed by `WAIT` with
+    /// [`wait_for_replicas`](RedisStoreBuilder::wait_for_replicas).
+    async fn set_lease(&self, conn: &mut RedisConn, key: &str, lease: &str, lease_ms: i64) -> Result<Sent, Error> {
         if !self.scripted_claim.load(Ordering::Relaxed) {
-            let set: redis::RedisResult<Option<Vec<u8>>> = redis::cmd("SET")
-                .arg(key)
-                .arg(lease)
-                .arg("NX")
-                .arg("PX")
-                .arg(lease_ms)
-                .arg("GET")
-                .query_async(conn)
-                .await;
-            match set {
-                Err(error) if refuses_syntax(&error) => {
+            let mut set = redis::cmd("SET");
+            set.arg(key).arg(lease).arg("NX").arg("PX").arg(lease_ms).arg("GET");
+            let sent = conn.send(&set, self.wait).await.map_err(Error::store)?;
+            match &sent.reply {
+                Err(error) if refuses_syntax(error) => {
                     tracing::debug!(target: "idempotent", %error, "SET NX GET refused (Redis < 7.0): claiming with a script");
                     self.scripted_claim.store(true, Ordering::Relaxed);
                 }
-                other => return other.map_err(Error::store),
+                _ => return Ok(sent),
             }
         }
         CLAIM
             .key(key)
             .arg(lease)
             .arg(lease_ms)
-            .invoke_async(conn)
+            .send(conn, self.wait)
             .await
             .map_err(Error::store)
     }
+
+    /// With [`wait_for_replicas`](RedisStoreBuilder::wait_for_replicas):
+    /// makes sure the completed `marker` found on `key` is on the replicas
+    /// before it is replayed (it may be a completion still waiting for
+    /// them, or one a failover is about to lose), by writing it again
+    /// unchanged and waiting for that write. Nothing to do without the
+    /// option.
+    async fn confirm_marker(
+        &self,
+        conn: &mut RedisConn,
+        key: &str,
+        marker: &[u8],
+        req: &Request<'_>,
+    ) -> Result<(), Error> {
+        if self.wait.is_none() {
+            return Ok(());
+        }
+        let sent = CONFIRM
+            .key(key)
+            .arg(marker)
+            .send(conn, self.wait)
+            .await
+            .map_err(Error::store)?;
+        let replicated = sent.replicated(self.wait);
+        let unchanged: i64 = sent_reply(sent)?;
+        if unchanged != 1 {
+            // It expired or was replaced meanwhile: the message is being
+            // processed again.
+            return Err(req.in_progress());
+        }
+        if !replicated {
+            return Err(not_replicated(key, "completed marker", self.wait));
+        }
+        Ok(())
+    }
+}
+
+/// The error of a write fewer replicas acknowledged than `wait` asks for.
+fn not_replicated(key: &str, what: &'static str, wait: Option<Replicas>) -> Error {
+    let (required, timeout) = wait.map_or((0, Duration::ZERO), |wait| (wait.count, wait.timeout));
+    Error::Store(Box::new(NotReplicated {
+        key: key.to_owned(),
+        what,
+        required,
+        timeout,
+    }))
+}
+
+/// A claim or a completion of a [`RedisStore`] with
+/// [`wait_for_replicas`](RedisStoreBuilder::wait_for_replicas) that fewer
+/// replicas acknowledged in time than asked: it failed (inside
+/// [`Error::Store`]) rather than risk being lost by a failover. A claim
+/// was released and its body did not run; a completion's marker stays on
+/// the primary, and the message must be processed again (the redelivery
+/// replays the marker once the replicas have it, or runs the body again
+/// if a failover lost it).
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "the Redis {what} on {key:?} was not acknowledged by {required} replica(s) within {timeout:?}: \
+     a failover could lose it"
+)]
+pub struct NotReplicated {
+    /// The Redis key.
+    pub key: String,
+    /// What was written: `claim`, `completion` or `completed marker` (a
+    /// marker found by a claim, written again before its replay).
+    pub what: &'static str,
+    /// How many replicas had to acknowledge it.
+    pub required: u32,
+    /// How long the store waited for them.
+    pub timeout: Duration,
 }
 
 /// The error of a server that does not know a `SET` option the store sends
@@ -329,8 +531,9 @@ fn refuses_syntax(error: &redis::RedisError) -> bool {
 /// Warns (once per store, on its first claim) about server settings that
 /// lose markers: an eviction policy that may evict them under memory
 /// pressure, and no persistence at all. Servers that refuse `CONFIG GET`
-/// (managed services often do) are not checked.
-async fn warn_about_server(conn: ConnectionManager) {
+/// (managed services often do) are not checked. On a cluster, one node
+/// (any) is asked.
+async fn warn_about_server(conn: RedisConn) {
     let config = |name: &'static str| {
         let mut conn = conn.clone();
         async move {
@@ -372,7 +575,8 @@ impl crate::janitor::PurgeExpired for RedisStore {
 /// The lease of a [`RedisStore`] claim, renewed in the background until the
 /// guard completes, aborts or is dropped; released on drop.
 pub struct RedisGuard {
-    conn: ConnectionManager,
+    conn: RedisConn,
+    wait: Option<Replicas>,
     key: String,
     lease: String,
     ttl_ms: i64,
@@ -391,22 +595,24 @@ impl RedisGuard {
     /// Replaces the lease by `marker` if this guard's token is still the
     /// key's value: `true` when replaced. One native command (`SET key marker
     /// IFEQ lease PX ttl`, Valkey ≥ 8.1 and Redis ≥ 8.4), or the `COMPLETE`
-    /// script on a server that refuses it.
+    /// script on a server that refuses it; followed by `WAIT` with
+    /// [`wait_for_replicas`](RedisStoreBuilder::wait_for_replicas), an
+    /// error when fewer replicas acknowledge it.
     async fn replace_lease(&mut self, marker: &str) -> Result<bool, Error> {
         if !self.scripted_completion.load(Ordering::Relaxed) {
-            let set: redis::RedisResult<redis::Value> = redis::cmd("SET")
-                .arg(&self.key)
+            let mut set = redis::cmd("SET");
+            set.arg(&self.key)
                 .arg(marker)
                 .arg("IFEQ")
                 .arg(&self.lease)
                 .arg("PX")
-                .arg(self.ttl_ms)
-                .query_async(&mut self.conn)
-                .await;
-            match set {
-                Ok(redis::Value::Nil) => return Ok(false),
-                Ok(redis::Value::Okay) => return Ok(true),
-                Ok(redis::Value::SimpleString(reply)) if reply == "OK" => return Ok(true),
+                .arg(self.ttl_ms);
+            let sent = self.conn.send(&set, self.wait).await.map_err(Error::store)?;
+            let replicated = sent.replicated(self.wait);
+            let replaced = match sent.reply {
+                Ok(redis::Value::Nil) => Some(false),
+                Ok(redis::Value::Okay) => Some(true),
+                Ok(redis::Value::SimpleString(reply)) if reply == "OK" => Some(true),
                 Ok(other) => {
                     return Err(Error::Store(
                         format!("unexpected reply to SET .. IFEQ on Redis key {:?}: {other:?}", self.key).into(),
@@ -415,19 +621,34 @@ impl RedisGuard {
                 Err(error) if refuses_syntax(&error) => {
                     tracing::debug!(target: "idempotent", %error, "SET IFEQ refused (before Valkey 8.1 and Redis 8.4): completing with a script");
                     self.scripted_completion.store(true, Ordering::Relaxed);
+                    None
                 }
                 Err(error) => return Err(Error::store(error)),
+            };
+            if let Some(replaced) = replaced {
+                return self.replicated(replaced, replicated);
             }
         }
-        let replaced: i64 = COMPLETE
+        let sent = COMPLETE
             .key(&self.key)
             .arg(&self.lease)
             .arg(marker)
             .arg(self.ttl_ms)
-            .invoke_async(&mut self.conn)
+            .send(&mut self.conn, self.wait)
             .await
             .map_err(Error::store)?;
-        Ok(replaced == 1)
+        let replicated = sent.replicated(self.wait);
+        let replaced: i64 = sent_reply(sent)?;
+        self.replicated(replaced == 1, replicated)
+    }
+
+    /// `replaced`, or [`NotReplicated`] for a marker written but not
+    /// acknowledged by enough replicas.
+    fn replicated(&self, replaced: bool, replicated: bool) -> Result<bool, Error> {
+        if replaced && !replicated {
+            return Err(not_replicated(&self.key, "completion", self.wait));
+        }
+        Ok(replaced)
     }
 }
 
@@ -488,8 +709,10 @@ impl Drop for RedisGuard {
     }
 }
 
-async fn release(conn: &mut ConnectionManager, key: &str, lease: &str) -> redis::RedisResult<()> {
-    let _: i64 = RELEASE.key(key).arg(lease).invoke_async(conn).await?;
+/// Deletes the lease if it is still `lease` (no `WAIT`: a release a
+/// failover loses only leaves the lease to expire).
+async fn release(conn: &mut RedisConn, key: &str, lease: &str) -> redis::RedisResult<()> {
+    let _: i64 = RELEASE.key(key).arg(lease).invoke(conn).await?;
     Ok(())
 }
 

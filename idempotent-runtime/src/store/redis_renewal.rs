@@ -14,26 +14,26 @@
 //! length. It ends when the store and all its clones are dropped.
 
 use std::collections::HashMap;
-use std::sync::{Arc, LazyLock, Mutex, MutexGuard, PoisonError, Weak};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
 use std::time::Duration;
 
-use redis::Script;
-use redis::aio::ConnectionManager;
 use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
+use crate::store::redis_conn::{Lua, RedisConn, Replicas};
+
 /// Extends the lease if the token still matches. ARGV: lease value, lease ms.
-static RENEW: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(
-        r"if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+static RENEW: Lua = Lua::new(
+    r"if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
 return 0",
-    )
-});
+);
 
 /// The open leases of one store and the task that extends them.
 pub(crate) struct Renewer {
-    conn: ConnectionManager,
+    conn: RedisConn,
+    /// The store's `wait_for_replicas`: each extension is followed by `WAIT`.
+    wait: Option<Replicas>,
     state: Mutex<State>,
     /// Wakes the task when a lease shorter than any before needs a shorter
     /// period (shared with the task, which holds no strong reference to the
@@ -77,9 +77,10 @@ fn third(lease_ms: i64) -> Duration {
 }
 
 impl Renewer {
-    pub(crate) fn new(conn: ConnectionManager) -> Arc<Renewer> {
+    pub(crate) fn new(conn: RedisConn, wait: Option<Replicas>) -> Arc<Renewer> {
         Arc::new(Renewer {
             conn,
+            wait,
             state: Mutex::new(State {
                 next_id: 0,
                 open: HashMap::new(),
@@ -149,15 +150,26 @@ impl Renewer {
             .collect();
         let extensions = due.into_iter().map(|(id, key, lease, lease_ms)| {
             let mut conn = self.conn.clone();
+            let wait = self.wait;
             async move {
-                let extended: redis::RedisResult<i64> =
-                    RENEW.key(&key).arg(&lease).arg(lease_ms).invoke_async(&mut conn).await;
+                let extended = RENEW.key(&key).arg(&lease).arg(lease_ms).send(&mut conn, wait).await;
+                let extended = extended.and_then(|sent| {
+                    let replicated = sent.replicated(wait);
+                    Ok((sent.parse::<i64>()?, replicated))
+                });
                 (id, key, extended)
             }
         });
         for (id, key, extended) in futures_util::future::join_all(extensions).await {
             match extended {
-                Ok(1) => {}
+                Ok((1, true)) => {}
+                // Extended on the primary; a failover before the replicas
+                // have it would shorten the lease to what they have.
+                Ok((1, false)) => {
+                    if self.state().open.contains_key(&id) {
+                        tracing::warn!(target: "idempotent", %key, "the Redis lease was extended on the primary but not acknowledged by its replicas in time; extended again a third of the lease later");
+                    }
+                }
                 // Not extended: lost, unless the claim ended meanwhile (its
                 // guard deregisters before completing or releasing, so an
                 // extension sent after that finds the marker or nothing).

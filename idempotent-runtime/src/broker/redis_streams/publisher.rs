@@ -5,6 +5,7 @@
 use redis::aio::ConnectionManager;
 
 use crate::outbox::{OutboxRow, PublishError, Publisher};
+use crate::store::redis_conn::RedisConn;
 
 /// Publishes outbox rows to Redis Streams: `XADD <destination> *
 /// message_id <id> body <payload>` followed by the headers as fields,
@@ -12,9 +13,12 @@ use crate::outbox::{OutboxRow, PublishError, Publisher};
 /// reads by default. Redis does not deduplicate: a row published again
 /// (its relay died before marking it) is a second entry with the same
 /// `message_id`, which the idempotent consumer downstream skips.
+///
+/// On a Redis Cluster ([`StreamPublisher::cluster`], feature
+/// `redis-cluster`) each `XADD` goes to the primary of its stream's slot.
 #[derive(Clone)]
 pub struct StreamPublisher {
-    conn: ConnectionManager,
+    conn: RedisConn,
     max_len: Option<usize>,
 }
 
@@ -29,7 +33,19 @@ impl std::fmt::Debug for StreamPublisher {
 impl StreamPublisher {
     /// A publisher on `conn`.
     pub fn new(conn: ConnectionManager) -> StreamPublisher {
-        StreamPublisher { conn, max_len: None }
+        StreamPublisher {
+            conn: RedisConn::Manager(conn),
+            max_len: None,
+        }
+    }
+
+    /// A publisher on a Redis Cluster. Feature `redis-cluster`.
+    #[cfg(feature = "redis-cluster")]
+    pub fn cluster(conn: redis::cluster_async::ClusterConnection) -> StreamPublisher {
+        StreamPublisher {
+            conn: RedisConn::Cluster(conn),
+            max_len: None,
+        }
     }
 
     /// Trims each stream to about `entries` as it adds
