@@ -760,7 +760,6 @@ http_suite!(mariadb, My);
 http_suite!(postgres_partitioned, PgPartitioned);
 http_suite!(postgres_cached, CachedPg);
 
-
 // ---- the janitor -----------------------------------------------------------------
 
 /// A key's marker lives the layer's `ttl`; the janitor purges it once
@@ -1043,10 +1042,7 @@ async fn memory_store_replays_the_first_answer_and_runs_failed_ones_again() {
 /// A `RedisStore` under a prefix of the test's own, and its connection.
 async fn redis_store(renew: bool) -> (RedisStore, idempotent_runtime::redis::aio::ConnectionManager, String) {
     let client = idempotent_runtime::redis::Client::open(common::REDIS_URL).unwrap();
-    let conn = client
-        .get_connection_manager()
-        .await
-        .expect("Redis at 127.0.0.1:6379");
+    let conn = client.get_connection_manager().await.expect("Redis at 127.0.0.1:6379");
     let prefix = format!("{}:", common::unique("http"));
     let store = RedisStore::builder(conn.clone())
         .prefix(prefix.clone())
@@ -1137,7 +1133,11 @@ async fn redis_store_without_renewal_an_expired_lease_runs_the_retry_again_and_f
     let first = first.await.unwrap();
     assert_eq!(first.status, 503);
     assert_eq!(first.problem_type(), "urn:idempotent:store-failed");
-    assert_eq!(ran.load(Ordering::SeqCst), 2, "the effect ran twice: not covered by a lease");
+    assert_eq!(
+        ran.load(Ordering::SeqCst),
+        2,
+        "the effect ran twice: not covered by a lease"
+    );
     let replay = send(&client, &two, Some(&key), "acme", "slow").await;
     assert!(replay.replayed());
     assert_eq!(replay.body, second.body);

@@ -56,7 +56,11 @@ pub async fn delete_redis_prefix(conn: &mut idempotent_runtime::redis::aio::Conn
         .await
         .unwrap();
     if !keys.is_empty() {
-        let () = idempotent_runtime::redis::cmd("DEL").arg(keys).query_async(conn).await.unwrap();
+        let () = idempotent_runtime::redis::cmd("DEL")
+            .arg(keys)
+            .query_async(conn)
+            .await
+            .unwrap();
     }
 }
 

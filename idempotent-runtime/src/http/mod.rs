@@ -514,7 +514,13 @@ where
         None => String::new(),
         Some(caller) => match caller(&parts) {
             Some(caller) => caller,
-            None => return Ok(refuse(Kind::MissingCaller, &key, "the request does not say who is calling")),
+            None => {
+                return Ok(refuse(
+                    Kind::MissingCaller,
+                    &key,
+                    "the request does not say who is calling",
+                ));
+            }
         },
     };
     let scope = scope_of(&caller, &parts.method, &route);
@@ -650,13 +656,24 @@ where
     let status = response.status();
     if status.is_server_error() || response.extensions().get::<NotKept>().is_some() {
         guard.abort().await;
-        report.failed(&span, if status.is_server_error() { status.as_str() } else { "not_kept" });
+        report.failed(
+            &span,
+            if status.is_server_error() {
+                status.as_str()
+            } else {
+                "not_kept"
+            },
+        );
         return Ok(response);
     }
     if let Some(reason) = not_replayable(&response, config.response_limit) {
         guard.abort().await;
         let detail = format!("the handler's answer cannot be replayed to a retry: {reason}; nothing was kept");
-        report.error(&span, &Error::Config(detail.clone()), "answer cannot be kept for replays; claim released");
+        report.error(
+            &span,
+            &Error::Config(detail.clone()),
+            "answer cannot be kept for replays; claim released",
+        );
         return Ok(Kind::NotReplayable.response(&detail, None));
     }
     let (response_parts, response_body) = response.into_parts();
@@ -668,7 +685,11 @@ where
         Err(error) => {
             guard.abort().await;
             let detail = format!("the handler's answer could not be read whole ({error}); nothing was kept");
-            report.error(&span, &Error::Config(detail.clone()), "answer cannot be kept for replays; claim released");
+            report.error(
+                &span,
+                &Error::Config(detail.clone()),
+                "answer cannot be kept for replays; claim released",
+            );
             return Ok(Kind::NotReplayable.response(&detail, None));
         }
     };
