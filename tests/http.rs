@@ -1066,22 +1066,21 @@ async fn redis_store_replays_the_first_answer_and_runs_failed_ones_again() {
     common::delete_redis_prefix(&mut conn, &prefix).await;
 }
 
-/// Two replicas (two layers, so the in-process registry does not answer
-/// for the other) on one Redis: a handler slower than its lease keeps the
-/// key, because the lease is renewed while it runs; the other replica's
-/// retry is `409` from the store, then a replay.
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn redis_store_renews_the_lease_of_a_slow_handler_for_the_other_replicas() {
-    let (store, mut conn, prefix) = redis_store(true).await;
-    let app = lease_app(Duration::from_millis(2500));
-    let ran = Arc::clone(&app.ran);
-    let lease = Duration::from_secs(1);
-    // The second replica's handler is quick: its own run ends within its lease.
+/// Two replicas (two layers, so that one's in-process registry does not
+/// answer for the other) on one Redis, with a 1 s lease: the first request
+/// goes to replica one, whose handler takes 2.5 s; 1.6 s later its retry
+/// goes to replica two, whose handler is quick. The answers of both, how
+/// many times the body ran, and a retry on replica two afterwards.
+async fn a_slow_request_and_its_retry_on_another_replica(renew: bool) -> (Answer, Answer, usize, Answer) {
+    let (store, mut conn, prefix) = redis_store(renew).await;
+    let slow = lease_app(Duration::from_millis(2500));
+    let ran = Arc::clone(&slow.ran);
     let quick = Lease {
-        ran: Arc::clone(&app.ran),
+        ran: Arc::clone(&ran),
         delay: Duration::ZERO,
     };
-    let one = lease_server(store.clone(), lease, app).await;
+    let lease = Duration::from_secs(1);
+    let one = lease_server(store.clone(), lease, slow).await;
     let two = lease_server(store, lease, quick).await;
     let client = reqwest::Client::new();
     let key = common::unique("key");
@@ -1090,16 +1089,25 @@ async fn redis_store_renews_the_lease_of_a_slow_handler_for_the_other_replicas()
         async move { send(&client, &one, Some(&key), "acme", "slow").await }
     });
     tokio::time::sleep(Duration::from_millis(1600)).await;
-    let busy = send(&client, &two, Some(&key), "acme", "slow").await;
-    assert_eq!(busy.status, 409, "the lease was not renewed");
-    assert_eq!(busy.problem_type(), "urn:idempotent:in-progress");
+    let retry = send(&client, &two, Some(&key), "acme", "slow").await;
     let first = first.await.unwrap();
-    assert_eq!(first.status, 201);
-    let replay = send(&client, &two, Some(&key), "acme", "slow").await;
-    assert!(replay.replayed());
-    assert_eq!(replay.body, first.body);
-    assert_eq!(ran.load(Ordering::SeqCst), 1);
+    let later = send(&client, &two, Some(&key), "acme", "slow").await;
     common::delete_redis_prefix(&mut conn, &prefix).await;
+    (first, retry, ran.load(Ordering::SeqCst), later)
+}
+
+/// A handler slower than its lease keeps the key, because the lease is
+/// renewed while it runs: the other replica's retry is `409` from the
+/// store, then a replay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn redis_store_renews_the_lease_of_a_slow_handler_for_the_other_replicas() {
+    let (first, retry, ran, later) = a_slow_request_and_its_retry_on_another_replica(true).await;
+    assert_eq!(retry.status, 409, "the lease was not renewed");
+    assert_eq!(retry.problem_type(), "urn:idempotent:in-progress");
+    assert_eq!(first.status, 201);
+    assert!(later.replayed());
+    assert_eq!(later.body, first.body);
+    assert_eq!(ran, 1);
 }
 
 /// What a lease does not cover (docs/http.md): without renewal, a handler
@@ -1109,37 +1117,12 @@ async fn redis_store_renews_the_lease_of_a_slow_handler_for_the_other_replicas()
 /// effect happened. The key then replays the second run's answer.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn redis_store_without_renewal_an_expired_lease_runs_the_retry_again_and_fences_the_first() {
-    let (store, mut conn, prefix) = redis_store(false).await;
-    let app = lease_app(Duration::from_millis(2500));
-    let ran = Arc::clone(&app.ran);
-    let lease = Duration::from_secs(1);
-    // The second replica's handler is quick: its own run ends within its lease.
-    let quick = Lease {
-        ran: Arc::clone(&app.ran),
-        delay: Duration::ZERO,
-    };
-    let one = lease_server(store.clone(), lease, app).await;
-    let two = lease_server(store, lease, quick).await;
-    let client = reqwest::Client::new();
-    let key = common::unique("key");
-    let first = tokio::spawn({
-        let (client, key) = (client.clone(), key.clone());
-        async move { send(&client, &one, Some(&key), "acme", "slow").await }
-    });
-    tokio::time::sleep(Duration::from_millis(1600)).await;
-    let second = send(&client, &two, Some(&key), "acme", "slow").await;
-    assert_eq!(second.status, 201);
-    assert!(!second.replayed());
-    let first = first.await.unwrap();
+    let (first, retry, ran, later) = a_slow_request_and_its_retry_on_another_replica(false).await;
+    assert_eq!(retry.status, 201);
+    assert!(!retry.replayed());
     assert_eq!(first.status, 503);
     assert_eq!(first.problem_type(), "urn:idempotent:store-failed");
-    assert_eq!(
-        ran.load(Ordering::SeqCst),
-        2,
-        "the effect ran twice: not covered by a lease"
-    );
-    let replay = send(&client, &two, Some(&key), "acme", "slow").await;
-    assert!(replay.replayed());
-    assert_eq!(replay.body, second.body);
-    common::delete_redis_prefix(&mut conn, &prefix).await;
+    assert_eq!(ran, 2, "the effect ran twice: not covered by a lease");
+    assert!(later.replayed());
+    assert_eq!(later.body, retry.body);
 }
