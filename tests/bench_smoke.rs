@@ -2,7 +2,9 @@
 //! its duplicate, once, in the default test run: the benchmark's code paths
 //! (PostgreSQL, SQLite, Redis, memory) keep compiling and keep telling a
 //! fresh message from a duplicate; the three modes of `benches/kafka.rs`
-//! each consume a small topic once. No timing is measured here.
+//! each consume a small topic once; so do the variants of `benches/http.rs`
+//! (a request without the layer, a fresh key, a replay). No timing is
+//! measured here.
 
 mod common;
 
@@ -12,6 +14,8 @@ mod harness;
 #[allow(dead_code)]
 #[path = "../benches/kafka/run.rs"]
 mod kafka_bench;
+#[path = "../benches/http/rig.rs"]
+mod http_rig;
 #[allow(dead_code)]
 #[path = "../benches/throughput/redis.rs"]
 mod kv;
@@ -215,4 +219,44 @@ async fn kafka_modes_run_once() {
             .unwrap_or_else(|e| panic!("{}: {e}", mode.label()));
         assert!(rate > 0.0, "{}", mode.label());
     }
+}
+
+/// One request of each variant of `benches/http.rs`, and one short timed
+/// run of each: (a) and (b) insert once per request, (c) replays without
+/// inserting.
+async fn http_variants_run_once_on<D: http_rig::Db>(db: D) {
+    use http_rig::Variant;
+    let rig = http_rig::Rig::start(db).await;
+    let name = rig.db.name();
+    assert_eq!(
+        rig.request(Variant::Bare, None).await.unwrap(),
+        (201, false),
+        "{name} (a)"
+    );
+    let key = http_rig::fresh_key();
+    assert_eq!(
+        rig.request(Variant::Fresh, Some(&key)).await.unwrap(),
+        (201, false),
+        "{name} (b)"
+    );
+    assert_eq!(
+        rig.request(Variant::Replay, Some(&key)).await.unwrap(),
+        (201, true),
+        "{name} (c)"
+    );
+    assert_eq!(rig.db.rows().await, 2, "{name}");
+    let keys = rig.answered_keys(4).await;
+    for variant in [Variant::Bare, Variant::Fresh, Variant::Replay] {
+        let sample = rig.run(variant, 2, 0.05, &keys).await;
+        assert!(!sample.latencies.is_empty(), "{name} {variant:?}");
+    }
+    rig.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http_variants_run_once() {
+    let pg = http_rig::Pg::connect(4).await.expect("PostgreSQL at 127.0.0.1:5432");
+    http_variants_run_once_on(pg).await;
+    let lite = http_rig::Lite::open().await.expect("a SQLite file");
+    http_variants_run_once_on(lite).await;
 }

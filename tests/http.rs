@@ -1,7 +1,9 @@
 //! The `Idempotency-Key` layer (feature `axum`, `idempotent_runtime::http`)
 //! behind a real axum server on 127.0.0.1, called by real clients (`reqwest`
-//! and `curl`), on SQLite, PostgreSQL and MariaDB (transactional: the handler's
-//! insert commits with the kept answer) and on the in-memory store (lease).
+//! and `curl`): on SQLite, PostgreSQL (plain, partitioned, and behind a
+//! `CachedStore`) and MariaDB, where the handler's insert commits with the
+//! kept answer; on the lease stores (Redis, memory); with the janitor; and
+//! its outcomes counted as messages' are.
 
 mod common;
 
@@ -17,9 +19,9 @@ use idempotent_runtime::axum::response::{IntoResponse, Response};
 use idempotent_runtime::axum::routing::post;
 use idempotent_runtime::axum::{self, Router};
 use idempotent_runtime::http::{IdempotencyLayer, IdempotentTx, InProgress, NotKept};
-use idempotent_runtime::sqlx::{self, AssertSqlSafe};
-use idempotent_runtime::store::TransactionalStore;
-use idempotent_runtime::{MemoryStore, MySqlStore, PgStore, SqliteStore};
+use idempotent_runtime::sqlx::{self, AssertSqlSafe, MySqlPool, PgPool};
+use idempotent_runtime::store::{PurgeExpired, Store, TransactionalStore};
+use idempotent_runtime::{CachedStore, Janitor, MemoryStore, MySqlStore, PgStore, RedisStore, SqliteStore};
 
 // ---- the backends ------------------------------------------------------------
 
@@ -28,7 +30,7 @@ trait Backend: Sized + Send + Sync + 'static {
     fn setup() -> impl Future<Output = Self> + Send;
     fn store(&self) -> Self::S;
     fn table(&self) -> &str;
-    /// The handler's effect, in the claim's transaction.
+    /// The handler's effect, in the claim's transaction, into `table`.
     fn insert<'a>(
         tx: &'a mut IdempotentTx<Self::S>,
         table: &'a str,
@@ -37,7 +39,20 @@ trait Backend: Sized + Send + Sync + 'static {
     ) -> impl Future<Output = Result<(), sqlx::Error>> + Send + 'a;
     /// Rows the handler committed.
     fn charges(&self) -> impl Future<Output = i64> + Send;
+    /// Markers in the store's table.
+    fn markers(&self) -> impl Future<Output = i64> + Send;
     fn teardown(self) -> impl Future<Output = ()> + Send;
+}
+
+/// `SELECT count(*)` of `$table` (a name of ours: no quoting needed) on
+/// `$pool`.
+macro_rules! count_rows {
+    ($pool:expr, $table:expr) => {
+        sqlx::query_scalar::<_, i64>(AssertSqlSafe(format!("SELECT count(*) FROM {}", $table)))
+            .fetch_one($pool)
+            .await
+            .unwrap()
+    };
 }
 
 struct Lite {
@@ -83,112 +98,138 @@ impl Backend for Lite {
         Ok(())
     }
     async fn charges(&self) -> i64 {
-        sqlx::query_scalar(AssertSqlSafe(format!("SELECT count(*) FROM {}", self.table)))
-            .fetch_one(self.store.pool())
-            .await
-            .unwrap()
+        count_rows!(self.store.pool(), &self.table)
+    }
+    async fn markers(&self) -> i64 {
+        count_rows!(self.store.pool(), self.store.table())
     }
     async fn teardown(self) {}
 }
 
-struct Pg {
-    store: PgStore,
-    markers: String,
-    table: String,
+/// A fixture on a server database: `$store` built by `$build` (which sees
+/// the pool and the markers' table name as `$pool` and `$markers`), the
+/// charges table beside it, both dropped at the end. PostgreSQL and MariaDB
+/// differ only in the pool, the drop, and the placeholders.
+macro_rules! server_backend {
+    (
+        $(#[$doc:meta])*
+        $name:ident: $store:ty, $pool_ty:ty = $connect:path, drop = $drop:path, values = $values:literal,
+        build = |$pool:ident, $markers:ident| $build:expr $(,)?
+    ) => {
+        $(#[$doc])*
+        struct $name {
+            store: $store,
+            pool: $pool_ty,
+            markers: String,
+            table: String,
+        }
+
+        impl Backend for $name {
+            type S = $store;
+            async fn setup() -> Self {
+                let pool = $connect(16).await;
+                let (markers, table) = (common::unique("http_markers"), common::unique("http_charges"));
+                let store = {
+                    let $pool = pool.clone();
+                    let $markers = markers.as_str();
+                    $build
+                };
+                let ddl = format!("CREATE TABLE {table} (tenant TEXT NOT NULL, request TEXT NOT NULL)");
+                sqlx::query(AssertSqlSafe(ddl)).execute(&pool).await.unwrap();
+                $name { store, pool, markers, table }
+            }
+            fn store(&self) -> $store {
+                self.store.clone()
+            }
+            fn table(&self) -> &str {
+                &self.table
+            }
+            async fn insert(
+                tx: &mut IdempotentTx<$store>,
+                table: &str,
+                tenant: &str,
+                request: &str,
+            ) -> Result<(), sqlx::Error> {
+                let insert = format!("INSERT INTO {table} (tenant, request) VALUES {}", $values);
+                sqlx::query(AssertSqlSafe(insert))
+                    .bind(tenant)
+                    .bind(request)
+                    .execute(&mut ***tx)
+                    .await?;
+                Ok(())
+            }
+            async fn charges(&self) -> i64 {
+                count_rows!(&self.pool, &self.table)
+            }
+            async fn markers(&self) -> i64 {
+                count_rows!(&self.pool, &self.markers)
+            }
+            async fn teardown(self) {
+                $drop(&self.pool, &self.markers).await;
+                $drop(&self.pool, &self.table).await;
+            }
+        }
+    };
 }
 
-impl Backend for Pg {
-    type S = PgStore;
-    async fn setup() -> Self {
-        let pool = common::pg_pool(16).await;
-        let (markers, table) = (common::unique("http_markers"), common::unique("http_charges"));
-        let store = PgStore::builder(pool.clone()).table(&markers).build().unwrap();
+server_backend! {
+    Pg: PgStore, PgPool = common::pg_pool, drop = common::drop_pg_table, values = "($1, $2)",
+    build = |pool, markers| {
+        let store = PgStore::builder(pool).table(markers).build().unwrap();
         store.migrate().await.unwrap();
-        let ddl = format!("CREATE TABLE {table} (tenant TEXT NOT NULL, request TEXT NOT NULL)");
-        sqlx::query(AssertSqlSafe(ddl)).execute(&pool).await.unwrap();
-        Pg { store, markers, table }
-    }
-    fn store(&self) -> PgStore {
-        self.store.clone()
-    }
-    fn table(&self) -> &str {
-        &self.table
-    }
-    async fn insert(
-        tx: &mut IdempotentTx<PgStore>,
-        table: &str,
-        tenant: &str,
-        request: &str,
-    ) -> Result<(), sqlx::Error> {
-        sqlx::query(AssertSqlSafe(format!(
-            "INSERT INTO {table} (tenant, request) VALUES ($1, $2)"
-        )))
-        .bind(tenant)
-        .bind(request)
-        .execute(&mut ***tx)
-        .await?;
-        Ok(())
-    }
-    async fn charges(&self) -> i64 {
-        sqlx::query_scalar(AssertSqlSafe(format!("SELECT count(*) FROM {}", self.table)))
-            .fetch_one(self.store.pool())
-            .await
-            .unwrap()
-    }
-    async fn teardown(self) {
-        common::drop_pg_table(self.store.pool(), &self.markers).await;
-        common::drop_pg_table(self.store.pool(), &self.table).await;
-    }
+        store
+    },
 }
 
-struct My {
-    store: MySqlStore,
-    markers: String,
-    table: String,
-}
-
-impl Backend for My {
-    type S = MySqlStore;
-    async fn setup() -> Self {
-        let pool = common::mysql_pool(16).await;
-        let (markers, table) = (common::unique("http_markers"), common::unique("http_charges"));
-        let store = MySqlStore::builder(pool.clone()).table(&markers).build().unwrap();
+server_backend! {
+    My: MySqlStore, MySqlPool = common::mysql_pool, drop = common::drop_mysql_table, values = "(?, ?)",
+    build = |pool, markers| {
+        let store = MySqlStore::builder(pool).table(markers).build().unwrap();
         store.migrate().await.unwrap();
-        let ddl = format!("CREATE TABLE `{table}` (tenant TEXT NOT NULL, request TEXT NOT NULL)");
-        sqlx::query(AssertSqlSafe(ddl)).execute(&pool).await.unwrap();
-        My { store, markers, table }
-    }
-    fn store(&self) -> MySqlStore {
-        self.store.clone()
-    }
-    fn table(&self) -> &str {
-        &self.table
-    }
-    async fn insert(
-        tx: &mut IdempotentTx<MySqlStore>,
-        table: &str,
-        tenant: &str,
-        request: &str,
-    ) -> Result<(), sqlx::Error> {
-        sqlx::query(AssertSqlSafe(format!(
-            "INSERT INTO `{table}` (tenant, request) VALUES (?, ?)"
-        )))
-        .bind(tenant)
-        .bind(request)
-        .execute(&mut ***tx)
-        .await?;
-        Ok(())
-    }
-    async fn charges(&self) -> i64 {
-        sqlx::query_scalar(AssertSqlSafe(format!("SELECT count(*) FROM `{}`", self.table)))
-            .fetch_one(self.store.pool())
-            .await
-            .unwrap()
-    }
-    async fn teardown(self) {
-        common::drop_mysql_table(self.store.pool(), &self.markers).await;
-        common::drop_mysql_table(self.store.pool(), &self.table).await;
-    }
+        store
+    },
+}
+
+server_backend! {
+    /// PostgreSQL's partitioned layout, a partition per day (the layer's
+    /// keys live the default seven days).
+    PgPartitioned: PgStore, PgPool = common::pg_pool, drop = common::drop_pg_table, values = "($1, $2)",
+    build = |pool, markers| {
+        let store = PgStore::builder(pool)
+            .table(markers)
+            .partitioned(Duration::from_secs(24 * 3600))
+            .build()
+            .unwrap();
+        store.migrate().await.unwrap();
+        store
+    },
+}
+
+server_backend! {
+    /// The partitioned layout with a partition per second, for keys that
+    /// expire in seconds (the janitor's test).
+    PgPartitionedBySecond: PgStore, PgPool = common::pg_pool, drop = common::drop_pg_table, values = "($1, $2)",
+    build = |pool, markers| {
+        let store = PgStore::builder(pool)
+            .table(markers)
+            .partitioned(Duration::from_secs(1))
+            .partition_horizon(Duration::from_secs(5))
+            .build()
+            .unwrap();
+        store.migrate().await.unwrap();
+        store
+    },
+}
+
+server_backend! {
+    /// PostgreSQL behind a `CachedStore`: replays of completed keys come
+    /// from the process's cache.
+    CachedPg: CachedStore<PgStore>, PgPool = common::pg_pool, drop = common::drop_pg_table, values = "($1, $2)",
+    build = |pool, markers| {
+        let store = PgStore::builder(pool).table(markers).build().unwrap();
+        store.migrate().await.unwrap();
+        CachedStore::new(store, 1000)
+    },
 }
 
 // ---- the server ----------------------------------------------------------------
@@ -200,6 +241,8 @@ struct App {
     ran: Arc<AtomicUsize>,
     /// How long the charge handler takes (so that retries overlap it).
     delay: Duration,
+    /// What a `hold` request waits for after its insert.
+    gate: Arc<tokio::sync::Notify>,
 }
 
 fn tenant(headers: &HeaderMap) -> String {
@@ -213,7 +256,9 @@ fn tenant(headers: &HeaderMap) -> String {
 /// Charges: inserts a row in the claim's transaction, then answers by the
 /// body's words: `fail` 500, `not-kept` 429 marked [`NotKept`], `stream` a
 /// body of unknown length; otherwise 201 with headers and a body that is
-/// not UTF-8.
+/// not UTF-8. `hold` waits for the app's gate after the insert; `abort`
+/// runs a statement that fails (which aborts a PostgreSQL transaction) and
+/// answers 201 all the same.
 async fn charge<B: Backend>(
     State(app): State<App>,
     headers: HeaderMap,
@@ -226,6 +271,13 @@ async fn charge<B: Backend>(
         return (StatusCode::INTERNAL_SERVER_ERROR, error.to_string()).into_response();
     }
     tokio::time::sleep(app.delay).await;
+    if text.contains("hold") {
+        app.gate.notified().await;
+    }
+    if text.contains("abort") {
+        let refused = B::insert(&mut tx, "no_such_table", "", "").await;
+        assert!(refused.is_err());
+    }
     if text.contains("fail") {
         return (StatusCode::INTERNAL_SERVER_ERROR, "the charge failed").into_response();
     }
@@ -255,7 +307,7 @@ async fn plain(State(app): State<App>) -> (StatusCode, &'static str) {
     (StatusCode::CREATED, "plain")
 }
 
-fn layer<S: idempotent_runtime::store::Store + 'static>(store: S, policy: InProgress) -> IdempotencyLayer<S> {
+fn layer<S: Store + 'static>(store: S, policy: InProgress) -> IdempotencyLayer<S> {
     IdempotencyLayer::builder(store)
         .caller(|parts| parts.headers.get("x-tenant")?.to_str().ok().map(str::to_owned))
         .body_limit(1024)
@@ -278,6 +330,7 @@ async fn serve<B: Backend>(backend: &B, app: App, policy: InProgress) -> String 
     listen(required.merge(optional).with_state(app)).await
 }
 
+/// `router` served on 127.0.0.1; its base URL.
 async fn listen(router: Router) -> String {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
@@ -290,6 +343,7 @@ fn app(table: &str, delay: Duration) -> App {
         table: Arc::from(table),
         ran: Arc::default(),
         delay,
+        gate: Arc::default(),
     }
 }
 
@@ -703,37 +757,372 @@ macro_rules! http_suite {
 http_suite!(sqlite, Lite);
 http_suite!(postgres, Pg);
 http_suite!(mariadb, My);
+http_suite!(postgres_partitioned, PgPartitioned);
+http_suite!(postgres_cached, CachedPg);
 
-// ---- a lease store ---------------------------------------------------------------
+// ---- the janitor -----------------------------------------------------------------
 
-/// On a lease store the handler takes no transaction; concurrent retries
-/// still run the body once.
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn memory_store_concurrent_requests_run_the_body_once() {
-    let ran = Arc::new(AtomicUsize::new(0));
-    let counter = Arc::clone(&ran);
+/// A key's marker lives the layer's `ttl`; the janitor purges it once
+/// expired, and the next request with the key runs again (a new charge,
+/// not a replay).
+async fn the_janitor_purges_expired_keys_and_the_next_request_runs_again<B: Backend>()
+where
+    B::S: PurgeExpired,
+{
+    let backend = B::setup().await;
+    let app = app(backend.table(), Duration::ZERO);
+    let ran = Arc::clone(&app.ran);
+    let ttl = Duration::from_secs(2);
     let router = Router::new()
-        .route(
-            "/charges",
-            post(move |body: Bytes| {
-                let counter = Arc::clone(&counter);
-                async move {
-                    counter.fetch_add(1, Ordering::SeqCst);
-                    tokio::time::sleep(Duration::from_millis(300)).await;
-                    (StatusCode::CREATED, body)
-                }
-            }),
+        .route("/charges", post(charge::<B>))
+        .route_layer(
+            IdempotencyLayer::builder(backend.store())
+                .caller(|parts| parts.headers.get("x-tenant")?.to_str().ok().map(str::to_owned))
+                .ttl(ttl)
+                .build(),
         )
-        .route_layer(layer(MemoryStore::new(), InProgress::default()));
+        .with_state(app);
     let base = listen(router).await;
     let client = reqwest::Client::new();
     let url = format!("{base}/charges");
+    let key = common::unique("key");
+    let first = send(&client, &url, Some(&key), "acme", "expiring").await;
+    assert_eq!(first.status, 201);
+    assert!(send(&client, &url, Some(&key), "acme", "expiring").await.replayed());
+    assert_eq!(backend.markers().await, 1);
+    let janitor = Janitor::spawn(backend.store(), Duration::from_millis(200)).unwrap();
+    let deadline = tokio::time::Instant::now() + ttl + Duration::from_secs(20);
+    while backend.markers().await > 0 {
+        assert!(tokio::time::Instant::now() < deadline, "the expired key was not purged");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    janitor.shutdown().await;
+    let again = send(&client, &url, Some(&key), "acme", "expiring").await;
+    assert_eq!(again.status, 201);
+    assert!(!again.replayed(), "an expired, purged key was replayed");
+    assert_ne!(again.body, first.body);
+    assert_eq!(ran.load(Ordering::SeqCst), 2);
+    assert_eq!(backend.charges().await, 2);
+    assert_eq!(backend.markers().await, 1);
+    backend.teardown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_the_janitor_purges_expired_keys_and_the_next_request_runs_again() {
+    the_janitor_purges_expired_keys_and_the_next_request_runs_again::<Lite>().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_the_janitor_purges_expired_keys_and_the_next_request_runs_again() {
+    the_janitor_purges_expired_keys_and_the_next_request_runs_again::<Pg>().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mariadb_the_janitor_purges_expired_keys_and_the_next_request_runs_again() {
+    the_janitor_purges_expired_keys_and_the_next_request_runs_again::<My>().await
+}
+
+/// On the partitioned layout the janitor drops the expired key's partition.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_partitioned_the_janitor_drops_expired_keys_and_the_next_request_runs_again() {
+    the_janitor_purges_expired_keys_and_the_next_request_runs_again::<PgPartitionedBySecond>().await
+}
+
+// ---- a cache in front of PostgreSQL --------------------------------------------------
+
+/// `CachedStore` learns a key only from a commit: answers that were rolled
+/// back (a 5xx, a transaction that PostgreSQL aborted under an answer the
+/// handler meant to keep) leave nothing in the cache, so the retry runs
+/// again instead of being answered from memory; the committed answer is
+/// then replayed from the cache.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_cached_a_rolled_back_key_is_never_answered_from_the_cache() {
+    let backend = CachedPg::setup().await;
+    let store = backend.store();
+    let app = app(backend.table(), Duration::ZERO);
+    let ran = Arc::clone(&app.ran);
+    let base = serve(&backend, app, InProgress::default()).await;
+    let client = reqwest::Client::new();
+    let url = format!("{base}/charges");
+    let key = common::unique("key");
+    let failed = send(&client, &url, Some(&key), "acme", "fail").await;
+    assert_eq!(failed.status, 500);
+    let aborted = send(&client, &url, Some(&key), "acme", "abort").await;
+    assert_eq!(aborted.status, 503, "{}", String::from_utf8_lossy(&aborted.body));
+    assert_eq!(aborted.problem_type(), "urn:idempotent:store-failed");
+    assert!(store.is_empty(), "a rolled-back key is in the cache");
+    assert_eq!(store.stats().inserts, 0);
+    assert_eq!(backend.charges().await, 0);
+    // The retry (another body is allowed: nothing was kept) runs.
+    let first = send(&client, &url, Some(&key), "acme", "charge").await;
+    assert_eq!(first.status, 201);
+    assert!(!first.replayed());
+    assert_eq!(ran.load(Ordering::SeqCst), 3);
+    assert_eq!(store.stats().hits, 0);
+    assert_eq!(store.len(), 1);
+    // Its replay comes from the cache, without asking PostgreSQL.
+    let replay = send(&client, &url, Some(&key), "acme", "charge").await;
+    assert!(replay.replayed());
+    assert_eq!(replay.body, first.body);
+    assert_eq!(store.stats().hits, 1);
+    assert_eq!(ran.load(Ordering::SeqCst), 3);
+    assert_eq!((backend.charges().await, backend.markers().await), (1, 1));
+    backend.teardown().await;
+}
+
+// ---- metrics ------------------------------------------------------------------------
+
+/// The layer counts outcomes through the code that counts messages':
+/// `idempotent_outcomes_total{scope = "http:POST:/charges", outcome}`. A
+/// fresh request is counted once, after its commit (not while its handler
+/// runs); a retry while it runs is `in_progress`, after it a `duplicate`;
+/// a rolled-back answer is `failed` (a 5xx) or `error` (PostgreSQL aborted
+/// the transaction), never `processed`.
+#[test]
+fn outcomes_are_counted_like_messages_after_the_commit() {
+    let counters = common::counters::Counters::default();
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let count = |outcome: &str| {
+        counters.get(&format!(
+            "idempotent_outcomes_total{{outcome={outcome},scope=http:POST:/charges}}"
+        ))
+    };
+    metrics::with_local_recorder(&counters, || {
+        runtime.block_on(async {
+            let backend = Pg::setup().await;
+            let app = app(backend.table(), Duration::ZERO);
+            let (ran, gate) = (Arc::clone(&app.ran), Arc::clone(&app.gate));
+            let base = serve(&backend, app, InProgress::default()).await;
+            let client = reqwest::Client::new();
+            let url = format!("{base}/charges");
+            let key = common::unique("key");
+            let first = tokio::spawn({
+                let (client, url, key) = (client.clone(), url.clone(), key.clone());
+                async move { send(&client, &url, Some(&key), "acme", "hold").await }
+            });
+            while ran.load(Ordering::SeqCst) == 0 {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            // The handler inserted; nothing is committed, nothing counted.
+            assert_eq!(count("processed"), 0);
+            let busy = send(&client, &url, Some(&key), "acme", "hold").await;
+            assert_eq!(busy.status, 409);
+            assert_eq!(count("in_progress"), 1);
+            assert_eq!(count("processed"), 0);
+            gate.notify_one();
+            assert_eq!(first.await.unwrap().status, 201);
+            assert_eq!(count("processed"), 1);
+            assert!(send(&client, &url, Some(&key), "acme", "hold").await.replayed());
+            assert_eq!(count("duplicate"), 1);
+            let failed = send(&client, &url, Some(&common::unique("key")), "acme", "fail").await;
+            assert_eq!(failed.status, 500);
+            assert_eq!(count("failed"), 1);
+            let aborted = send(&client, &url, Some(&common::unique("key")), "acme", "abort").await;
+            assert_eq!(aborted.status, 503);
+            assert_eq!(count("error"), 1);
+            assert_eq!(send(&client, &url, Some(&key), "acme", "other").await.status, 422);
+            assert_eq!(count("key_reused"), 1);
+            assert_eq!(send(&client, &url, None, "acme", "x").await.status, 400);
+            assert_eq!(count("error"), 2, "a missing key is refused as a message's is");
+            assert_eq!(count("processed"), 1);
+            assert_eq!(backend.charges().await, 1);
+            backend.teardown().await;
+        })
+    });
+}
+
+// ---- the lease stores (Redis, memory) ----------------------------------------------
+
+#[derive(Clone)]
+struct Lease {
+    /// How many times the handler's body ran.
+    ran: Arc<AtomicUsize>,
+    /// How long it takes.
+    delay: Duration,
+}
+
+/// An effect outside any transaction (a lease store's handler): `fail`
+/// answers 500; otherwise 201 with the run's number and bytes that are not
+/// UTF-8.
+async fn effect(State(app): State<Lease>, body: Bytes) -> Response {
+    let run = app.ran.fetch_add(1, Ordering::SeqCst) + 1;
+    tokio::time::sleep(app.delay).await;
+    if &body[..] == b"fail" {
+        return (StatusCode::INTERNAL_SERVER_ERROR, "the effect failed").into_response();
+    }
+    let mut answer = format!("effect of run {run} ").into_bytes();
+    answer.extend_from_slice(&[0x00, 0xff]);
+    (StatusCode::CREATED, [("x-run", run.to_string())], answer).into_response()
+}
+
+/// `/effects` behind a layer on `store` with `lease`, served; its URL.
+async fn lease_server<S: Store<Guard: 'static> + 'static>(store: S, lease: Duration, app: Lease) -> String {
+    let layer = IdempotencyLayer::builder(store)
+        .caller(|parts| parts.headers.get("x-tenant")?.to_str().ok().map(str::to_owned))
+        .lease(lease)
+        .build();
+    let router = Router::new()
+        .route("/effects", post(effect))
+        .route_layer(layer)
+        .with_state(app);
+    format!("{}/effects", listen(router).await)
+}
+
+fn lease_app(delay: Duration) -> Lease {
+    Lease {
+        ran: Arc::default(),
+        delay,
+    }
+}
+
+/// 50 concurrent requests with one key: the body runs once, every answer
+/// is its answer, its replay or `409`.
+async fn lease_concurrent_requests_run_the_body_once<S: Store<Guard: 'static> + 'static>(store: S) {
+    let app = lease_app(Duration::from_millis(300));
+    let ran = Arc::clone(&app.ran);
+    let url = lease_server(store, idempotent_runtime::DEFAULT_LEASE, app).await;
+    let client = reqwest::Client::new();
+    let key = common::unique("key");
     let answers =
-        futures_util::future::join_all((0..50).map(|_| send(&client, &url, Some("m-1"), "acme", "lease"))).await;
+        futures_util::future::join_all((0..50).map(|_| send(&client, &url, Some(&key), "acme", "lease"))).await;
     assert_eq!(ran.load(Ordering::SeqCst), 1);
-    assert!(answers.iter().all(|a| a.status == 201 || a.status == 409));
-    let retry = send(&client, &url, Some("m-1"), "acme", "lease").await;
+    let first: Vec<_> = answers.iter().filter(|a| a.status == 201 && !a.replayed()).collect();
+    assert_eq!(first.len(), 1);
+    for answer in &answers {
+        match answer.status {
+            201 => assert_eq!(answer.body, first[0].body),
+            409 => assert_eq!(answer.problem_type(), "urn:idempotent:in-progress"),
+            other => panic!("unexpected status {other}"),
+        }
+    }
+    let retry = send(&client, &url, Some(&key), "acme", "lease").await;
     assert!(retry.replayed());
-    assert_eq!(retry.body, b"lease");
+    assert_eq!(retry.body, first[0].body);
     assert_eq!(ran.load(Ordering::SeqCst), 1);
+}
+
+/// A retry gets the first answer byte for byte; a 5xx releases the lease,
+/// so its retry runs again.
+async fn lease_replays_the_first_answer_and_runs_failed_ones_again<S: Store<Guard: 'static> + 'static>(store: S) {
+    let app = lease_app(Duration::ZERO);
+    let ran = Arc::clone(&app.ran);
+    let url = lease_server(store, idempotent_runtime::DEFAULT_LEASE, app).await;
+    let client = reqwest::Client::new();
+    let key = common::unique("key");
+    let first = send(&client, &url, Some(&key), "acme", "pay").await;
+    assert_eq!(first.status, 201);
+    assert!(first.body.ends_with(&[0x00, 0xff]));
+    let replay = send(&client, &url, Some(&key), "acme", "pay").await;
+    assert!(replay.replayed());
+    assert_eq!((replay.status, &replay.body), (201, &first.body));
+    assert_eq!(replay.headers["x-run"], first.headers["x-run"]);
+    assert_eq!(send(&client, &url, Some(&key), "acme", "pay more").await.status, 422);
+    let failing = common::unique("key");
+    for _ in 0..2 {
+        let answer = send(&client, &url, Some(&failing), "acme", "fail").await;
+        assert_eq!(answer.status, 500);
+        assert!(!answer.replayed());
+    }
+    assert_eq!(ran.load(Ordering::SeqCst), 3, "a failed answer was kept");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn memory_store_concurrent_requests_run_the_body_once() {
+    lease_concurrent_requests_run_the_body_once(MemoryStore::new()).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn memory_store_replays_the_first_answer_and_runs_failed_ones_again() {
+    lease_replays_the_first_answer_and_runs_failed_ones_again(MemoryStore::new()).await
+}
+
+/// A `RedisStore` under a prefix of the test's own, and its connection.
+async fn redis_store(renew: bool) -> (RedisStore, idempotent_runtime::redis::aio::ConnectionManager, String) {
+    let client = idempotent_runtime::redis::Client::open(common::REDIS_URL).unwrap();
+    let conn = client.get_connection_manager().await.expect("Redis at 127.0.0.1:6379");
+    let prefix = format!("{}:", common::unique("http"));
+    let store = RedisStore::builder(conn.clone())
+        .prefix(prefix.clone())
+        .renew(renew)
+        .build()
+        .unwrap();
+    (store, conn, prefix)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn redis_store_concurrent_requests_run_the_body_once() {
+    let (store, mut conn, prefix) = redis_store(true).await;
+    lease_concurrent_requests_run_the_body_once(store).await;
+    common::delete_redis_prefix(&mut conn, &prefix).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_store_replays_the_first_answer_and_runs_failed_ones_again() {
+    let (store, mut conn, prefix) = redis_store(true).await;
+    lease_replays_the_first_answer_and_runs_failed_ones_again(store).await;
+    common::delete_redis_prefix(&mut conn, &prefix).await;
+}
+
+/// Two replicas (two layers, so that one's in-process registry does not
+/// answer for the other) on one Redis, with a 1 s lease: the first request
+/// goes to replica one, whose handler takes 2.5 s; 1.6 s later its retry
+/// goes to replica two, whose handler is quick. The answers of both, how
+/// many times the body ran, and a retry on replica two afterwards.
+async fn a_slow_request_and_its_retry_on_another_replica(renew: bool) -> (Answer, Answer, usize, Answer) {
+    let (store, mut conn, prefix) = redis_store(renew).await;
+    let slow = lease_app(Duration::from_millis(2500));
+    let ran = Arc::clone(&slow.ran);
+    let quick = Lease {
+        ran: Arc::clone(&ran),
+        delay: Duration::ZERO,
+    };
+    let lease = Duration::from_secs(1);
+    let one = lease_server(store.clone(), lease, slow).await;
+    let two = lease_server(store, lease, quick).await;
+    let client = reqwest::Client::new();
+    let key = common::unique("key");
+    let first = tokio::spawn({
+        let (client, key) = (client.clone(), key.clone());
+        async move { send(&client, &one, Some(&key), "acme", "slow").await }
+    });
+    tokio::time::sleep(Duration::from_millis(1600)).await;
+    let retry = send(&client, &two, Some(&key), "acme", "slow").await;
+    let first = first.await.unwrap();
+    let later = send(&client, &two, Some(&key), "acme", "slow").await;
+    common::delete_redis_prefix(&mut conn, &prefix).await;
+    (first, retry, ran.load(Ordering::SeqCst), later)
+}
+
+/// A handler slower than its lease keeps the key, because the lease is
+/// renewed while it runs: the other replica's retry is `409` from the
+/// store, then a replay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn redis_store_renews_the_lease_of_a_slow_handler_for_the_other_replicas() {
+    let (first, retry, ran, later) = a_slow_request_and_its_retry_on_another_replica(true).await;
+    assert_eq!(retry.status, 409, "the lease was not renewed");
+    assert_eq!(retry.problem_type(), "urn:idempotent:in-progress");
+    assert_eq!(first.status, 201);
+    assert!(later.replayed());
+    assert_eq!(later.body, first.body);
+    assert_eq!(ran, 1);
+}
+
+/// What a lease does not cover (docs/http.md): without renewal, a handler
+/// that outlives its lease loses the key; the other replica's retry runs
+/// the effect a second time, and the first request's completion is fenced
+/// off (its token no longer matches), so it answers `503` although its
+/// effect happened. The key then replays the second run's answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn redis_store_without_renewal_an_expired_lease_runs_the_retry_again_and_fences_the_first() {
+    let (first, retry, ran, later) = a_slow_request_and_its_retry_on_another_replica(false).await;
+    assert_eq!(retry.status, 201);
+    assert!(!retry.replayed());
+    assert_eq!(first.status, 503);
+    assert_eq!(first.problem_type(), "urn:idempotent:store-failed");
+    assert_eq!(ran, 2, "the effect ran twice: not covered by a lease");
+    assert!(later.replayed());
+    assert_eq!(later.body, retry.body);
 }

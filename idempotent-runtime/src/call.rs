@@ -80,8 +80,7 @@ pub fn request<'a>(
 #[cold]
 fn note_refused(scope: &'static str, error: &Error) {
     let outcome = Outcome::of_error(error);
-    count(scope, outcome.as_str());
-    tracing::warn!(target: "idempotent", scope, outcome = outcome.as_str(), %error, "call refused before its claim");
+    Report::message(scope, "").refused(outcome, error);
     crate::signal::outcome(outcome);
 }
 
@@ -282,7 +281,7 @@ pub async fn claim<S: AnyStore + ?Sized>(
         Err(error) => Err(error),
     };
     let claim = check_only(claim, req).await;
-    log_claim(&claim, caller.scope, req.key(), span);
+    Report::message(caller.scope, req.key()).claimed(&claim, span);
     claim
 }
 
@@ -480,7 +479,7 @@ pub async fn finish_staged<G: Guard, DB: sqlx::Database, T, E>(
             span.in_scope(|| {
                 tracing::warn!(target: "idempotent", scope, key, outcome = label, messages, %error, "outgoing messages not written; rolled back")
             });
-            count(scope, label);
+            count(Cow::Borrowed(scope), label);
             return Err(error);
         }
         staged = messages;
@@ -509,53 +508,6 @@ pub fn logged_key<G>(claim: &Result<Claim<G>, Error>, key: &str) -> Box<str> {
     }
 }
 
-/// Logs how a claim went. The events carry the scope and the key
-/// themselves (not only their span, which is at debug level), so an
-/// operator at the default level sees which handler skipped which message.
-fn log_claim<G>(claim: &Result<Claim<G>, Error>, scope: &'static str, key: &str, span: &Span) {
-    match claim {
-        // Logged by `finish`, once the body has run.
-        Ok(Claim::Fresh(_)) => {}
-        Ok(Claim::Done(_)) => span.in_scope(|| {
-            trace_outcome(span, Outcome::Duplicate, None);
-            count(scope, "duplicate");
-            tracing::info!(target: "idempotent", scope, key, outcome = "duplicate", "duplicate message skipped")
-        }),
-        Err(error) => span.in_scope(|| {
-            let outcome = Outcome::of_error(error);
-            count(scope, outcome.as_str());
-            note_outage(error);
-            trace_error(span, error);
-            log_refused(outcome, scope, key, error);
-        }),
-    }
-}
-
-/// The event of a claim that did not give the body a go, under the claim's
-/// own outcome: a reused key is not a handler that failed, nor a store
-/// that is down.
-#[cold]
-fn log_refused(outcome: Outcome, scope: &'static str, key: &str, error: &Error) {
-    /// One event at `$level`, with the claim's fields and `$message`.
-    macro_rules! refused {
-        ($level:ident, $message:literal) => {
-            tracing::$level!(target: "idempotent", scope, key, outcome = outcome.as_str(), %error, $message)
-        };
-    }
-    match outcome {
-        Outcome::KeyReused => refused!(warn, "key reused for a different message: refused"),
-        Outcome::InProgress => refused!(info, "key held by another consumer: not run"),
-        Outcome::NotProcessed => tracing::info!(
-            target: "idempotent",
-            scope,
-            key,
-            outcome = outcome.as_str(),
-            "key not processed before (checked only): not run"
-        ),
-        _ => refused!(warn, "claim failed"),
-    }
-}
-
 /// A store that is down (or a key another consumer holds) is not the
 /// message's fault: tells a broker adapter running this call, so it retries
 /// without spending an attempt.
@@ -567,22 +519,192 @@ fn note_outage(error: &Error) {
 
 /// Counts one outcome (`processed`, `duplicate`, `failed`, `key_reused`,
 /// `in_progress`, `not_processed`, `error`: the values of the span's
-/// `idempotency.outcome`) of a handler's scope:
+/// `idempotency.outcome`) under a `scope` label:
 /// `idempotent_outcomes_total{scope, outcome}` through the `metrics`
-/// facade (feature `metrics`; without it, nothing). The scope is a
-/// `&'static str`, so the label borrows it rather than copying it.
+/// facade (feature `metrics`; without it, nothing). A handler's scope is a
+/// `&'static str`, so its label borrows it rather than copying it.
 ///
 /// Counted once the outcome is final: inside a batch, after the batch's
 /// commit (an aborted batch's messages run again alone and are counted
 /// then), so the counters never run ahead of what is committed.
 #[inline]
-fn count(scope: &'static str, outcome: &'static str) {
+fn count(scope: Label, outcome: &'static str) {
     #[cfg(feature = "metrics")]
     crate::store::when_committed(move || {
         metrics::counter!("idempotent_outcomes_total", "scope" => scope, "outcome" => outcome).increment(1)
     });
     #[cfg(not(feature = "metrics"))]
     let _ = (scope, outcome);
+}
+
+/// The `scope` label of a counted outcome: a handler's scope, borrowed, or
+/// an HTTP route's (see [`Report::request`]).
+pub(crate) type Label = Cow<'static, str>;
+
+/// What a claim is about, for the words of its events.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Subject {
+    /// A message, claimed by an `#[idempotent]` call.
+    Message,
+    /// An HTTP request, claimed by the `Idempotency-Key` layer (feature
+    /// `axum`).
+    #[cfg_attr(not(feature = "axum"), allow(dead_code))]
+    Request,
+}
+
+/// Where one claim's outcome is told: its events (with `scope` and `key`,
+/// so that an operator at the default level sees which handler or route
+/// skipped which key), its span (`idempotency.outcome`, `error.type`), the
+/// broker adapter running it, and `idempotent_outcomes_total`. The one
+/// place the `#[idempotent]` calls and the HTTP layer report through.
+pub(crate) struct Report<'a> {
+    scope: &'a str,
+    key: &'a str,
+    label: Label,
+    subject: Subject,
+}
+
+impl<'a> Report<'a> {
+    /// A message's claim by the handler of `scope`, counted under it.
+    #[inline]
+    pub(crate) fn message(scope: &'static str, key: &'a str) -> Self {
+        Report {
+            scope,
+            key,
+            label: Cow::Borrowed(scope),
+            subject: Subject::Message,
+        }
+    }
+
+    /// An HTTP request's claim in the keys' `scope` (which names the
+    /// caller), counted under `label` (the route, without the caller: one
+    /// series per route, not per tenant).
+    #[cfg_attr(not(feature = "axum"), allow(dead_code))]
+    pub(crate) fn request(scope: &'a str, key: &'a str, label: String) -> Self {
+        Report {
+            scope,
+            key,
+            label: Cow::Owned(label),
+            subject: Subject::Request,
+        }
+    }
+
+    fn count(&self, outcome: Outcome) {
+        count(self.label.clone(), outcome.as_str());
+    }
+
+    /// How a claim went: a duplicate, or a claim refused by the store. A
+    /// fresh claim is told by [`processed`](Self::processed),
+    /// [`failed`](Self::failed) or [`error`](Self::error) once it ends.
+    pub(crate) fn claimed<G>(&self, claim: &Result<Claim<G>, Error>, span: &Span) {
+        let (scope, key) = (self.scope, self.key);
+        match claim {
+            Ok(Claim::Fresh(_)) => {}
+            Ok(Claim::Done(_)) => span.in_scope(|| {
+                trace_outcome(span, Outcome::Duplicate, None);
+                self.count(Outcome::Duplicate);
+                let message = match self.subject {
+                    Subject::Message => "duplicate message skipped",
+                    Subject::Request => "retry answered with the kept response",
+                };
+                tracing::info!(target: "idempotent", scope, key, outcome = "duplicate", "{message}")
+            }),
+            Err(error) => span.in_scope(|| {
+                let outcome = Outcome::of_error(error);
+                self.count(outcome);
+                note_outage(error);
+                trace_error(span, error);
+                self.log_refused(outcome, error);
+            }),
+        }
+    }
+
+    /// The event of a claim that did not give the body a go, under the
+    /// claim's own outcome: a reused key is not a handler that failed, nor
+    /// a store that is down.
+    #[cold]
+    fn log_refused(&self, outcome: Outcome, error: &Error) {
+        let (scope, key) = (self.scope, self.key);
+        /// One event at `$level`, with the claim's fields and `$message`.
+        macro_rules! refused {
+            ($level:ident, $message:expr) => {
+                tracing::$level!(target: "idempotent", scope, key, outcome = outcome.as_str(), %error, "{}", $message)
+            };
+        }
+        let request = self.subject == Subject::Request;
+        match outcome {
+            Outcome::KeyReused if request => refused!(warn, "key reused for a different request: refused"),
+            Outcome::KeyReused => refused!(warn, "key reused for a different message: refused"),
+            Outcome::InProgress if request => refused!(info, "key held by a request in progress: not run"),
+            Outcome::InProgress => refused!(info, "key held by another consumer: not run"),
+            Outcome::NotProcessed => tracing::info!(
+                target: "idempotent",
+                scope,
+                key,
+                outcome = outcome.as_str(),
+                "key not processed before (checked only): not run"
+            ),
+            _ => refused!(warn, "claim failed"),
+        }
+    }
+
+    /// A call or request refused before its claim (a missing or invalid
+    /// key, a fingerprint that cannot be hashed; for a request also an
+    /// unknown caller or a body over the limit), under `outcome`.
+    #[cold]
+    pub(crate) fn refused(&self, outcome: Outcome, error: &dyn std::fmt::Display) {
+        let (scope, key) = (self.scope, self.key);
+        self.count(outcome);
+        match self.subject {
+            Subject::Message => {
+                tracing::warn!(target: "idempotent", scope, outcome = outcome.as_str(), %error, "call refused before its claim")
+            }
+            // The client's mistake, answered 4xx: not a warning of ours.
+            Subject::Request => {
+                tracing::info!(target: "idempotent", scope, key, outcome = outcome.as_str(), %error, "request refused before its claim")
+            }
+        }
+    }
+
+    /// A fresh claim committed: counted now, after the commit (in a batch,
+    /// after the batch's).
+    pub(crate) fn processed(&self, span: &Span) {
+        let (scope, key) = (self.scope, self.key);
+        trace_outcome(span, Outcome::Processed, None);
+        let message = match self.subject {
+            Subject::Message => "message processed",
+            Subject::Request => "request processed; answer kept",
+        };
+        span.in_scope(|| tracing::debug!(target: "idempotent", scope, key, outcome = "processed", "{message}"));
+        self.count(Outcome::Processed);
+    }
+
+    /// The body failed (`error_type`: OpenTelemetry's `error.type`, the
+    /// handler's error type or status) and its claim was rolled back or
+    /// released, so a retry runs again.
+    pub(crate) fn failed(&self, span: &Span, error_type: &str) {
+        let (scope, key) = (self.scope, self.key);
+        trace_outcome(span, Outcome::Failed, Some(error_type));
+        let message = match self.subject {
+            Subject::Message => "handler failed; claim released",
+            Subject::Request => "answer not kept (a server error or NotKept); claim released",
+        };
+        span.in_scope(|| tracing::debug!(target: "idempotent", scope, key, outcome = "failed", "{message}"));
+        self.count(Outcome::Failed);
+    }
+
+    /// A fresh claim that could not end as the body asked (its result not
+    /// stored, its commit failed): `what` says which.
+    pub(crate) fn error(&self, span: &Span, error: &Error, what: &str) {
+        let (scope, key) = (self.scope, self.key);
+        let outcome = Outcome::of_error(error);
+        note_outage(error);
+        trace_error(span, error);
+        span.in_scope(
+            || tracing::warn!(target: "idempotent", scope, key, outcome = outcome.as_str(), %error, "{what}"),
+        );
+        self.count(outcome);
+    }
 }
 
 /// A result type a handler can return: stored after the first run and
@@ -672,34 +794,25 @@ pub async fn finish<G: Guard, T, E>(
     scope: &'static str,
     key: &str,
 ) -> Result<Result<T, E>, Error> {
-    let outcome = match outcome {
+    let report = Report::message(scope, key);
+    match outcome {
         Ok(value) => {
             let stored = match (codec.encode)(&value) {
                 Ok(stored) => stored,
                 Err(error) => {
                     guard.abort().await;
-                    trace_error(&span, &error);
-                    span.in_scope(
-                        || tracing::warn!(target: "idempotent", scope, key, outcome = "error", %error, "result not stored"),
-                    );
-                    count(scope, Outcome::of_error(&error).as_str());
+                    report.error(&span, &error, "result not stored");
                     return Err(error);
                 }
             };
             match guard.complete(stored).await {
                 Ok(()) => {
-                    trace_outcome(&span, Outcome::Processed, None);
-                    span.in_scope(
-                        || tracing::debug!(target: "idempotent", scope, key, outcome = "processed", "message processed"),
-                    );
+                    report.processed(&span);
                     Ok(Ok(value))
                 }
                 Err(error) => {
-                    note_outage(&error);
-                    trace_error(&span, &error);
-                    span.in_scope(
-                        || tracing::warn!(target: "idempotent", scope, key, outcome = "error", %error, "commit failed"),
-                    );
+                    // The body succeeded; the store could not commit it.
+                    report.error(&span, &error, "commit failed");
                     Err(error)
                 }
             }
@@ -708,21 +821,8 @@ pub async fn finish<G: Guard, T, E>(
             guard.abort().await;
             // The handler's own error type names the failure (OpenTelemetry's
             // `error.type` is the error's type name).
-            trace_outcome(&span, Outcome::Failed, Some(std::any::type_name::<E>()));
-            span.in_scope(
-                || tracing::debug!(target: "idempotent", scope, key, outcome = "failed", "handler failed; claim released"),
-            );
+            report.failed(&span, std::any::type_name::<E>());
             Ok(Err(error))
         }
-    };
-    count(
-        scope,
-        match &outcome {
-            Ok(Ok(_)) => "processed",
-            Ok(Err(_)) => "failed",
-            // The body succeeded; the store could not commit it.
-            Err(error) => Outcome::of_error(error).as_str(),
-        },
-    );
-    outcome
+    }
 }

@@ -2,6 +2,7 @@
 #![allow(dead_code)]
 
 pub mod cluster;
+pub mod counters;
 pub mod kafka;
 pub mod servers;
 
@@ -46,6 +47,22 @@ pub async fn drop_pg_table(pool: &PgPool, table: &str) {
         .execute(pool)
         .await
         .expect("drop table");
+}
+
+/// Deletes the Redis keys under `prefix` (a test's own).
+pub async fn delete_redis_prefix(conn: &mut idempotent_runtime::redis::aio::ConnectionManager, prefix: &str) {
+    let keys: Vec<String> = idempotent_runtime::redis::cmd("KEYS")
+        .arg(format!("{prefix}*"))
+        .query_async(conn)
+        .await
+        .unwrap();
+    if !keys.is_empty() {
+        let () = idempotent_runtime::redis::cmd("DEL")
+            .arg(keys)
+            .query_async(conn)
+            .await
+            .unwrap();
+    }
 }
 
 pub async fn mysql_pool(max_connections: u32) -> sqlx::MySqlPool {

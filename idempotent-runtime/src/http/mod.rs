@@ -97,6 +97,20 @@
 //! Keys are markers like messages' ones: they live
 //! [`IdempotencyLayerBuilder::ttl`] (seven days by default) and are purged by
 //! the same janitor.
+//!
+//! # Tracing and metrics
+//!
+//! A request with a key runs in an `idempotent_http` span (target
+//! `idempotent`, debug level) with `idempotency.scope`, `idempotency.key`,
+//! `idempotency.outcome`, `error.type`, `http.request.method` and
+//! `http.route`. Its outcome is logged and counted by the code that logs and
+//! counts `#[idempotent]` calls: with the `metrics` feature,
+//! `idempotent_outcomes_total{scope, outcome}` with the scope label
+//! `http:<METHOD>:<route>` (the caller left out), `processed` once the
+//! answer committed, `duplicate` for a replay, `failed` for an answer that
+//! was not kept (`5xx`, [`NotKept`]), `key_reused`, `in_progress`, and
+//! `error` for a request refused before its claim, a store that failed or
+//! an answer that cannot be kept.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -115,7 +129,9 @@ use tower::{Layer, Service};
 use tracing::Instrument as _;
 
 use crate::Error;
+use crate::call::Report;
 use crate::fingerprint::Fingerprint;
+use crate::signal::Outcome;
 use crate::store::{Claim, Guard, Store};
 
 mod inflight;
@@ -421,6 +437,14 @@ fn scope_of(caller: &str, method: &Method, route: &str) -> String {
     }
 }
 
+/// The `scope` label of the request's counted outcome
+/// (`idempotent_outcomes_total`): `http:<METHOD>:<route>`, without the
+/// caller, so that a route has one series per outcome whatever the number
+/// of tenants.
+fn label_of(method: &Method, route: &str) -> String {
+    format!("http:{method}:{route}")
+}
+
 /// The request's fingerprint: method, path and query, body.
 fn fingerprint_of(parts: &Parts, body: &[u8]) -> Fingerprint {
     let target = parts.uri.path_and_query().map_or("/", |pq| pq.as_str());
@@ -461,52 +485,61 @@ where
     }
     let config = &shared.config;
     let (mut parts, body) = request.into_parts();
+    let route = match (&config.scope, parts.extensions.get::<MatchedPath>()) {
+        (Some(name), _) => name.clone(),
+        (None, Some(matched)) => matched.as_str().to_owned(),
+        (None, None) => parts.uri.path().to_owned(),
+    };
+    let label = label_of(&parts.method, &route);
+    // Refused before the claim: counted and logged like a message refused
+    // before its claim, under the route's label.
+    let refuse = |kind: Kind, key: &str, detail: &str| {
+        Report::request(&label, key, label.clone()).refused(Outcome::Error, &detail);
+        kind.response(detail, None)
+    };
     let key = match key::read(&parts.headers) {
         Ok(Some(key)) => key,
         Ok(None) if config.required => {
-            return Ok(Kind::MissingKey.response(
+            return Ok(refuse(
+                Kind::MissingKey,
+                "",
                 "this endpoint requires an Idempotency-Key header (a unique string per operation, e.g. a UUID, \
                  sent again with every retry)",
-                None,
             ));
         }
         Ok(None) => return inner.call(Request::from_parts(parts, body)).await,
-        Err(error) => return Ok(Kind::InvalidKey.response(&error.0, None)),
+        Err(error) => return Ok(refuse(Kind::InvalidKey, "", &error.0)),
     };
     let caller = match &config.caller {
         None => String::new(),
         Some(caller) => match caller(&parts) {
             Some(caller) => caller,
             None => {
-                return Ok(Kind::MissingCaller.response("the request does not say who is calling", None));
+                return Ok(refuse(
+                    Kind::MissingCaller,
+                    &key,
+                    "the request does not say who is calling",
+                ));
             }
         },
     };
-    let route = match (&config.scope, parts.extensions.get::<MatchedPath>()) {
-        (Some(name), _) => name.clone(),
-        (None, Some(matched)) => matched.as_str().to_owned(),
-        (None, None) => parts.uri.path().to_owned(),
-    };
     let scope = scope_of(&caller, &parts.method, &route);
 
-    let too_large = || {
-        Kind::BodyTooLarge.response(
-            &format!("the body is over the {}-byte limit of this endpoint", config.body_limit),
-            None,
-        )
-    };
+    let too_large = format!("the body is over the {}-byte limit of this endpoint", config.body_limit);
     let declared = parts
         .headers
         .get(header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse::<u64>().ok());
     if declared.is_some_and(|len| len > config.body_limit as u64) {
-        return Ok(too_large());
+        return Ok(refuse(Kind::BodyTooLarge, &key, &too_large));
     }
     let bytes = match http_body_util::Limited::new(body, config.body_limit).collect().await {
         Ok(collected) => collected.to_bytes(),
-        Err(error) if error.is::<http_body_util::LengthLimitError>() => return Ok(too_large()),
-        Err(error) => return Ok(Kind::BadBody.response(&error.to_string(), None)),
+        Err(error) if error.is::<http_body_util::LengthLimitError>() => {
+            return Ok(refuse(Kind::BodyTooLarge, &key, &too_large));
+        }
+        Err(error) => return Ok(refuse(Kind::BadBody, &key, &error.to_string())),
     };
     let fingerprint = fingerprint_of(&parts, &bytes);
     let claim_request = match crate::store::Request::new(&scope, &key) {
@@ -514,8 +547,8 @@ where
             .with_ttl(config.ttl)
             .with_lease(config.lease)
             .with_fingerprint(Some(fingerprint)),
-        Err(Error::InvalidKey { reason, .. }) => return Ok(Kind::InvalidKey.response(&reason, None)),
-        Err(error) => return Ok(Kind::InvalidKey.response(&error.to_string(), None)),
+        Err(Error::InvalidKey { reason, .. }) => return Ok(refuse(Kind::InvalidKey, &key, &reason)),
+        Err(error) => return Ok(refuse(Kind::InvalidKey, &key, &error.to_string())),
     };
 
     let span = tracing::debug_span!(
@@ -524,18 +557,17 @@ where
         idempotency.scope = %scope,
         idempotency.key = %key,
         idempotency.outcome = tracing::field::Empty,
+        error.type = tracing::field::Empty,
+        otel.status_code = tracing::field::Empty,
         http.request.method = %parts.method,
         http.route = %route,
     );
+    let report = Report::request(&scope, &key, label.clone());
     let (wait, retry_after) = match config.in_progress {
         InProgress::Conflict { retry_after } => (None, retry_after),
         InProgress::Wait { timeout } => (Some(timeout), Duration::from_secs(1)),
     };
-    let in_progress = |span: &tracing::Span| {
-        span.record("idempotency.outcome", "in_progress");
-        span.in_scope(
-            || tracing::info!(target: "idempotent", outcome = "in_progress", "request with a key in progress: not run"),
-        );
+    let in_progress = || {
         Kind::InProgress.response(
             "a request with this Idempotency-Key is still being processed; retry after the time in Retry-After",
             Some(retry_after),
@@ -544,7 +576,9 @@ where
 
     let started = Instant::now();
     let Some(_held) = shared.inflight.hold(format!("{scope}\0{key}"), wait).await else {
-        return Ok(in_progress(&span));
+        // Held by a request of this process: the store is not asked.
+        report.claimed::<S::Guard>(&Err(claim_request.in_progress()), &span);
+        return Ok(in_progress());
     };
     let claim = loop {
         match shared.store.claim(&claim_request).instrument(span.clone()).await {
@@ -557,7 +591,6 @@ where
     let guard = match claim {
         Ok(Claim::Fresh(guard)) => guard,
         Ok(Claim::Done(replay)) => {
-            span.record("idempotency.outcome", "duplicate");
             let replayed = match replay.json() {
                 Some(json) => StoredResponse::from_json(json).and_then(|kept| kept.replay()),
                 None => Err(Error::Config(
@@ -566,30 +599,28 @@ where
             };
             return Ok(match replayed {
                 Ok(response) => {
-                    span.in_scope(|| tracing::info!(target: "idempotent", outcome = "duplicate", "retry answered with the kept response"));
+                    report.claimed::<S::Guard>(&Ok(Claim::Done(replay)), &span);
                     response
                 }
                 Err(error) => {
-                    span.in_scope(|| tracing::warn!(target: "idempotent", %error, "kept response cannot be replayed"));
+                    report.error(&span, &error, "kept response cannot be replayed");
                     Kind::NotReplayable.response(&error.to_string(), None)
                 }
             });
         }
-        Err(Error::KeyReused { .. }) => {
-            span.record("idempotency.outcome", "key_reused");
-            span.in_scope(|| tracing::warn!(target: "idempotent", outcome = "key_reused", "key reused for a different request: refused"));
-            return Ok(Kind::KeyReused.response(
-                "this Idempotency-Key was already used for a request with a different method, path or body; use a \
-                 new key for a new request",
-                None,
-            ));
-        }
-        Err(Error::InProgress { .. }) => return Ok(in_progress(&span)),
-        Err(Error::InvalidKey { reason, .. }) => return Ok(Kind::InvalidKey.response(&reason, None)),
         Err(error) => {
-            span.record("idempotency.outcome", "error");
-            span.in_scope(|| tracing::warn!(target: "idempotent", outcome = "error", %error, "claim failed"));
-            return Ok(Kind::StoreFailed.response("the idempotency store failed; nothing was run: retry later", None));
+            let answer = match &error {
+                Error::KeyReused { .. } => Kind::KeyReused.response(
+                    "this Idempotency-Key was already used for a request with a different method, path or body; use \
+                     a new key for a new request",
+                    None,
+                ),
+                Error::InProgress { .. } => in_progress(),
+                Error::InvalidKey { reason, .. } => Kind::InvalidKey.response(reason, None),
+                _ => Kind::StoreFailed.response("the idempotency store failed; nothing was run: retry later", None),
+            };
+            report.claimed::<S::Guard>(&Err(error), &span);
+            return Ok(answer);
         }
     };
 
@@ -608,32 +639,42 @@ where
             if let Some(guard) = guard {
                 guard.abort().await;
             }
-            span.record("idempotency.outcome", "failed");
+            report.failed(&span, std::any::type_name::<I::Error>());
             return Err(error);
         }
     };
     let Some(guard) = guard else {
-        span.record("idempotency.outcome", "error");
-        span.in_scope(|| tracing::warn!(target: "idempotent", outcome = "error", "the handler kept its transaction past its answer: rolled back"));
-        return Ok(Kind::TransactionBorrowed.response(
-            "the handler still held its IdempotentTx when it answered (moved into a task?): nothing was committed",
-            None,
-        ));
+        let detail =
+            "the handler still held its IdempotentTx when it answered (moved into a task?): nothing was committed";
+        report.error(
+            &span,
+            &Error::Config(detail.into()),
+            "the handler kept its transaction past its answer: rolled back",
+        );
+        return Ok(Kind::TransactionBorrowed.response(detail, None));
     };
-    if response.status().is_server_error() || response.extensions().get::<NotKept>().is_some() {
+    let status = response.status();
+    if status.is_server_error() || response.extensions().get::<NotKept>().is_some() {
         guard.abort().await;
-        span.record("idempotency.outcome", "failed");
-        span.in_scope(|| tracing::debug!(target: "idempotent", outcome = "failed", status = response.status().as_u16(), "answer not kept; claim released"));
+        report.failed(
+            &span,
+            if status.is_server_error() {
+                status.as_str()
+            } else {
+                "not_kept"
+            },
+        );
         return Ok(response);
     }
     if let Some(reason) = not_replayable(&response, config.response_limit) {
         guard.abort().await;
-        span.record("idempotency.outcome", "error");
-        span.in_scope(|| tracing::warn!(target: "idempotent", outcome = "error", %reason, "answer cannot be kept for replays; claim released"));
-        return Ok(Kind::NotReplayable.response(
-            &format!("the handler's answer cannot be replayed to a retry: {reason}; nothing was kept"),
-            None,
-        ));
+        let detail = format!("the handler's answer cannot be replayed to a retry: {reason}; nothing was kept");
+        report.error(
+            &span,
+            &Error::Config(detail.clone()),
+            "answer cannot be kept for replays; claim released",
+        );
+        return Ok(Kind::NotReplayable.response(&detail, None));
     }
     let (response_parts, response_body) = response.into_parts();
     let body: Bytes = match http_body_util::Limited::new(response_body, config.response_limit)
@@ -643,11 +684,13 @@ where
         Ok(collected) => collected.to_bytes(),
         Err(error) => {
             guard.abort().await;
-            span.record("idempotency.outcome", "error");
-            return Ok(Kind::NotReplayable.response(
-                &format!("the handler's answer could not be read whole ({error}); nothing was kept"),
-                None,
-            ));
+            let detail = format!("the handler's answer could not be read whole ({error}); nothing was kept");
+            report.error(
+                &span,
+                &Error::Config(detail.clone()),
+                "answer cannot be kept for replays; claim released",
+            );
+            return Ok(Kind::NotReplayable.response(&detail, None));
         }
     };
     let kept = StoredResponse::new(response_parts.status, &response_parts.headers, &body).to_json();
@@ -659,16 +702,13 @@ where
         }
     };
     match completed {
+        // Counted and sent only now, after the commit (invariant 4).
         Ok(()) => {
-            span.record("idempotency.outcome", "processed");
-            span.in_scope(
-                || tracing::debug!(target: "idempotent", outcome = "processed", "request processed; answer kept"),
-            );
+            report.processed(&span);
             Ok(Response::from_parts(response_parts, Body::from(body)))
         }
         Err(error) => {
-            span.record("idempotency.outcome", "error");
-            span.in_scope(|| tracing::warn!(target: "idempotent", outcome = "error", %error, "answer not committed"));
+            report.error(&span, &error, "answer not committed");
             Ok(Kind::StoreFailed.response(
                 "the answer could not be committed with the key: on a transactional store nothing was kept; retry",
                 None,
