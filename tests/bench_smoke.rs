@@ -12,10 +12,11 @@ mod common;
 #[path = "../benches/throughput/harness.rs"]
 mod harness;
 #[allow(dead_code)]
-#[path = "../benches/kafka/run.rs"]
-mod kafka_bench;
 #[path = "../benches/http/rig.rs"]
 mod http_rig;
+#[allow(dead_code)]
+#[path = "../benches/kafka/run.rs"]
+mod kafka_bench;
 #[allow(dead_code)]
 #[path = "../benches/throughput/redis.rs"]
 mod kv;

@@ -66,6 +66,7 @@ impl Kind {
 }
 
 /// One run's queue and the connection that fills it.
+#[allow(clippy::large_enum_variant)] // one per run
 pub enum Queue {
     Rabbit {
         _conn: Connection,

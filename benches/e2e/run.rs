@@ -308,6 +308,7 @@ pub enum Feed {
 
 /// One run of `variant` on a fresh `kind` queue: `n` messages with
 /// `dup_pct` % duplicates, `slots` handler slots.
+#[allow(clippy::too_many_arguments)] // the benchmark's matrix, one argument per axis
 pub async fn run(
     env: &Arc<Env>,
     kind: Kind,
