@@ -7,6 +7,8 @@
 //! - (b) with the layer, a fresh key per request (claim, insert in the
 //!   claim's transaction, kept answer, commit);
 //! - (c) with the layer, retries of keys already answered (replays);
+//! - (h) without the layer, (b)'s transaction written by hand (the key's
+//!   row, the insert, the answer, one commit): the bound of (b);
 //! - (a2) (a) again: the A/A control, for the run's noise.
 //!
 //! On PostgreSQL and on SQLite (a file in a temporary directory). Each
@@ -28,8 +30,14 @@ use rig::{Db, Rig, Sample, Variant};
 
 const CONNECTIONS: [usize; 2] = [1, 16];
 
-/// (a), (b), (c), (a2), as run and printed.
-const VARIANTS: [Variant; 4] = [Variant::Bare, Variant::Fresh, Variant::Replay, Variant::Bare];
+/// (a), (b), (c), (h), (a2), as run and printed.
+const VARIANTS: [Variant; 5] = [
+    Variant::Bare,
+    Variant::Fresh,
+    Variant::Replay,
+    Variant::Hand,
+    Variant::Bare,
+];
 
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
@@ -92,22 +100,26 @@ async fn measure<D: Db>(db: D, reps: usize, secs: f64) -> Vec<String> {
         .zip(runs)
         .map(|(connections, runs)| {
             let s: Vec<(f64, f64, f64)> = runs.into_iter().map(Runs::summary).collect();
-            let (a, b, c, a2) = (s[0], s[1], s[2], s[3]);
+            let (a, b, c, h, a2) = (s[0], s[1], s[2], s[3], s[4]);
             format!(
-                "| {name} | {connections} | {:.0} | {:.0} | {:.0} | {:.0} | {:.3} | {:.3} | {:.3} | {:.2} / {:.2} / {:.2} | {:.2} / {:.2} / {:.2} |",
+                "| {name} | {connections} | {:.0} | {:.0} | {:.0} | {:.0} | {:.0} | {:.3} | {:.3} | {:.3} | {:.3} | {:.2} / {:.2} / {:.2} / {:.2} | {:.2} / {:.2} / {:.2} / {:.2} |",
                 a.0,
                 b.0,
                 c.0,
+                h.0,
                 a2.0,
                 b.0 / a.0,
                 c.0 / a.0,
+                b.0 / h.0,
                 a2.0 / a.0,
                 a.1,
                 b.1,
                 c.1,
+                h.1,
                 a.2,
                 b.2,
-                c.2
+                c.2,
+                h.2
             )
         })
         .collect()
@@ -134,9 +146,9 @@ async fn main() {
         rows.extend(measure(lite, reps, secs).await);
     }
     println!(
-        "| database | connections | (a) no layer req/s | (b) layer, fresh keys req/s | (c) layer, replays req/s | (a2) A/A req/s | b/a | c/a | a2/a | p50 ms a / b / c | p99 ms a / b / c |"
+        "| database | connections | (a) no layer req/s | (b) layer, fresh keys req/s | (c) layer, replays req/s | (h) by hand, fresh keys req/s | (a2) A/A req/s | b/a | c/a | b/h | a2/a | p50 ms a / b / c / h | p99 ms a / b / c / h |"
     );
-    println!("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |");
+    println!("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |");
     for row in rows {
         println!("{row}");
     }

@@ -223,8 +223,8 @@ async fn kafka_modes_run_once() {
 }
 
 /// One request of each variant of `benches/http.rs`, and one short timed
-/// run of each: (a) and (b) insert once per request, (c) replays without
-/// inserting.
+/// run of each: (a), (b) and (h) insert once per request, (c) and a
+/// repeated (h) replay without inserting.
 async fn http_variants_run_once_on<D: http_rig::Db>(db: D) {
     use http_rig::Variant;
     let rig = http_rig::Rig::start(db).await;
@@ -245,9 +245,20 @@ async fn http_variants_run_once_on<D: http_rig::Db>(db: D) {
         (201, true),
         "{name} (c)"
     );
-    assert_eq!(rig.db.rows().await, 2, "{name}");
+    let hand = http_rig::fresh_key();
+    assert_eq!(
+        rig.request(Variant::Hand, Some(&hand)).await.unwrap(),
+        (201, false),
+        "{name} (h)"
+    );
+    assert_eq!(
+        rig.request(Variant::Hand, Some(&hand)).await.unwrap(),
+        (201, true),
+        "{name} (h) again: the kept answer"
+    );
+    assert_eq!(rig.db.rows().await, 3, "{name}: (a), (b) and (h) inserted once each");
     let keys = rig.answered_keys(4).await;
-    for variant in [Variant::Bare, Variant::Fresh, Variant::Replay] {
+    for variant in [Variant::Bare, Variant::Fresh, Variant::Replay, Variant::Hand] {
         let sample = rig.run(variant, 2, 0.05, &keys).await;
         assert!(!sample.latencies.is_empty(), "{name} {variant:?}");
     }

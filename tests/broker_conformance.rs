@@ -870,46 +870,31 @@ pub async fn batches_apply_each_message_once_and_settle_after_the_commit<F: Fixt
 }
 
 pub async fn a_batch_that_cannot_commit_runs_its_deliveries_alone<F: Fixture>() {
-    let fx = F::setup("batch-abort").await;
-    let ledger = DbLedger::new("batch_abort").await;
     // A panic with the claim open: the batch's transaction is lost.
-    ledger.fail_once.lock().unwrap().insert("abort-3".into(), "panic");
-    for i in 0..12 {
-        fx.publish(&payment(&format!("abort-{i}")), &format!("abort-{i}")).await;
-    }
-    let consumer = fx
-        .builder()
-        .concurrency(1)
-        .batch(ledger.store.clone(), 6)
-        .batch_wait(Duration::from_millis(20))
-        .stop_when_idle(Duration::from_millis(1500))
-        .build()
-        .unwrap();
-    let stats = run_batches(consumer, &ledger).await;
-    let effects = ledger.effects().await;
-    assert_eq!(effects.len(), 12, "every message applied: {effects:?}");
-    assert!(effects.values().all(|&n| n == 1), "none twice: {effects:?}");
-    assert_eq!(stats.batches_aborted, 1, "{stats:?}");
-    assert_eq!((stats.acked, stats.dead_lettered), (12, 0), "{stats:?}");
-    assert_eq!(fx.backlog().await, 0);
-    ledger.teardown().await;
-    fx.teardown().await;
+    a_failed_batch_runs_again_one_by_one::<F>("abort", "panic", true).await
 }
 
 pub async fn batches_without_savepoints_run_a_failed_batch_again_one_by_one<F: Fixture>() {
-    let fx = F::setup("batch-lean").await;
-    let ledger = DbLedger::new("batch_lean").await;
     // Its body fails once (after its effect's INSERT): with no savepoint to
     // undo it alone, its whole batch rolls back and runs again one by one.
-    ledger.fail_once.lock().unwrap().insert("lean-3".into(), "error");
+    a_failed_batch_runs_again_one_by_one::<F>("lean", "error", false).await
+}
+
+/// Twelve payments in batches of 6, the fourth failing once with `failure`:
+/// its batch aborts, its deliveries run again alone, each applied once.
+async fn a_failed_batch_runs_again_one_by_one<F: Fixture>(prefix: &str, failure: &'static str, savepoints: bool) {
+    let fx = F::setup(&format!("batch-{prefix}")).await;
+    let ledger = DbLedger::new(&format!("batch_{prefix}")).await;
+    ledger.fail_once.lock().unwrap().insert(format!("{prefix}-3"), failure);
     for i in 0..12 {
-        fx.publish(&payment(&format!("lean-{i}")), &format!("lean-{i}")).await;
+        fx.publish(&payment(&format!("{prefix}-{i}")), &format!("{prefix}-{i}"))
+            .await;
     }
     let consumer = fx
         .builder()
         .concurrency(1)
         .batch(ledger.store.clone(), 6)
-        .batch_savepoints(false)
+        .batch_savepoints(savepoints)
         .batch_wait(Duration::from_millis(20))
         .stop_when_idle(Duration::from_millis(1500))
         .build()

@@ -10,7 +10,12 @@
 //!   in the claim's transaction (`IdempotentTx`), the kept answer, one
 //!   commit;
 //! - (c) `/kept`, retries of known keys: each answered with the kept
-//!   answer (the handler does not run).
+//!   answer (the handler does not run);
+//! - (h) `/hand`, a fresh key per request, without the layer: the same
+//!   transaction written by hand (`BEGIN`, the key's `INSERT .. ON CONFLICT
+//!   DO NOTHING`, the handler's insert, the answer's `UPDATE`, `COMMIT`),
+//!   what a careful developer writes instead of the layer (no fingerprint,
+//!   lease, durability check or metrics): the bound of (b).
 
 use std::future::Future;
 use std::sync::Arc;
@@ -19,7 +24,8 @@ use std::time::{Duration, Instant};
 
 use idempotent_runtime::axum::body::Bytes;
 use idempotent_runtime::axum::extract::State;
-use idempotent_runtime::axum::http::StatusCode;
+use idempotent_runtime::axum::http::{HeaderMap, StatusCode};
+use idempotent_runtime::axum::response::{IntoResponse, Response};
 use idempotent_runtime::axum::routing::post;
 use idempotent_runtime::axum::{self, Router};
 use idempotent_runtime::http::{IdempotencyLayer, IdempotentTx};
@@ -41,6 +47,8 @@ pub enum Variant {
     Fresh,
     /// (c) the layer, a retry of a key already answered.
     Replay,
+    /// (h) without the layer, (b)'s transaction written by hand.
+    Hand,
 }
 
 /// A database the handler writes to, and the layer's store on it.
@@ -57,6 +65,9 @@ pub trait Db: Send + Sync + 'static {
         table: &'a str,
         request: &'a str,
     ) -> impl Future<Output = Result<(), sqlx::Error>> + Send + 'a;
+    /// (h): the key's row, the insert and the answer in one transaction
+    /// written by hand; the kept answer if the key was answered before.
+    fn hand(&self, key: String, request: String) -> impl Future<Output = Result<Option<String>, sqlx::Error>> + Send;
     /// Rows the handler inserted.
     fn rows(&self) -> impl Future<Output = i64> + Send;
     /// Drops the tables (a SQLite file goes with its directory).
@@ -69,6 +80,7 @@ pub struct Pg {
     store: PgStore,
     table: String,
     markers: String,
+    hand: String,
 }
 
 impl Pg {
@@ -78,19 +90,25 @@ impl Pg {
             .connect(PG_URL)
             .await?;
         let pid = std::process::id();
-        let (table, markers) = (format!("bench_http_{pid}"), format!("bench_http_markers_{pid}"));
+        let (table, markers, hand) = (
+            format!("bench_http_{pid}"),
+            format!("bench_http_markers_{pid}"),
+            format!("bench_http_hand_{pid}"),
+        );
         let store = PgStore::builder(pool.clone()).table(&markers).build()?;
         store.migrate().await?;
-        sqlx::query(AssertSqlSafe(format!(
-            "CREATE TABLE IF NOT EXISTS {table} (id BIGSERIAL PRIMARY KEY, request TEXT NOT NULL)"
-        )))
-        .execute(&pool)
-        .await?;
+        for create in [
+            format!("CREATE TABLE IF NOT EXISTS {table} (id BIGSERIAL PRIMARY KEY, request TEXT NOT NULL)"),
+            format!("CREATE TABLE IF NOT EXISTS {hand} (key TEXT PRIMARY KEY, answer TEXT)"),
+        ] {
+            sqlx::query(AssertSqlSafe(create)).execute(&pool).await?;
+        }
         Ok(Pg {
             pool,
             store,
             table,
             markers,
+            hand,
         })
     }
 }
@@ -122,6 +140,37 @@ impl Db for Pg {
             .await?;
         Ok(())
     }
+    async fn hand(&self, key: String, request: String) -> Result<Option<String>, sqlx::Error> {
+        let (t, h) = (&self.table, &self.hand);
+        let mut tx = self.pool.begin().await?;
+        let claim = format!("INSERT INTO {h} (key) VALUES ($1) ON CONFLICT DO NOTHING");
+        if sqlx::query(AssertSqlSafe(claim))
+            .bind(&key)
+            .execute(&mut *tx)
+            .await?
+            .rows_affected()
+            == 0
+        {
+            let kept = format!("SELECT answer FROM {h} WHERE key = $1");
+            return sqlx::query_scalar(AssertSqlSafe(kept))
+                .bind(&key)
+                .fetch_one(&mut *tx)
+                .await;
+        }
+        let insert = format!("INSERT INTO {t} (request) VALUES ($1)");
+        sqlx::query(AssertSqlSafe(insert))
+            .bind(request)
+            .execute(&mut *tx)
+            .await?;
+        let answer = format!("UPDATE {h} SET answer = $1 WHERE key = $2");
+        sqlx::query(AssertSqlSafe(answer))
+            .bind(CHARGED)
+            .bind(&key)
+            .execute(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        Ok(None)
+    }
     async fn rows(&self) -> i64 {
         let count = format!("SELECT count(*) FROM {}", self.table);
         sqlx::query_scalar(AssertSqlSafe(count))
@@ -130,7 +179,7 @@ impl Db for Pg {
             .unwrap_or(-1)
     }
     async fn cleanup(&self) {
-        for table in [&self.table, &self.markers] {
+        for table in [&self.table, &self.markers, &self.hand] {
             let drop = format!("DROP TABLE IF EXISTS {table}");
             let _ = sqlx::query(AssertSqlSafe(drop)).execute(&self.pool).await;
         }
@@ -150,11 +199,12 @@ impl Lite {
         let store = SqliteStore::open(dir.path().join("bench_http.db")).await?;
         store.migrate().await?;
         let table = "bench_http".to_owned();
-        sqlx::query(AssertSqlSafe(format!(
-            "CREATE TABLE {table} (id INTEGER PRIMARY KEY, request TEXT NOT NULL)"
-        )))
-        .execute(store.pool())
-        .await?;
+        for create in [
+            format!("CREATE TABLE {table} (id INTEGER PRIMARY KEY, request TEXT NOT NULL)"),
+            "CREATE TABLE bench_http_hand (key TEXT PRIMARY KEY, answer TEXT)".to_owned(),
+        ] {
+            sqlx::query(AssertSqlSafe(create)).execute(store.pool()).await?;
+        }
         Ok(Lite {
             store,
             table,
@@ -190,6 +240,25 @@ impl Db for Lite {
             .await?;
         Ok(())
     }
+    async fn hand(&self, key: String, request: String) -> Result<Option<String>, sqlx::Error> {
+        // `BEGIN IMMEDIATE`, as the store begins: a deferred transaction
+        // that later writes can fail with SQLITE_BUSY under concurrency.
+        let mut tx = self.store.pool().begin_with("BEGIN IMMEDIATE").await?;
+        let claim = "INSERT INTO bench_http_hand (key) VALUES (?1) ON CONFLICT DO NOTHING";
+        if sqlx::query(claim).bind(&key).execute(&mut *tx).await?.rows_affected() == 0 {
+            let kept = "SELECT answer FROM bench_http_hand WHERE key = ?1";
+            return sqlx::query_scalar(kept).bind(&key).fetch_one(&mut *tx).await;
+        }
+        let insert = format!("INSERT INTO {} (request) VALUES (?1)", self.table);
+        sqlx::query(AssertSqlSafe(insert))
+            .bind(request)
+            .execute(&mut *tx)
+            .await?;
+        let answer = "UPDATE bench_http_hand SET answer = ?1 WHERE key = ?2";
+        sqlx::query(answer).bind(CHARGED).bind(&key).execute(&mut *tx).await?;
+        tx.commit().await?;
+        Ok(None)
+    }
     async fn rows(&self) -> i64 {
         let count = format!("SELECT count(*) FROM {}", self.table);
         sqlx::query_scalar(AssertSqlSafe(count))
@@ -200,16 +269,34 @@ impl Db for Lite {
     async fn cleanup(&self) {}
 }
 
+/// Every handler's answer.
+const CHARGED: &str = "charged";
+
 async fn bare<D: Db>(State(db): State<Arc<D>>, body: Bytes) -> (StatusCode, &'static str) {
     match db.insert_bare(String::from_utf8_lossy(&body).into_owned()).await {
-        Ok(()) => (StatusCode::CREATED, "charged"),
+        Ok(()) => (StatusCode::CREATED, CHARGED),
         Err(_) => (StatusCode::INTERNAL_SERVER_ERROR, "insert failed"),
+    }
+}
+
+/// (h): the key read and kept by hand; a known key's kept answer replayed.
+async fn hand<D: Db>(State(db): State<Arc<D>>, headers: HeaderMap, body: Bytes) -> Response {
+    let Some(key) = headers.get("idempotency-key").and_then(|v| v.to_str().ok()) else {
+        return (StatusCode::BAD_REQUEST, "an Idempotency-Key is required").into_response();
+    };
+    match db
+        .hand(key.to_owned(), String::from_utf8_lossy(&body).into_owned())
+        .await
+    {
+        Ok(None) => (StatusCode::CREATED, CHARGED).into_response(),
+        Ok(Some(kept)) => (StatusCode::CREATED, [("idempotent-replayed", "true")], kept).into_response(),
+        Err(_) => (StatusCode::INTERNAL_SERVER_ERROR, "insert failed").into_response(),
     }
 }
 
 async fn kept<D: Db>(State(db): State<Arc<D>>, mut tx: IdempotentTx<D::S>, body: Bytes) -> (StatusCode, &'static str) {
     match D::insert_tx(&mut tx, db.table(), &String::from_utf8_lossy(&body)).await {
-        Ok(()) => (StatusCode::CREATED, "charged"),
+        Ok(()) => (StatusCode::CREATED, CHARGED),
         Err(_) => (StatusCode::INTERNAL_SERVER_ERROR, "insert failed"),
     }
 }
@@ -234,6 +321,7 @@ impl<D: Db> Rig<D> {
         let layer = IdempotencyLayer::new(db.store());
         let router = Router::new()
             .route("/bare", post(bare::<D>))
+            .route("/hand", post(hand::<D>))
             .merge(Router::new().route("/kept", post(kept::<D>)).route_layer(layer))
             .with_state(Arc::clone(&db));
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("a port");
@@ -282,7 +370,7 @@ impl<D: Db> Rig<D> {
                     while Instant::now() < deadline {
                         let key = match variant {
                             Variant::Bare => None,
-                            Variant::Fresh => Some(fresh_key()),
+                            Variant::Fresh | Variant::Hand => Some(fresh_key()),
                             Variant::Replay => {
                                 next = (next + connections) % keys.len();
                                 Some(keys[next].clone())
@@ -324,7 +412,11 @@ struct Client {
 
 impl Client {
     async fn request(&self, variant: Variant, key: Option<&str>) -> Result<(u16, bool), reqwest::Error> {
-        let path = if variant == Variant::Bare { "bare" } else { "kept" };
+        let path = match variant {
+            Variant::Bare => "bare",
+            Variant::Hand => "hand",
+            Variant::Fresh | Variant::Replay => "kept",
+        };
         let mut request = self.client.post(format!("{}/{path}", self.base)).body(BODY);
         if let Some(key) = key {
             request = request.header("idempotency-key", key);
