@@ -152,7 +152,10 @@ macro_rules! server_db {
             }
             async fn insert(tx: &mut IdempotentTx<$store>, table: &str, order: &str) -> Result<(), sqlx::Error> {
                 let insert = format!("INSERT INTO {table} (order_id) VALUES {}", $values);
-                sqlx::query(AssertSqlSafe(insert)).bind(order).execute(&mut ***tx).await?;
+                sqlx::query(AssertSqlSafe(insert))
+                    .bind(order)
+                    .execute(&mut ***tx)
+                    .await?;
                 Ok(())
             }
             async fn charges(&self) -> i64 {
@@ -311,7 +314,10 @@ async fn pay<D: Db>(State(app): State<App>, mut tx: IdempotentTx<D::S>, body: St
     if let Err(error) = D::insert(&mut tx, &app.table, &order).await {
         return (StatusCode::INTERNAL_SERVER_ERROR, error.to_string()).into_response();
     }
-    tx.publish(Outgoing::new(&*app.destination, format!("charged:{order}").into_bytes()));
+    tx.publish(Outgoing::new(
+        &*app.destination,
+        format!("charged:{order}").into_bytes(),
+    ));
     tx.publish(Outgoing::new(&*app.destination, format!("receipt:{order}").into_bytes()).header("order", &order));
     assert_eq!(tx.published(), 2);
     if body.contains("refused") {
@@ -466,7 +472,12 @@ async fn retries_are_replays_that_stage_nothing<D: Db>() {
     let messages = delivered(&rig.db.store(), &rig.queue).await;
     assert_once(
         &messages,
-        &["charged:order-1", "receipt:order-1", "charged:order-2", "receipt:order-2"],
+        &[
+            "charged:order-1",
+            "receipt:order-1",
+            "charged:order-2",
+            "receipt:order-2",
+        ],
     );
     // Nothing more arrives later (the replays staged nothing).
     tokio::time::sleep(Duration::from_millis(300)).await;
@@ -528,7 +539,12 @@ async fn a_failure_after_staging_leaves_no_message<D: Db>() {
     let messages = delivered(&rig.db.store(), &rig.queue).await;
     assert_once(
         &messages,
-        &["charged:order-f", "receipt:order-f", "charged:order-n", "receipt:order-n"],
+        &[
+            "charged:order-f",
+            "receipt:order-f",
+            "charged:order-n",
+            "receipt:order-n",
+        ],
     );
     rig.stop().await;
 }
@@ -641,7 +657,10 @@ async fn postgres_server_sigkilled_mid_request_publishes_once_after_the_retry() 
         child
     };
     let url = format!("http://{addr}/payments");
-    let client = reqwest::Client::builder().timeout(Duration::from_secs(10)).build().unwrap();
+    let client = reqwest::Client::builder()
+        .timeout(Duration::from_secs(10))
+        .build()
+        .unwrap();
 
     for round in 0..3i64 {
         let key = format!("kill-{round}");

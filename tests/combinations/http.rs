@@ -106,8 +106,7 @@ const HANG: Duration = Duration::from_secs(4);
 const GIVE_UP: Duration = Duration::from_secs(60);
 
 fn forced(what: &str) -> bool {
-    std::env::var("IDEMPOTENT_CHECKER_FORCE")
-        .is_ok_and(|f| f.split(',').any(|p| p.trim() == what))
+    std::env::var("IDEMPOTENT_CHECKER_FORCE").is_ok_and(|f| f.split(',').any(|p| p.trim() == what))
 }
 
 /// Whether configuration `cfg` runs through HTTP (instead of a broker).
@@ -265,7 +264,10 @@ impl HttpState {
             let body = serde_json::json!({ "id": msg.id, "amount": msg.amount, "run": run }).to_string();
             (
                 StatusCode::CREATED,
-                [("x-run", run.to_string()), ("content-type", "application/json".to_owned())],
+                [
+                    ("x-run", run.to_string()),
+                    ("content-type", "application/json".to_owned()),
+                ],
                 body,
             )
                 .into_response()
@@ -330,7 +332,12 @@ async fn tx_handler<S: TxStore>(State(st): State<Arc<HttpState>>, mut tx: Idempo
         // "Already done": the error is swallowed and the body answers as if
         // it succeeded (a PostgreSQL transaction is aborted by it).
         st.ctx().fired_swallows.fetch_add(1, Ordering::SeqCst);
-        let _ = S::exec(&mut tx, "SELECT no_such_column FROM no_such_table_of_the_checker", Bind::None).await;
+        let _ = S::exec(
+            &mut tx,
+            "SELECT no_such_column FROM no_such_table_of_the_checker",
+            Bind::None,
+        )
+        .await;
     }
     if st.data_error.contains(&msg.id) {
         st.ctx().fired_data_errors.fetch_add(1, Ordering::SeqCst);
@@ -602,7 +609,10 @@ async fn send(client: &reqwest::Client, url: &str, job: &Job, attempts: u32, ope
             continue;
         }
         if (200..300).contains(&status) && !opened.committed(&job.key).await {
-            seen.early.lock().unwrap().push(format!("{} (replayed: {replayed})", job.key));
+            seen.early
+                .lock()
+                .unwrap()
+                .push(format!("{} (replayed: {replayed})", job.key));
         }
         let answer = Answer {
             status,
@@ -691,13 +701,7 @@ struct Fired {
 
 /// Fires `cfg`'s timed faults as the handler calls reach them, until
 /// `done`.
-async fn drive_faults(
-    cfg: &Config,
-    st: &HttpState,
-    opened: &Opened,
-    private: &Private,
-    done: &Notify,
-) -> Fired {
+async fn drive_faults(cfg: &Config, st: &HttpState, opened: &Opened, private: &Private, done: &Notify) -> Fired {
     let mut fired = Fired::default();
     let mut timed = cfg.schedule.timed.clone();
     timed.sort_by_key(|(at, _)| *at);
@@ -738,9 +742,26 @@ async fn drive_faults(
     }
 }
 
+/// What of `cfg` an HTTP run uses: no broker source, so its broker matters
+/// only as the outbox's sink (a restart of it only then; a Kafka broker is
+/// started only for a Kafka sink).
+fn http_view(cfg: &Config) -> Config {
+    let mut cfg = cfg.clone();
+    if cfg.sink() != Some(cfg.broker) {
+        cfg.schedule
+            .timed
+            .retain(|(_, f)| !matches!(f, TimedFault::BrokerRestart(_)));
+        if cfg.broker == super::config::BrokerKind::Kafka {
+            cfg.broker = super::config::BrokerKind::Rabbit;
+        }
+    }
+    cfg
+}
+
 /// Runs `cfg` through HTTP and checks the invariants.
 pub async fn run(cfg: &Config, sabotage: Option<Sabotage>) -> Report {
     let started = Instant::now();
+    let cfg = &http_view(cfg);
     let plan = Plan::draw(cfg);
     println!("{}\n    {}", cfg.summary(), plan.summary());
     let name = common::unique(&format!("chkh{}", cfg.seed));
@@ -770,7 +791,10 @@ pub async fn run(cfg: &Config, sabotage: Option<Sabotage>) -> Report {
     let st = Arc::new(HttpState {
         opened: Arc::clone(&opened),
         insert: format!("INSERT INTO {} (message_id) VALUES ({placeholder})", opened.effects),
-        sink: sink.as_ref().map(Sink::destination).filter(|_| cfg.store.transactional()),
+        sink: sink
+            .as_ref()
+            .map(Sink::destination)
+            .filter(|_| cfg.store.transactional()),
         value: cfg.value_result,
         doomed: cfg.schedule.doomed.iter().cloned().collect(),
         data_error: cfg.schedule.data_error.iter().cloned().collect(),
@@ -896,7 +920,9 @@ pub async fn run(cfg: &Config, sabotage: Option<Sabotage>) -> Report {
             counts.dead_lettered += 1;
             if e != 0 {
                 counts.dead_with_effect += 1;
-                violations.push(format!("{id}: never answered 2xx (doomed or refused), yet {e} effect(s)"));
+                violations.push(format!(
+                    "{id}: never answered 2xx (doomed or refused), yet {e} effect(s)"
+                ));
             }
             if !ok.is_empty() {
                 violations.push(format!("{id}: doomed or refused, yet answered {}", ok[0].status));
@@ -921,7 +947,10 @@ pub async fn run(cfg: &Config, sabotage: Option<Sabotage>) -> Report {
         // Replays: byte for byte the first run's answer; one fresh answer.
         let fresh: Vec<&&Answer> = ok.iter().filter(|a| !a.replayed).collect();
         if fresh.len() > 1 {
-            wrong.push(format!("{id}: {} fresh answers (the body ran and was kept more than once)", fresh.len()));
+            wrong.push(format!(
+                "{id}: {} fresh answers (the body ran and was kept more than once)",
+                fresh.len()
+            ));
         }
         let reference = fresh.first().copied().copied().unwrap_or(ok[0]);
         for a in &ok {
@@ -929,13 +958,20 @@ pub async fn run(cfg: &Config, sabotage: Option<Sabotage>) -> Report {
                 wrong.push(format!(
                     "{id}: a replay differs from the first answer: {:?} / {:?}",
                     (a.status, &a.run, String::from_utf8_lossy(&a.body)),
-                    (reference.status, &reference.run, String::from_utf8_lossy(&reference.body))
+                    (
+                        reference.status,
+                        &reference.run,
+                        String::from_utf8_lossy(&reference.body)
+                    )
                 ));
             }
         }
         for (kind, a) in &got {
             if *kind == JobKind::Mismatched && a.status != 422 {
-                wrong.push(format!("{id}: another body with a used key answered {}, not 422", a.status));
+                wrong.push(format!(
+                    "{id}: another body with a used key answered {}, not 422",
+                    a.status
+                ));
             }
         }
     }
@@ -968,10 +1004,16 @@ pub async fn run(cfg: &Config, sabotage: Option<Sabotage>) -> Report {
     lost.sort();
     twice.sort();
     if !lost.is_empty() {
-        violations.push(format!("lost: {} key(s) answered 2xx without an effect: {lost:?}", lost.len()));
+        violations.push(format!(
+            "lost: {} key(s) answered 2xx without an effect: {lost:?}",
+            lost.len()
+        ));
     }
     if !twice.is_empty() {
-        violations.push(format!("twice: {} key(s) applied more than once: {twice:?}", twice.len()));
+        violations.push(format!(
+            "twice: {} key(s) applied more than once: {twice:?}",
+            twice.len()
+        ));
     }
     counts.wrong_replay = wrong.len() as u64;
     if !wrong.is_empty() {
@@ -1043,13 +1085,17 @@ pub async fn run(cfg: &Config, sabotage: Option<Sabotage>) -> Report {
         counts.outbox_missing = missing.len() as u64;
         counts.outbox_rolled_back = rolled_back.len() as u64;
         if !missing.is_empty() {
-            violations.push(format!("outbox: committed effects whose message never arrived: {missing:?}"));
+            violations.push(format!(
+                "outbox: committed effects whose message never arrived: {missing:?}"
+            ));
         }
         if !rolled_back.is_empty() {
             violations.push(format!("outbox: messages of effects that rolled back: {rolled_back:?}"));
         }
         if !several.is_empty() {
-            violations.push(format!("outbox: keys whose message arrived under several ids: {several:?}"));
+            violations.push(format!(
+                "outbox: keys whose message arrived under several ids: {several:?}"
+            ));
         }
     }
     if let Some(cached) = cache_len() {
@@ -1145,9 +1191,13 @@ fn shaped(seed: u64, store: StoreKind, cached: bool, messages: usize) -> Config 
 /// and a database connection kill in each where the store has them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn http_combinations_keep_the_invariants() {
-    if ["IDEMPOTENT_CHECKER", "IDEMPOTENT_CHECKER_SEED", "IDEMPOTENT_CHECKER_LIST"]
-        .iter()
-        .any(|v| std::env::var(v).is_ok_and(|v| !v.is_empty()))
+    if [
+        "IDEMPOTENT_CHECKER",
+        "IDEMPOTENT_CHECKER_SEED",
+        "IDEMPOTENT_CHECKER_LIST",
+    ]
+    .iter()
+    .any(|v| std::env::var(v).is_ok_and(|v| !v.is_empty()))
     {
         return;
     }
@@ -1178,7 +1228,11 @@ async fn http_combinations_keep_the_invariants() {
         super::print_report(&report);
         reports.push(report);
     }
-    println!("HTTP checker: {} configurations in {:.1}s", reports.len(), t.elapsed().as_secs_f64());
+    println!(
+        "HTTP checker: {} configurations in {:.1}s",
+        reports.len(),
+        t.elapsed().as_secs_f64()
+    );
     super::assert_passed(&reports);
 }
 
@@ -1186,9 +1240,13 @@ async fn http_combinations_keep_the_invariants() {
 /// outgoing message are each reported.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_http_checker_catches_each_sabotage() {
-    if ["IDEMPOTENT_CHECKER", "IDEMPOTENT_CHECKER_SEED", "IDEMPOTENT_CHECKER_LIST"]
-        .iter()
-        .any(|v| std::env::var(v).is_ok_and(|v| !v.is_empty()))
+    if [
+        "IDEMPOTENT_CHECKER",
+        "IDEMPOTENT_CHECKER_SEED",
+        "IDEMPOTENT_CHECKER_LIST",
+    ]
+    .iter()
+    .any(|v| std::env::var(v).is_ok_and(|v| !v.is_empty()))
     {
         return;
     }
@@ -1196,7 +1254,10 @@ async fn the_http_checker_catches_each_sabotage() {
     for (sabotage, want) in [
         (Sabotage::Lost, "lost:"),
         (Sabotage::Twice, "twice:"),
-        (Sabotage::Outbox, "outbox: committed effects whose message never arrived"),
+        (
+            Sabotage::Outbox,
+            "outbox: committed effects whose message never arrived",
+        ),
     ] {
         let mut cfg = shaped(1, StoreKind::Pg, false, 30);
         cfg.outbox = super::config::OutboxMode::SameBroker;

@@ -61,10 +61,11 @@ impl<G> GuardCell<G> {
 /// function pointer, so that the layer, generic over any store, can call it
 /// for the transactional ones).
 #[cfg(feature = "sqlx")]
-pub(crate) type StageFn<G> = for<'a> fn(
-    &'a mut G,
-    crate::outbox::Outbox,
-) -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<(), crate::Error>> + Send + 'a>>;
+pub(crate) type StageFn<G> =
+    for<'a> fn(
+        &'a mut G,
+        crate::outbox::Outbox,
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<(), crate::Error>> + Send + 'a>>;
 
 /// What [`IdempotentTx::publish`] gathered for the layer.
 #[cfg(feature = "sqlx")]
