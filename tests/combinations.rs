@@ -148,7 +148,13 @@
 //! server killed in process and answers lost after their commit
 //! (`combinations/http.rs` says how each maps, and what its checks are).
 //! `IDEMPOTENT_CHECKER_FORCE=source=http` runs every configuration through
-//! HTTP, `source=broker` none. The default run adds
+//! HTTP, `source=broker` none (what the seeds drew before HTTP existed:
+//! the long runs quoted above ran before it; seeds 1002, 1020, 1021, 1029,
+//! 1030, ... now draw HTTP, none of the short form's). The long run of 24
+//! configurations from seed 1000 with `source=http` (4 912 keys on every
+//! store, 2026-12-04) lost none and applied none twice; 11 effects were
+//! made again on Redis after a server kill (the documented lease limit);
+//! every replay was the first answer byte for byte. The default run adds
 //! `http::http_combinations_keep_the_invariants` (six HTTP configurations
 //! of 80 keys, one per store) and its sabotage test.
 //!

@@ -75,7 +75,9 @@
 //! On the transactional stores (`PgStore`, `SqliteStore`, `MySqlStore`) the
 //! claim is a database transaction: what the handler writes through
 //! [`IdempotentTx`] commits in the same transaction as the marker and the
-//! kept response, or not at all. A server that dies mid-request leaves
+//! kept response, or not at all. So do the outgoing messages it publishes on
+//! it ([`IdempotentTx::publish`], the [transactional outbox](crate::outbox)):
+//! a replay publishes nothing. A server that dies mid-request leaves
 //! nothing, and the client's retry runs the handler again.
 //!
 //! On Redis and in memory the claim is a lease with a fencing token: the
