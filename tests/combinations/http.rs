@@ -558,7 +558,7 @@ struct Seen {
 /// Sends `job` until a final answer: a `2xx` or a `4xx` but `409`; a `5xx`
 /// is retried up to `attempts` times, a lost connection, a timeout or a
 /// `409` until `GIVE_UP`.
-async fn send(client: &reqwest::Client, url: &str, job: &Job, attempts: u32, opened: &Opened, seen: &Seen) {
+async fn send(client: &reqwest::Client, servers: &Servers, job: &Job, attempts: u32, opened: &Opened, seen: &Seen) {
     let started = Instant::now();
     let mut failures = 0;
     loop {
@@ -571,7 +571,7 @@ async fn send(client: &reqwest::Client, url: &str, job: &Job, attempts: u32, ope
         }
         seen.requests.fetch_add(1, Ordering::SeqCst);
         let sent = client
-            .post(url)
+            .post(servers.pick())
             .header("idempotency-key", format!("\"{}\"", job.key))
             .header("x-tenant", &job.tenant)
             .header("content-type", "application/json")
@@ -742,6 +742,171 @@ async fn drive_faults(cfg: &Config, st: &HttpState, opened: &Opened, private: &P
     }
 }
 
+/// The handlers' shared state for `cfg` on `opened`.
+fn state(cfg: &Config, opened: &Arc<Opened>, sink: Option<String>) -> Arc<HttpState> {
+    let placeholder = if cfg.store.is_pg() { "$1" } else { "?" };
+    Arc::new(HttpState {
+        opened: Arc::clone(opened),
+        insert: format!("INSERT INTO {} (message_id) VALUES ({placeholder})", opened.effects),
+        sink: sink.filter(|_| cfg.store.transactional()),
+        value: cfg.value_result,
+        doomed: cfg.schedule.doomed.iter().cloned().collect(),
+        data_error: cfg.schedule.data_error.iter().cloned().collect(),
+        lone_outage: cfg.schedule.lone_outage.iter().cloned().collect(),
+        calls: AtomicU64::new(0),
+        runs: Mutex::default(),
+        abort_after_commit: Mutex::new(cfg.schedule.abort_after_commit.iter().cloned().collect()),
+        aborts_after_commit: AtomicU64::new(0),
+        kill: watch::Sender::new(0),
+    })
+}
+
+// ---- a server process, SIGKILLed ------------------------------------------------
+
+/// What the server child serves (`checker_http_child_server`).
+const CHILD_ENV: &str = "IDEMPOTENT_CHECKER_HTTP_CHILD";
+
+#[derive(serde::Serialize, serde::Deserialize)]
+struct ChildSpec {
+    cfg: Config,
+    name: String,
+    addr: String,
+    sink: Option<String>,
+    pg: String,
+    sqlite: Option<std::path::PathBuf>,
+}
+
+/// A second server of a configuration, in a process of its own: runs when
+/// an HTTP run with a consumer SIGKILL starts this binary again with
+/// `IDEMPOTENT_CHECKER_HTTP_CHILD`, serves the same store (its tables, its
+/// SQLite file, its Redis prefix) with the same handler until it is
+/// SIGKILLed; does nothing otherwise.
+#[test]
+fn checker_http_child_server() {
+    let Ok(spec) = std::env::var(CHILD_ENV) else {
+        return;
+    };
+    super::quiet_injected_panics();
+    let spec: ChildSpec = serde_json::from_str(&spec).expect("the child's spec");
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("the child's runtime")
+        .block_on(async move {
+            let attach = db::Attach { sqlite: spec.sqlite };
+            let opened = Arc::new(db::open(&spec.cfg, &spec.name, spec.sink.clone(), &spec.pg, Some(&attach)).await);
+            let plan = Plan::draw(&spec.cfg);
+            let st = state(&spec.cfg, &opened, spec.sink);
+            let (app, _) = router(&spec.cfg, &opened, &plan, &st);
+            let listener = tokio::net::TcpListener::bind(&spec.addr)
+                .await
+                .expect("the child's port");
+            let _ = axum::serve(listener, app).await;
+        });
+}
+
+/// The server child of a run, while it lives: the client sends every
+/// other attempt to it.
+struct Child {
+    process: std::process::Child,
+    url: String,
+}
+
+/// Starts the server child and waits until it listens.
+async fn start_child(spec: &ChildSpec) -> Option<Child> {
+    let exe = std::env::current_exe().ok()?;
+    let process = std::process::Command::new(exe)
+        .args(["http::checker_http_child_server", "--exact", "--nocapture"])
+        .env(CHILD_ENV, serde_json::to_string(spec).ok()?)
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .ok()?;
+    let started = Instant::now();
+    while tokio::net::TcpStream::connect(&spec.addr).await.is_err() {
+        if started.elapsed() > Duration::from_secs(30) {
+            return None;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    Some(Child {
+        process,
+        url: format!("http://{}/payments", spec.addr),
+    })
+}
+
+/// Where the client sends: the in-process server, and the child's while it
+/// lives (every other attempt).
+struct Servers {
+    local: String,
+    child: Mutex<Option<String>>,
+    turn: AtomicU64,
+    /// Attempts sent to a child.
+    to_child: AtomicU64,
+}
+
+impl Servers {
+    fn pick(&self) -> String {
+        let child = self.child.lock().unwrap().clone();
+        match child {
+            Some(url) if self.turn.fetch_add(1, Ordering::SeqCst) % 2 == 1 => {
+                self.to_child.fetch_add(1, Ordering::SeqCst);
+                url
+            }
+            _ => self.local.clone(),
+        }
+    }
+}
+
+/// Starts the server child once the handlers were called `kill.at` times,
+/// and SIGKILLs it `kill.after` × 60 ms later, with requests in flight on
+/// it; until `done`. Returns the SIGKILLs made.
+async fn sigkill_children(
+    cfg: &Config,
+    spec: &ChildSpec,
+    st: &HttpState,
+    servers: &Servers,
+    done: &Notify,
+    violations: &Mutex<Vec<String>>,
+) -> u64 {
+    let mut killed = 0;
+    let finished = done.notified();
+    tokio::pin!(finished);
+    for kill in &cfg.schedule.sigkill {
+        loop {
+            if st.calls.load(Ordering::SeqCst) >= kill.at {
+                break;
+            }
+            tokio::select! {
+                () = &mut finished => return killed,
+                () = tokio::time::sleep(Duration::from_millis(10)) => {}
+            }
+        }
+        let Some(mut child) = start_child(spec).await else {
+            violations
+                .lock()
+                .unwrap()
+                .push("the HTTP server child did not start".into());
+            return killed;
+        };
+        *servers.child.lock().unwrap() = Some(child.url.clone());
+        tokio::select! {
+            () = &mut finished => {}
+            () = tokio::time::sleep(Duration::from_millis(60 * kill.after.max(1))) => {}
+        }
+        // SIGKILL (`Child::kill`), then no more attempts to it.
+        let _ = child.process.kill();
+        let _ = child.process.wait();
+        *servers.child.lock().unwrap() = None;
+        killed += 1;
+        println!(
+            "    HTTP server child SIGKILLed ({} attempts sent to children so far)",
+            servers.to_child.load(Ordering::SeqCst)
+        );
+    }
+    killed
+}
+
 /// What of `cfg` an HTTP run uses: no broker source, so its broker matters
 /// only as the outbox's sink (a restart of it only then; a Kafka broker is
 /// started only for a Kafka sink).
@@ -787,30 +952,33 @@ pub async fn run(cfg: &Config, sabotage: Option<Sabotage>) -> Report {
         _ => None,
     };
 
-    let placeholder = if cfg.store.is_pg() { "$1" } else { "?" };
-    let st = Arc::new(HttpState {
-        opened: Arc::clone(&opened),
-        insert: format!("INSERT INTO {} (message_id) VALUES ({placeholder})", opened.effects),
-        sink: sink
-            .as_ref()
-            .map(Sink::destination)
-            .filter(|_| cfg.store.transactional()),
-        value: cfg.value_result,
-        doomed: cfg.schedule.doomed.iter().cloned().collect(),
-        data_error: cfg.schedule.data_error.iter().cloned().collect(),
-        lone_outage: cfg.schedule.lone_outage.iter().cloned().collect(),
-        calls: AtomicU64::new(0),
-        runs: Mutex::default(),
-        abort_after_commit: Mutex::new(cfg.schedule.abort_after_commit.iter().cloned().collect()),
-        aborts_after_commit: AtomicU64::new(0),
-        kill: watch::Sender::new(0),
-    });
+    let st = state(cfg, &opened, sink.as_ref().map(Sink::destination));
     let (app, cache_len) = router(cfg, &opened, &plan, &st);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}/payments", listener.local_addr().unwrap());
+    let servers = Servers {
+        local: format!("http://{}/payments", listener.local_addr().unwrap()),
+        child: Mutex::default(),
+        turn: AtomicU64::new(0),
+        to_child: AtomicU64::new(0),
+    };
     let server = tokio::spawn(async move {
         let _ = axum::serve(listener, app).await;
     });
+    // A server child SIGKILLed (not on the memory store: its keys live in
+    // this process).
+    let child_addr = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.to_string())
+        .unwrap_or_default();
+    let spec = ChildSpec {
+        cfg: cfg.clone(),
+        name: name.clone(),
+        addr: child_addr,
+        sink: sink.as_ref().map(Sink::destination),
+        pg: at.pg.clone(),
+        sqlite: opened.sqlite_path.clone(),
+    };
+    let child_violations = Mutex::new(Vec::new());
 
     // The client: every key (bursts at once), then the later requests.
     let client = reqwest::Client::builder().timeout(CLIENT_TIMEOUT).build().unwrap();
@@ -823,10 +991,12 @@ pub async fn run(cfg: &Config, sabotage: Option<Sabotage>) -> Report {
     let clients = async {
         futures_util::stream::iter(first)
             .for_each_concurrent(plan.concurrency, |copies| {
-                let (client, url, seen, opened) = (&client, &url, &seen, &opened);
+                let (client, servers, seen, opened) = (&client, &servers, &seen, &opened);
                 async move {
                     futures_util::future::join_all(
-                        copies.iter().map(|job| send(client, url, job, attempts, opened, seen)),
+                        copies
+                            .iter()
+                            .map(|job| send(client, servers, job, attempts, opened, seen)),
                     )
                     .await;
                 }
@@ -834,13 +1004,20 @@ pub async fn run(cfg: &Config, sabotage: Option<Sabotage>) -> Report {
             .await;
         futures_util::stream::iter(then)
             .for_each_concurrent(plan.concurrency, |job| {
-                let (client, url, seen, opened) = (&client, &url, &seen, &opened);
-                async move { send(client, url, &job, attempts, opened, seen).await }
+                let (client, servers, seen, opened) = (&client, &servers, &seen, &opened);
+                async move { send(client, servers, &job, attempts, opened, seen).await }
             })
             .await;
-        done.notify_one();
+        done.notify_waiters();
     };
-    let (fired, ()) = tokio::join!(drive_faults(cfg, &st, &opened, &private, &done), clients);
+    let sigkills = async {
+        if cfg.store == StoreKind::Memory {
+            return 0;
+        }
+        sigkill_children(cfg, &spec, &st, &servers, &done, &child_violations).await
+    };
+    let (fired, (), sigkills) = tokio::join!(drive_faults(cfg, &st, &opened, &private, &done), clients, sigkills);
+    violations.extend(child_violations.into_inner().unwrap());
     if fired.setting_changes > 0 {
         opened.change_setting(false).await;
     }
@@ -894,7 +1071,7 @@ pub async fn run(cfg: &Config, sabotage: Option<Sabotage>) -> Report {
         }
         effects = opened.effects().await;
     }
-    let died = fired.server_kills + st.aborts_after_commit.load(Ordering::SeqCst) > 0;
+    let died = fired.server_kills + st.aborts_after_commit.load(Ordering::SeqCst) + sigkills > 0;
     let no_effect: HashSet<&String> = cfg
         .schedule
         .doomed
@@ -1121,6 +1298,7 @@ pub async fn run(cfg: &Config, sabotage: Option<Sabotage>) -> Report {
         FaultKind::AbortAfterCommit,
         st.aborts_after_commit.load(Ordering::SeqCst),
     );
+    faults.insert(FaultKind::ConsumerSigkill, sigkills);
     faults.insert(FaultKind::DbKill, fired.db_kills);
     faults.insert(FaultKind::SettingChange, fired.setting_changes);
     faults.insert(FaultKind::BrokerRestart, fired.broker_restarts);
@@ -1142,7 +1320,11 @@ pub async fn run(cfg: &Config, sabotage: Option<Sabotage>) -> Report {
         faults,
         violations,
         elapsed: started.elapsed(),
-        sigkill_phases: BTreeMap::new(),
+        sigkill_phases: if sigkills > 0 {
+            BTreeMap::from([("HTTP server child, requests in flight", sigkills)])
+        } else {
+            BTreeMap::new()
+        },
         redelivery: Vec::new(),
         settled: Vec::new(),
         not_seen_again: 0,
@@ -1188,7 +1370,8 @@ fn shaped(seed: u64, store: StoreKind, cached: bool, messages: usize) -> Config 
 /// The default run's HTTP configurations: PostgreSQL partitioned behind
 /// the cache with the outbox, PostgreSQL plain, MariaDB, SQLite, Redis and
 /// memory, each with its seed's faults (cut to 80 keys), and a server kill
-/// and a database connection kill in each where the store has them.
+/// and a database connection kill in each where the store has them; on
+/// PostgreSQL a second server, in a process of its own, SIGKILLed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn http_combinations_keep_the_invariants() {
     if [
@@ -1223,6 +1406,14 @@ async fn http_combinations_keep_the_invariants() {
         }
         if store.transactional() && cfg.schedule.abort_after_commit.is_empty() {
             cfg.schedule.abort_after_commit.push("m0007".into());
+        }
+        // A server process SIGKILLed with requests in flight, on PostgreSQL.
+        if store == StoreKind::Pg {
+            cfg.schedule.sigkill.push(super::config::Sigkill {
+                at: 10,
+                after: 4,
+                phase: super::config::KillPhase::Timed(0),
+            });
         }
         let report = run(&cfg, None).await;
         super::print_report(&report);
