@@ -859,7 +859,7 @@ impl Servers {
 }
 
 /// Starts the server child once the handlers were called `kill.at` times,
-/// and SIGKILLs it `kill.after` × 60 ms later, with requests in flight on
+/// and SIGKILLs it `kill.after` × 150 ms later, with requests in flight on
 /// it; until `done`. Returns the SIGKILLs made.
 async fn sigkill_children(
     cfg: &Config,
@@ -892,7 +892,7 @@ async fn sigkill_children(
         *servers.child.lock().unwrap() = Some(child.url.clone());
         tokio::select! {
             () = &mut finished => {}
-            () = tokio::time::sleep(Duration::from_millis(60 * kill.after.max(1))) => {}
+            () = tokio::time::sleep(Duration::from_millis(150 * kill.after.max(1))) => {}
         }
         // SIGKILL (`Child::kill`), then no more attempts to it.
         let _ = child.process.kill();
