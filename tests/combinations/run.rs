@@ -358,7 +358,7 @@ async fn sigkill_child(
 /// its broker; `db-restart`: its PostgreSQL), stopped when dropped, also
 /// when the configuration fails or panics.
 #[derive(Default, Clone)]
-struct Private {
+pub struct Private {
     rabbit: Option<Arc<common::servers::PrivateRabbit>>,
     /// NATS or Redis.
     child: Option<Arc<Mutex<common::servers::ChildServer>>>,
@@ -370,7 +370,7 @@ struct Private {
 
 impl Private {
     /// Starts the servers `cfg` restarts, and says where they are.
-    async fn start(cfg: &Config) -> (Private, Endpoints) {
+    pub async fn start(cfg: &Config) -> (Private, Endpoints) {
         let mut at = Endpoints::default();
         let mut private = Private::default();
         if cfg.broker == BrokerKind::Kafka || cfg.sink() == Some(BrokerKind::Kafka) {
@@ -408,7 +408,7 @@ impl Private {
     }
 
     /// Restarts the broker (down for `down`), on a blocking thread.
-    async fn restart_broker(&self, down: Duration) {
+    pub async fn restart_broker(&self, down: Duration) {
         let private = self.clone();
         blocking(move || {
             if let Some(rabbit) = &private.rabbit {
@@ -422,7 +422,7 @@ impl Private {
     }
 
     /// Restarts the PostgreSQL (down for `down`), on a blocking thread.
-    async fn restart_db(&self, down: Duration) {
+    pub async fn restart_db(&self, down: Duration) {
         let private = self.clone();
         blocking(move || {
             if let Some(pg) = &private.pg {
@@ -433,7 +433,7 @@ impl Private {
     }
 
     /// Stops the servers, on a blocking thread.
-    async fn stop(self) {
+    pub async fn stop(self) {
         blocking(move || drop(self)).await
     }
 }
@@ -682,15 +682,15 @@ impl<P: Publisher> Publisher for KillingPublisher<P> {
 }
 
 #[derive(Clone)]
-struct RelayPlan {
-    db: RelayDb,
-    sink: BrokerKind,
+pub struct RelayPlan {
+    pub db: RelayDb,
+    pub sink: BrokerKind,
     /// The sink's broker (the private one when it is the restarted broker).
-    at: Endpoints,
-    calls: Arc<AtomicU64>,
-    kills: Arc<Mutex<Vec<(u64, RelayKill)>>>,
-    killed: Arc<Notify>,
-    fired: Arc<Mutex<BTreeMap<FaultKind, u64>>>,
+    pub at: Endpoints,
+    pub calls: Arc<AtomicU64>,
+    pub kills: Arc<Mutex<Vec<(u64, RelayKill)>>>,
+    pub killed: Arc<Notify>,
+    pub fired: Arc<Mutex<BTreeMap<FaultKind, u64>>>,
 }
 
 async fn relay_with<S: OutboxStore>(store: S, plan: RelayPlan) {
@@ -845,7 +845,7 @@ fn start_relay(plan: &RelayPlan) -> tokio::runtime::Runtime {
 
 /// Kills the relay's runtime whenever its publisher says so, and starts a
 /// new one.
-fn supervise_relay(plan: RelayPlan) -> (Arc<Mutex<Option<tokio::runtime::Runtime>>>, JoinHandle<()>) {
+pub fn supervise_relay(plan: RelayPlan) -> (Arc<Mutex<Option<tokio::runtime::Runtime>>>, JoinHandle<()>) {
     let current = Arc::new(Mutex::new(Some(start_relay(&plan))));
     let slot = Arc::clone(&current);
     let task = tokio::spawn(async move {

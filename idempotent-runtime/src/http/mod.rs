@@ -68,14 +68,16 @@
 //! 9457) with a `type` of the form `urn:idempotent:<what>`: `missing-key`,
 //! `invalid-key`, `missing-caller` (400), `body-too-large` (413),
 //! `in-progress` (409), `key-reused` (422), `not-replayable`,
-//! `transaction-borrowed` (500), `store-failed` (503).
+//! `transaction-borrowed`, `outgoing-refused` (500), `store-failed` (503).
 //!
 //! # What is atomic
 //!
 //! On the transactional stores (`PgStore`, `SqliteStore`, `MySqlStore`) the
 //! claim is a database transaction: what the handler writes through
 //! [`IdempotentTx`] commits in the same transaction as the marker and the
-//! kept response, or not at all. A server that dies mid-request leaves
+//! kept response, or not at all. So do the outgoing messages it publishes on
+//! it ([`IdempotentTx::publish`], the [transactional outbox](crate::outbox)):
+//! a replay publishes nothing. A server that dies mid-request leaves
 //! nothing, and the client's retry runs the handler again.
 //!
 //! On Redis and in memory the claim is a lease with a fencing token: the
@@ -632,6 +634,8 @@ where
         .instrument(span.clone())
         .await;
     let guard = cell.take();
+    #[cfg(feature = "sqlx")]
+    let staged = cell.take_staged();
     drop(cell);
     let response = match outcome {
         Ok(response) => response,
@@ -693,6 +697,31 @@ where
             return Ok(Kind::NotReplayable.response(&detail, None));
         }
     };
+    // The outgoing messages the handler published, into the outbox in the
+    // claim's transaction: they commit with the kept answer or not at all.
+    #[cfg(feature = "sqlx")]
+    let mut guard = guard;
+    #[cfg(feature = "sqlx")]
+    let staged = match staged {
+        Some((outbox, stage)) => stage(&mut guard, outbox).instrument(span.clone()).await,
+        None => Ok(()),
+    };
+    #[cfg(feature = "sqlx")]
+    if let Err(error) = staged {
+        guard.abort().await;
+        let (kind, detail) = match &error {
+            Error::Config(reason) => (
+                Kind::OutgoingRefused,
+                format!("an outgoing message the handler published was refused ({reason}); nothing was kept"),
+            ),
+            _ => (
+                Kind::StoreFailed,
+                "the outgoing messages could not be staged with the answer; nothing was kept: retry".to_owned(),
+            ),
+        };
+        report.error(&span, &error, "outgoing messages not staged; claim released");
+        return Ok(kind.response(&detail, None));
+    }
     let kept = StoredResponse::new(response_parts.status, &response_parts.headers, &body).to_json();
     let completed = match kept {
         Ok(json) => guard.complete(Some(json)).instrument(span.clone()).await,

@@ -27,6 +27,9 @@ pub(crate) enum Kind {
     NotReplayable,
     /// 500: the handler left the transaction borrowed.
     TransactionBorrowed,
+    /// 500: the outbox refused an outgoing message the handler published.
+    #[cfg_attr(not(feature = "sqlx"), allow(dead_code))]
+    OutgoingRefused,
     /// 503: the store failed; nothing was committed on transactional stores.
     StoreFailed,
 }
@@ -66,6 +69,11 @@ impl Kind {
                 StatusCode::INTERNAL_SERVER_ERROR,
                 "transaction-borrowed",
                 "The handler kept its transaction past its answer",
+            ),
+            Kind::OutgoingRefused => (
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "outgoing-refused",
+                "An outgoing message was refused",
             ),
             Kind::StoreFailed => (
                 StatusCode::SERVICE_UNAVAILABLE,
