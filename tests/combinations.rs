@@ -137,6 +137,18 @@
 //! (`tansu_leaves_a_rebalance_hanging_when_a_member_leaves_during_it` in
 //! `tests/kafka.rs`); replays of three of them drained.
 //!
+//! Offsets in the database (`KafkaConsumerBuilder::offsets_in`), from a
+//! stream of its own (`config::KAFKA_OFFSETS_STREAM`) for every seed, so
+//! that every other draw of a seed is what it was before: a coin, which
+//! counts on Kafka configurations whose store keeps the offsets
+//! (PostgreSQL with the plain marker layout, MariaDB, SQLite:
+//! `Config::offsets_in_db`). Their consumers, in-process and child, keep
+//! each partition's next offset in the handler's transaction (in the batch's,
+//! with batches) and start each assigned partition there; the Kafka
+//! commits go on (the checker's "nothing left unsettled" reads them). The
+//! summary line says `offsets in db`. `IDEMPOTENT_CHECKER_FORCE=kafka_offsets=on`
+//! (`off`) sets the coin for every configuration.
+//!
 //! # The checks, after draining
 //!
 //! 1. Every message acknowledged (not all of its deliveries dead-lettered)
@@ -453,6 +465,10 @@ fn force(cfg: &mut Config) {
                 cfg.outbox = config::OutboxMode::OtherBroker(config::BrokerKind::Kafka);
             }
             ("sink", "kafka") | ("kafka", "off" | "only") => {}
+            // Offsets in the database on Kafka configurations whose store
+            // keeps them (`Config::offsets_in_db`), or never.
+            ("kafka_offsets", "on") => cfg.kafka_offsets = true,
+            ("kafka_offsets", "off") => cfg.kafka_offsets = false,
             ("outbox", "off") => cfg.outbox = config::OutboxMode::Off,
             ("batch", "off") => cfg.batch = None,
             ("cache", "off") => cfg.cached = false,

@@ -661,6 +661,13 @@ struct Part {
     committed: Option<i64>,
     /// Its fetching is paused (too much buffered).
     paused: bool,
+    /// Offsets in the database: the offset it was started at, from its
+    /// stored row, until its first record arrives (a record before it
+    /// means the log ends before the stored offset: see `held`).
+    expect_from: Option<i64>,
+    /// Held: its log ends before its stored offset (the broker moved the
+    /// fetch back), so nothing of it is handled in this assignment.
+    held: bool,
 }
 
 #[derive(Default)]
@@ -677,6 +684,9 @@ struct State {
     lost: Option<String>,
     /// The group assigned partitions (possibly none) at least once.
     joined: bool,
+    /// Offsets in the database: the offsets the partitions of the
+    /// assignment under way start at (from their stored rows).
+    starts: BTreeMap<i32, i64>,
 }
 
 /// What the session, its deliveries and its thread share.
@@ -801,6 +811,7 @@ impl ConsumerContext for Context {
                 }
                 state.epochs += 1;
                 let epoch = state.epochs;
+                let expect_from = state.starts.remove(&partition);
                 state.parts.insert(
                     partition,
                     Part {
@@ -812,11 +823,14 @@ impl ConsumerContext for Context {
                         finished: None,
                         committed: None,
                         paused: false,
+                        expect_from,
+                        held: false,
                     },
                 );
                 assigned.push(partition);
             }
             state.joined = true;
+            state.starts.clear();
             drop(state);
             // librdkafka keeps a partition paused over a rebalance: one this
             // member paused (too much buffered) and is given again would
@@ -867,6 +881,7 @@ fn start_at_stored_offsets(shared: &Shared, list: &mut TopicPartitionList) {
                         }
                     }
                 }
+                shared.lock().starts = starts.iter().copied().collect();
                 tracing::info!(
                     target: TRACING_TARGET,
                     topic,
@@ -991,10 +1006,20 @@ fn poll_loop(consumer: BaseConsumer<Context>, shared: &Shared) {
                 let mut state = shared.lock();
                 let mut pause = false;
                 if let Some(part) = state.parts.get_mut(&partition).filter(|part| !part.revoking) {
-                    part.queue.push_back(record);
-                    if part.queue.len() >= ready.max_buffered && !part.paused {
+                    if let Some(from) = part.expect_from.take()
+                        && record.offset < from
+                    {
+                        hold(ready, partition, part, from, record.offset);
+                    }
+                    if part.held {
+                        pause = !part.paused;
                         part.paused = true;
-                        pause = true;
+                    } else {
+                        part.queue.push_back(record);
+                        if part.queue.len() >= ready.max_buffered && !part.paused {
+                            part.paused = true;
+                            pause = true;
+                        }
                     }
                 }
                 drop(state);
@@ -1022,7 +1047,7 @@ fn poll_loop(consumer: BaseConsumer<Context>, shared: &Shared) {
             state
                 .parts
                 .iter_mut()
-                .filter(|(_, part)| part.paused && part.queue.len() <= ready.max_buffered / 2)
+                .filter(|(_, part)| part.paused && !part.held && part.queue.len() <= ready.max_buffered / 2)
                 .map(|(partition, part)| {
                     part.paused = false;
                     *partition
@@ -1048,6 +1073,40 @@ fn poll_loop(consumer: BaseConsumer<Context>, shared: &Shared) {
     drop(consumer);
     shared.alive.store(false, Ordering::Relaxed);
     tracing::debug!(target: TRACING_TARGET, topic = %ready.topic, "left the consumer group");
+}
+
+/// Offsets in the database: holds `partition`, whose first record came at
+/// `offset`, before the offset `from` it was started at (its stored row).
+/// librdkafka moves a fetch back only when the broker answers that the
+/// offset is out of range (`auto.offset.reset`): the partition's log now
+/// ends before `from`, so it lost records, was truncated or was recreated
+/// (Kafka keeps its log over restarts; a test broker with memory storage
+/// does not). Its records below `from` would each be taken for one already
+/// applied (the stored offset is past them) and skipped without a trace,
+/// so nothing of the partition is handled: its fetching stays paused and
+/// its records are dropped until the stored offset is corrected and the
+/// partition assigned again. Other partitions go on.
+fn hold(ready: &Ready, partition: i32, part: &mut Part, from: i64, offset: i64) {
+    part.held = true;
+    #[cfg(feature = "sqlx")]
+    let table = ready
+        .offsets
+        .as_ref()
+        .map_or_else(|| "the offsets table".to_owned(), |offsets| offsets.describe());
+    #[cfg(not(feature = "sqlx"))]
+    let table = "the offsets table".to_owned();
+    tracing::error!(
+        target: TRACING_TARGET,
+        topic = %ready.topic,
+        group = %ready.group,
+        partition,
+        stored_offset = from,
+        fetched_offset = offset,
+        "the offset stored in the database is past the end of the partition's log (the broker moved the fetch back \
+         to an earlier offset: the log was lost, truncated or the topic recreated): its records below the stored \
+         offset would be skipped as already applied, so the consumer holds the partition and handles nothing of it; \
+         correct its row in {table} (delete it to start over, or set its next offset) and restart the consumer"
+    );
 }
 
 fn set_paused(consumer: &BaseConsumer<Context>, ready: &Ready, partition: i32, pause: bool) {
