@@ -28,6 +28,55 @@ use idempotent_runtime::{PgStore, idempotent, sqlx};
 
 const WAIT: Duration = Duration::from_secs(60);
 
+/// The consumer's warnings and errors (`idempotent::broker`), as
+/// `LEVEL message`, for the tests that check what it reported.
+fn reported() -> &'static std::sync::Mutex<Vec<String>> {
+    use tracing_subscriber::layer::SubscriberExt as _;
+
+    struct Record;
+    impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for Record {
+        fn on_event(&self, event: &tracing::Event<'_>, _: tracing_subscriber::layer::Context<'_, S>) {
+            struct Message(String);
+            impl tracing::field::Visit for Message {
+                fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+                    if field.name() == "message" {
+                        self.0 = format!("{value:?}");
+                    }
+                }
+            }
+            let meta = event.metadata();
+            if meta.target() == "idempotent::broker" && *meta.level() <= tracing::Level::WARN {
+                let mut message = Message(String::new());
+                event.record(&mut message);
+                reported()
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner)
+                    .push(format!("{} {}", meta.level(), message.0));
+            }
+        }
+    }
+
+    static REPORTED: std::sync::OnceLock<std::sync::Mutex<Vec<String>>> = std::sync::OnceLock::new();
+    static INSTALLED: std::sync::Once = std::sync::Once::new();
+    INSTALLED.call_once(|| {
+        let _ = tracing::subscriber::set_global_default(tracing_subscriber::registry().with(Record));
+    });
+    REPORTED.get_or_init(Default::default)
+}
+
+/// How many reported lines contain `text`.
+fn reports(text: &str) -> usize {
+    lines().iter().filter(|l| l.contains(text)).count()
+}
+
+/// What was reported so far.
+fn lines() -> Vec<String> {
+    reported()
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .clone()
+}
+
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 struct Msg {
     message_id: String,
@@ -117,10 +166,7 @@ impl Db {
 
     /// How many times each message's effect was applied.
     async fn effects(&self) -> BTreeMap<String, i64> {
-        let select = format!(
-            "SELECT message_id, COUNT(*) FROM {} GROUP BY message_id",
-            self.effects
-        );
+        let select = format!("SELECT message_id, COUNT(*) FROM {} GROUP BY message_id", self.effects);
         sqlx::query_as::<_, (String, i64)>(sqlx::AssertSqlSafe(select))
             .fetch_all(self.store.pool())
             .await
@@ -218,6 +264,7 @@ enum Mode {
 async fn the_consumer_goes_on_after_a_broker_restart(mode: Mode) {
     const BEFORE: u32 = 100;
     const AFTER: u32 = 40;
+    reported();
     let mut durable = Durable::start();
     let db = Db::open().await;
     let topic = common::unique("restart");
@@ -282,7 +329,10 @@ async fn the_consumer_goes_on_after_a_broker_restart(mode: Mode) {
         Mode::OffsetsInDatabase => {
             assert_eq!(
                 db.stored(group, &topic).await,
-                BTreeMap::from([(0, i64::from((BEFORE + AFTER) / 2)), (1, i64::from((BEFORE + AFTER) / 2))])
+                BTreeMap::from([
+                    (0, i64::from((BEFORE + AFTER) / 2)),
+                    (1, i64::from((BEFORE + AFTER) / 2))
+                ])
             );
         }
         Mode::Markers => {
@@ -295,6 +345,11 @@ async fn the_consumer_goes_on_after_a_broker_restart(mode: Mode) {
     }
     shutdown.cancel();
     let run = run.await.unwrap().unwrap();
+    let mut warnings = BTreeMap::<String, usize>::new();
+    for line in lines() {
+        *warnings.entry(line.chars().take(90).collect()).or_default() += 1;
+    }
+    eprintln!("{mode:?}: the consumer's warnings: {warnings:#?}");
     eprintln!(
         "{mode:?}: {before_restart} effects before the broker restart, all {total} {resumed_in:?} after it; \
          handler calls {} (records delivered again: {}); {run:?}; live {:?}",
@@ -323,6 +378,7 @@ async fn an_offsets_in_database_consumer_goes_on_after_a_broker_restart() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn commits_that_fail_in_a_broker_outage_are_made_again_and_never_pass_an_unfinished_record() {
     const RECORDS: u32 = 20;
+    reported();
     let mut durable = Durable::start();
     let db = Db::open().await;
     let topic = common::unique("commit_outage");
@@ -335,10 +391,7 @@ async fn commits_that_fail_in_a_broker_outage_are_made_again_and_never_pass_an_u
     // Records 5 to 9 wait for `middle`, record 10 for `last`.
     let middle = Arc::new(AtomicBool::new(false));
     let last = Arc::new(AtomicBool::new(false));
-    let consumer = builder(&durable.kafka, &topic, group)
-        .commit_every(1)
-        .build()
-        .unwrap();
+    let consumer = builder(&durable.kafka, &topic, group).commit_every(1).build().unwrap();
     let shutdown = CancellationToken::new();
     let (handler_db, m, l) = (Arc::clone(&db), Arc::clone(&middle), Arc::clone(&last));
     let run = tokio::spawn(consumer.run(
@@ -395,7 +448,11 @@ async fn commits_that_fail_in_a_broker_outage_are_made_again_and_never_pass_an_u
     assert!(effects.values().all(|&n| n == 1), "{effects:?}");
     shutdown.cancel();
     let run = run.await.unwrap().unwrap();
-    eprintln!("commit outage: {run:?}");
+    eprintln!(
+        "commit outage: {run:?}; {} failed commits reported, {} failed commits of revoked partitions",
+        reports("committing offsets failed"),
+        reports("committing the offsets of revoked partitions failed")
+    );
     db.clean(&topic).await;
 }
 
@@ -403,13 +460,15 @@ async fn commits_that_fail_in_a_broker_outage_are_made_again_and_never_pass_an_u
 /// committed offsets are gone. The topic is created again and new records
 /// published (offsets from 0 again) while a consumer with offsets in the
 /// database runs (the same one, never restarted): the stored offset (10)
-/// is past the new log's end. Taking the new records at offsets 0 to 3 for
-/// records already applied would skip them without a trace; the consumer
-/// holds the partition instead (nothing of it handled, the stored offset
-/// untouched), and once the operator deletes the partition's row, a
-/// consumer handles the new records.
+/// is past the new log's end. Kafka would answer the fetch at 10 with "out
+/// of range" (the consumer then holds the partition); Tansu 0.6 answers it
+/// with no records, so the new records at offsets 0 to 3 are not handled
+/// and the consumer reports the stored offset past the high watermark at
+/// the assignment (an error). Once the operator deletes the partition's
+/// row, a consumer handles the new records, each once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_stored_offset_past_the_end_of_a_lost_log_holds_the_partition() {
+async fn a_stored_offset_past_the_end_of_a_lost_log_is_reported() {
+    reported();
     let mut kafka = Kafka::start();
     let db = Db::open().await;
     let topic = common::unique("lost_log");
@@ -442,7 +501,10 @@ async fn a_stored_offset_past_the_end_of_a_lost_log_holds_the_partition() {
         (shutdown, run)
     };
     let (shutdown_a, run_a) = start(&kafka, None);
-    wait_until!("the first 10 records", db.stored(group, &topic).await == BTreeMap::from([(0, 10)]));
+    wait_until!(
+        "the first 10 records",
+        db.stored(group, &topic).await == BTreeMap::from([(0, 10)])
+    );
     assert_eq!(calls.load(Ordering::SeqCst), 10);
     tokio::task::block_in_place(|| kafka.server.restart(Duration::from_millis(500)));
     create_topics(&kafka, &topic).await;
@@ -457,10 +519,15 @@ async fn a_stored_offset_past_the_end_of_a_lost_log_holds_the_partition() {
     assert_eq!(
         calls.load(Ordering::SeqCst),
         10,
-        "the new records were handled (and rolled back as already applied) instead of held"
+        "the new records were handled (and rolled back as already applied)"
     );
     assert_eq!(db.stored(group, &topic).await, BTreeMap::from([(0, 10)]));
     assert_eq!(db.effects().await.len(), 10);
+    assert!(
+        reports("past the partition's high watermark") >= 1,
+        "the consumer did not report its stored offset past the log's end: {:?}",
+        lines()
+    );
     shutdown_a.cancel();
     run_a.await.unwrap().unwrap();
     // The operator's correction: the partition starts over.

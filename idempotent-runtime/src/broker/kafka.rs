@@ -69,6 +69,12 @@
 //! effect and offset commit together), and each assigned partition starts
 //! at its stored offset: see the method. The Kafka commits above go on, as a
 //! hint for monitoring ([`kafka_commits`](ConsumerBuilder::kafka_commits)).
+//! A stored offset past the end of the partition's log (a log that lost
+//! records, or a topic created again) is reported at the assignment, and a
+//! partition whose first record comes before its stored offset (the broker
+//! answered "out of range" and librdkafka moved the fetch back) is held:
+//! nothing of it is handled, rather than its records skipped as already
+//! applied, until its row is corrected.
 //!
 //! # Connection loss
 //!
@@ -751,7 +757,7 @@ impl ConsumerContext for Context {
         match err {
             RDKafkaRespErr::RD_KAFKA_RESP_ERR__ASSIGN_PARTITIONS => {
                 #[cfg(feature = "sqlx")]
-                start_at_stored_offsets(&self.shared, list);
+                start_at_stored_offsets(consumer, &self.shared, list);
                 self.pre_rebalance(consumer, &Rebalance::Assign(list));
                 let assigned = if cooperative {
                     consumer.incremental_assign(list)
@@ -854,7 +860,7 @@ impl ConsumerContext for Context {
 /// handled again, and their transactions, finding the stored offset past
 /// them, roll back (no effect twice).
 #[cfg(feature = "sqlx")]
-fn start_at_stored_offsets(shared: &Shared, list: &mut TopicPartitionList) {
+fn start_at_stored_offsets(consumer: &BaseConsumer<Context>, shared: &Shared, list: &mut TopicPartitionList) {
     let Some(offsets) = shared.ready.offsets.as_ref() else {
         return;
     };
@@ -882,6 +888,9 @@ fn start_at_stored_offsets(shared: &Shared, list: &mut TopicPartitionList) {
                     }
                 }
                 shared.lock().starts = starts.iter().copied().collect();
+                for (partition, next) in &starts {
+                    check_against_log_end(consumer, shared, *partition, *next);
+                }
                 tracing::info!(
                     target: TRACING_TARGET,
                     topic,
@@ -904,6 +913,47 @@ fn start_at_stored_offsets(shared: &Shared, list: &mut TopicPartitionList) {
         "cannot read the offsets stored in the database: the partitions start at the group's committed offsets; \
          records the database already has roll back as duplicates"
     );
+}
+
+/// Offsets in the database: reports a stored offset `next` past the high
+/// watermark of `partition` (the offset its next record would get). On
+/// Kafka that means the log lost records, was truncated or the topic was
+/// created again: the broker answers the fetch at `next` with "out of
+/// range", and the consumer holds the partition when its first record comes
+/// before `next` (see `hold`). A broker that answers such a fetch with no
+/// records instead (Tansu 0.6 does) leaves the records below `next` unread
+/// and delivers those from `next` on: this error is then all that tells.
+/// Tansu also reports a batch's high watermark short (the batch's first
+/// offset + 1), so there a stored offset past it can be a false alarm;
+/// the consumer only reports it. Runs inside the rebalance (one metadata
+/// request per partition, at most `READ_OFFSETS_TIMEOUT` each).
+#[cfg(feature = "sqlx")]
+fn check_against_log_end(consumer: &BaseConsumer<Context>, shared: &Shared, partition: i32, next: i64) {
+    let ready = &shared.ready;
+    match consumer.fetch_watermarks(&ready.topic, partition, READ_OFFSETS_TIMEOUT) {
+        Ok((_, high)) if next > high => {
+            let table = ready
+                .offsets
+                .as_ref()
+                .map_or_else(|| "the offsets table".to_owned(), |offsets| offsets.describe());
+            tracing::error!(
+                target: TRACING_TARGET,
+                topic = %ready.topic,
+                group = %ready.group,
+                partition,
+                stored_offset = next,
+                high_watermark = high,
+                "the offset stored in the database is past the partition's high watermark: if the log lost records, \
+                 was truncated or the topic was created again, its records below the stored offset are not handled \
+                 (on Kafka the consumer holds the partition; a broker that answers the fetch with no records leaves \
+                 them unread); correct its row in {table} (delete it to start over, or set its next offset)"
+            );
+        }
+        Ok(_) => {}
+        Err(err) => {
+            tracing::debug!(target: TRACING_TARGET, partition, error = %err, "cannot read the partition's high watermark");
+        }
+    }
 }
 
 /// Revokes `partitions`: nothing more of them starts, their handlers in
