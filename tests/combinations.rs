@@ -147,7 +147,16 @@
 //! with batches) and start each assigned partition there; the Kafka
 //! commits go on (the checker's "nothing left unsettled" reads them). The
 //! summary line says `offsets in db`. `IDEMPOTENT_CHECKER_FORCE=kafka_offsets=on`
-//! (`off`) sets the coin for every configuration.
+//! (`off`) sets the coin for every configuration. A Kafka run in this mode
+//! (`IDEMPOTENT_CHECKER_FORCE=broker=kafka,kafka_offsets=on`, one seed at
+//! a time, the 20 seeds from 1000 to 1040 whose store keeps offsets: 1000,
+//! 1004, 1007, 1009, 1011, 1012, 1016, 1017, 1021, 1022, 1024 to 1029,
+//! 1032, 1036, 1039, 1040; 4 090 messages and 808 duplicates) lost none and
+//! applied none twice; 4 configurations (1009, 1021, 1022, 1025, each with
+//! consumer aborts or kills, so members leaving and joining) stopped
+//! consuming and did not drain in 180 s, as 7 of 40 did in marker mode
+//! (Tansu's rebalance hang, above; not confirmed from their logs, which
+//! that run did not keep); a replay of 1009 drained in 23 s.
 //!
 //! # The checks, after draining
 //!
