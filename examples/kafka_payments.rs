@@ -10,7 +10,10 @@
 //! twice (one in four, keyed by message id, so both copies land in one
 //! partition) are skipped by their markers. When consumer 1 dies (its task
 //! aborted inside its 5th payment's handler, before the consumer commits
-//! that payment's transaction: it is rolled back), the group gives its
+//! that payment's transaction: it is rolled back; the handler waits until
+//! the two others received a payment, so that consumer 1 leaves the group
+//! once their joins completed, not in the middle of that rebalance, which
+//! the test broker would leave hanging), the group gives its
 //! partitions to the two others, which start at the stored offsets: what
 //! consumer 1 committed is not delivered again, and its payment cut short
 //! is charged by its next owner, once.
@@ -70,6 +73,10 @@ impl KafkaDemo {
             .set("max.poll.interval.ms", "20000")
             .set("topic.metadata.refresh.interval.ms", "1000")
             .set("fetch.wait.max.ms", "100");
+        // `IDEMPOTENT_EXAMPLE_LOG=cgrp`: librdkafka's consumer-group log too.
+        if std::env::var("IDEMPOTENT_EXAMPLE_LOG").is_ok_and(|v| v == "cgrp") {
+            config.set("debug", "cgrp");
+        }
         config
     }
 
@@ -102,6 +109,7 @@ impl Demo for KafkaDemo {
     const TITLE: &'static str = "Kafka (offsets in the database)";
     const REDELIVERS_COMMITTED: bool = false;
     const DEADLINE: Duration = Duration::from_secs(90);
+    const KILL_ONCE_OTHERS_CONSUME: bool = true;
 
     fn describe(&self) -> String {
         format!(
@@ -251,6 +259,16 @@ fn broker() -> Result<(String, Option<Tansu>), BoxError> {
 
 #[tokio::main]
 async fn main() -> Result<(), BoxError> {
+    // `IDEMPOTENT_EXAMPLE_LOG=1`: the consumers' log (joins, assignments,
+    // revocations, commits) on stderr.
+    if std::env::var_os("IDEMPOTENT_EXAMPLE_LOG").is_some() {
+        use tracing_subscriber::layer::SubscriberExt as _;
+        use tracing_subscriber::util::SubscriberInitExt as _;
+        tracing_subscriber::registry()
+            .with(tracing_subscriber::fmt::layer().with_writer(std::io::stderr))
+            .with(tracing_subscriber::filter::Targets::new().with_target("idempotent", tracing::Level::DEBUG))
+            .init();
+    }
     let (bootstrap, _tansu) = broker()?;
     let pg_url = std::env::var("DATABASE_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
     let id = payments::run_id();

@@ -274,7 +274,7 @@ pub async fn child_main(spec: ChildSpec) {
             consume(builder, &st, &spec).await
         }
         BrokerKind::Kafka => {
-            let builder = run::with_batch(source.kafka(), &batch, cfg.batch)
+            let builder = run::with_offsets(run::with_batch(source.kafka(), &batch, cfg.batch), &opened.offsets)
                 .concurrency(cfg.concurrency)
                 .max_attempts(cfg.max_attempts);
             consume(builder, &st, &spec).await

@@ -326,7 +326,17 @@ pub struct Config {
     pub duplicates: usize,
     pub max_attempts: u32,
     pub schedule: Schedule,
+    /// The Kafka consumers keep their offsets in the database
+    /// (`offsets_in(store)`), where [`offsets_in_db`](Config::offsets_in_db)
+    /// says the configuration can: drawn for every seed from a stream of
+    /// its own (`KAFKA_OFFSETS_STREAM`), so that the rest of each seed's
+    /// draws are what they were before it.
+    #[serde(default)]
+    pub kafka_offsets: bool,
 }
+
+/// The stream the offsets-in-the-database coin is drawn from (`seed ^` it).
+pub const KAFKA_OFFSETS_STREAM: u64 = 0x0ff5_e7db;
 
 impl Config {
     /// The configuration and schedule of `seed`, leaving out the fault kinds
@@ -548,7 +558,18 @@ impl Config {
             duplicates,
             max_attempts,
             schedule,
+            kafka_offsets: Rng::new(seed ^ KAFKA_OFFSETS_STREAM).percent(50),
         }
+    }
+
+    /// The Kafka consumers keep their offsets in the database: drawn
+    /// (`kafka_offsets`), on Kafka, with a store that keeps them
+    /// (PostgreSQL with the plain marker layout, MariaDB, SQLite; a
+    /// partitioned `PgStore` is refused by `offsets_in`).
+    pub fn offsets_in_db(&self) -> bool {
+        self.kafka_offsets
+            && self.broker == BrokerKind::Kafka
+            && matches!(self.store, StoreKind::Pg | StoreKind::MariaDb | StoreKind::Sqlite)
     }
 
     /// The broker runs on a private server, restarted during the run.
@@ -605,6 +626,6 @@ impl Config {
             self.schedule.sigkill.len(),
             if self.broker_restart() { ", broker restart" } else { "" },
             if self.db_restart() { ", db restart" } else { "" },
-        )
+        ) + if self.offsets_in_db() { ", offsets in db" } else { "" }
     }
 }

@@ -121,6 +121,9 @@ pub struct Opened {
     pub redis_prefix: Option<String>,
     /// The SQLite database's file, for a child consumer to attach to.
     pub sqlite_path: Option<std::path::PathBuf>,
+    /// The store Kafka consumers keep their offsets in
+    /// (`Config::offsets_in_db`); `None` where the configuration does not.
+    pub offsets: Option<BatchTarget>,
 }
 
 /// A child consumer (`child.rs`) attaches to the tables its parent
@@ -447,6 +450,7 @@ pub async fn open(cfg: &Config, name: &str, sink: Option<String>, pg_url: &str, 
     Opened {
         ledger,
         admin,
+        offsets: batch.clone().filter(|_| cfg.offsets_in_db()),
         batch: batch.filter(|_| cfg.batch.is_some()),
         relay: relay.filter(|_| cfg.sink().is_some()),
         settings,

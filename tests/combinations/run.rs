@@ -242,6 +242,20 @@ pub fn with_batch<B>(
     builder.batch_wait(Duration::from_millis(5))
 }
 
+/// `builder` keeping its offsets in `target`'s store (offsets in the
+/// database: `Opened::offsets`, set where `Config::offsets_in_db`).
+pub fn with_offsets(
+    builder: ConsumerBuilder<idempotent_runtime::kafka::Kafka>,
+    target: &Option<BatchTarget>,
+) -> ConsumerBuilder<idempotent_runtime::kafka::Kafka> {
+    match target {
+        Some(BatchTarget::Pg(s)) => builder.offsets_in(s.clone()),
+        Some(BatchTarget::My(s)) => builder.offsets_in(s.clone()),
+        Some(BatchTarget::Lite(s)) => builder.offsets_in(s.clone()),
+        None => builder,
+    }
+}
+
 /// The consumers' prefetch (in-process and child).
 pub fn prefetch(cfg: &Config) -> usize {
     (cfg.concurrency * cfg.batch.unwrap_or(4)).max(16)
@@ -1025,7 +1039,7 @@ pub async fn run(cfg: &Config, sabotage: Option<Sabotage>) -> Report {
         }
         BrokerKind::Kafka => {
             let make = || {
-                with_batch(source.kafka(), &batch, cfg.batch)
+                with_offsets(with_batch(source.kafka(), &batch, cfg.batch), &opened.offsets)
                     .concurrency(cfg.concurrency)
                     .max_attempts(cfg.max_attempts)
             };

@@ -51,7 +51,12 @@ pub struct Kafka {
 
 impl Kafka {
     pub fn start() -> Kafka {
-        let server = ChildServer::tansu();
+        Kafka::on(ChildServer::tansu())
+    }
+
+    /// On `server`, a Tansu broker started by the caller (one that keeps
+    /// its log over a restart: [`ChildServer::tansu_on_s3`]).
+    pub fn on(server: ChildServer) -> Kafka {
         let producer = base_config(&server.kafka_bootstrap())
             .set("enable.idempotence", "true")
             .create()

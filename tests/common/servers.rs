@@ -268,6 +268,41 @@ impl ChildServer {
         })
     }
 
+    /// A private S3 server (moto's, `.ci/moto`) holding one bucket,
+    /// `tansu`: the storage of [`tansu_on_s3`](Self::tansu_on_s3).
+    pub fn s3() -> ChildServer {
+        let server = moto_server();
+        let s3 = ChildServer::start("the private S3 server (moto)", move |port, _dir| {
+            let mut command = Command::new(&server);
+            command.args(["-H", "127.0.0.1", "-p", &port.to_string()]);
+            command
+        });
+        s3_create_bucket(s3.port, "tansu");
+        s3
+    }
+
+    /// A private Tansu broker keeping its topics, records, groups and
+    /// committed offsets in the S3 server at `s3_port` (bucket `tansu`):
+    /// [`restart`](Self::restart) brings it back on the same port with
+    /// what it had, as a Kafka broker restarts on its log.
+    pub fn tansu_on_s3(s3_port: u16) -> ChildServer {
+        let server = tansu_server();
+        ChildServer::start("the private Tansu (Kafka) broker on S3", move |port, _dir| {
+            let url = format!("tcp://127.0.0.1:{port}");
+            let mut command = Command::new(&server);
+            command
+                .arg("broker")
+                .args(["--listener-url", &url, "--advertised-listener-url", &url])
+                .args(["--storage-engine", "s3://tansu/"])
+                .env("AWS_ENDPOINT", format!("http://127.0.0.1:{s3_port}"))
+                .env("AWS_ALLOW_HTTP", "true")
+                .env("AWS_ACCESS_KEY_ID", "test")
+                .env("AWS_SECRET_ACCESS_KEY", "test")
+                .env("AWS_DEFAULT_REGION", "us-east-1");
+            command
+        })
+    }
+
     /// `127.0.0.1:<port>`, for Kafka's `bootstrap.servers`.
     pub fn kafka_bootstrap(&self) -> String {
         format!("127.0.0.1:{}", self.port)
@@ -302,6 +337,29 @@ pub fn valkey_server() -> PathBuf {
 pub fn tansu_server() -> PathBuf {
     static SERVER: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
     SERVER.get_or_init(|| installed("kafka", "tansu", "tansu")).clone()
+}
+
+/// The path of moto's `moto_server` (a local S3 server), installed by
+/// `.ci/moto` in a virtual environment of its own when it is missing.
+pub fn moto_server() -> PathBuf {
+    static SERVER: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    SERVER.get_or_init(|| installed("moto", "moto", "moto_server")).clone()
+}
+
+/// Creates the bucket `bucket` on the S3 server at `port` (a plain HTTP
+/// `PUT /<bucket>`, which moto accepts unsigned).
+fn s3_create_bucket(port: u16, bucket: &str) {
+    use std::io::{Read, Write};
+    let mut stream = TcpStream::connect(("127.0.0.1", port)).expect("connect to the S3 server");
+    let request =
+        format!("PUT /{bucket} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n");
+    stream.write_all(request.as_bytes()).expect("send to the S3 server");
+    let mut response = String::new();
+    let _ = stream.read_to_string(&mut response);
+    assert!(
+        response.starts_with("HTTP/1.1 200") || response.starts_with("HTTP/1.0 200"),
+        "create the S3 bucket {bucket}: {response}"
+    );
 }
 
 /// Runs the install script `.ci/<script>` into the build directory's

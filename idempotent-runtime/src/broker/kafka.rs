@@ -69,6 +69,12 @@
 //! effect and offset commit together), and each assigned partition starts
 //! at its stored offset: see the method. The Kafka commits above go on, as a
 //! hint for monitoring ([`kafka_commits`](ConsumerBuilder::kafka_commits)).
+//! A stored offset past the end of the partition's log (a log that lost
+//! records, or a topic created again) is reported at the assignment, and a
+//! partition whose first record comes before its stored offset (the broker
+//! answered "out of range" and librdkafka moved the fetch back) is held:
+//! nothing of it is handled, rather than its records skipped as already
+//! applied, until its row is corrected.
 //!
 //! # Connection loss
 //!
@@ -661,6 +667,13 @@ struct Part {
     committed: Option<i64>,
     /// Its fetching is paused (too much buffered).
     paused: bool,
+    /// Offsets in the database: the offset it was started at, from its
+    /// stored row, until its first record arrives (a record before it
+    /// means the log ends before the stored offset: see `held`).
+    expect_from: Option<i64>,
+    /// Held: its log ends before its stored offset (the broker moved the
+    /// fetch back), so nothing of it is handled in this assignment.
+    held: bool,
 }
 
 #[derive(Default)]
@@ -677,6 +690,9 @@ struct State {
     lost: Option<String>,
     /// The group assigned partitions (possibly none) at least once.
     joined: bool,
+    /// Offsets in the database: the offsets the partitions of the
+    /// assignment under way start at (from their stored rows).
+    starts: BTreeMap<i32, i64>,
 }
 
 /// What the session, its deliveries and its thread share.
@@ -741,7 +757,7 @@ impl ConsumerContext for Context {
         match err {
             RDKafkaRespErr::RD_KAFKA_RESP_ERR__ASSIGN_PARTITIONS => {
                 #[cfg(feature = "sqlx")]
-                start_at_stored_offsets(&self.shared, list);
+                start_at_stored_offsets(consumer, &self.shared, list);
                 self.pre_rebalance(consumer, &Rebalance::Assign(list));
                 let assigned = if cooperative {
                     consumer.incremental_assign(list)
@@ -801,6 +817,7 @@ impl ConsumerContext for Context {
                 }
                 state.epochs += 1;
                 let epoch = state.epochs;
+                let expect_from = state.starts.remove(&partition);
                 state.parts.insert(
                     partition,
                     Part {
@@ -812,11 +829,14 @@ impl ConsumerContext for Context {
                         finished: None,
                         committed: None,
                         paused: false,
+                        expect_from,
+                        held: false,
                     },
                 );
                 assigned.push(partition);
             }
             state.joined = true;
+            state.starts.clear();
             drop(state);
             // librdkafka keeps a partition paused over a rebalance: one this
             // member paused (too much buffered) and is given again would
@@ -840,7 +860,7 @@ impl ConsumerContext for Context {
 /// handled again, and their transactions, finding the stored offset past
 /// them, roll back (no effect twice).
 #[cfg(feature = "sqlx")]
-fn start_at_stored_offsets(shared: &Shared, list: &mut TopicPartitionList) {
+fn start_at_stored_offsets(consumer: &BaseConsumer<Context>, shared: &Shared, list: &mut TopicPartitionList) {
     let Some(offsets) = shared.ready.offsets.as_ref() else {
         return;
     };
@@ -867,6 +887,10 @@ fn start_at_stored_offsets(shared: &Shared, list: &mut TopicPartitionList) {
                         }
                     }
                 }
+                shared.lock().starts = starts.iter().copied().collect();
+                for (partition, next) in &starts {
+                    check_against_log_end(consumer, shared, *partition, *next);
+                }
                 tracing::info!(
                     target: TRACING_TARGET,
                     topic,
@@ -889,6 +913,47 @@ fn start_at_stored_offsets(shared: &Shared, list: &mut TopicPartitionList) {
         "cannot read the offsets stored in the database: the partitions start at the group's committed offsets; \
          records the database already has roll back as duplicates"
     );
+}
+
+/// Offsets in the database: reports a stored offset `next` past the high
+/// watermark of `partition` (the offset its next record would get). On
+/// Kafka that means the log lost records, was truncated or the topic was
+/// created again: the broker answers the fetch at `next` with "out of
+/// range", and the consumer holds the partition when its first record comes
+/// before `next` (see `hold`). A broker that answers such a fetch with no
+/// records instead (Tansu 0.6 does) leaves the records below `next` unread
+/// and delivers those from `next` on: this error is then all that tells.
+/// Tansu also reports a batch's high watermark short (the batch's first
+/// offset + 1), so there a stored offset past it can be a false alarm;
+/// the consumer only reports it. Runs inside the rebalance (one metadata
+/// request per partition, at most `READ_OFFSETS_TIMEOUT` each).
+#[cfg(feature = "sqlx")]
+fn check_against_log_end(consumer: &BaseConsumer<Context>, shared: &Shared, partition: i32, next: i64) {
+    let ready = &shared.ready;
+    match consumer.fetch_watermarks(&ready.topic, partition, READ_OFFSETS_TIMEOUT) {
+        Ok((_, high)) if next > high => {
+            let table = ready
+                .offsets
+                .as_ref()
+                .map_or_else(|| "the offsets table".to_owned(), |offsets| offsets.describe());
+            tracing::error!(
+                target: TRACING_TARGET,
+                topic = %ready.topic,
+                group = %ready.group,
+                partition,
+                stored_offset = next,
+                high_watermark = high,
+                "the offset stored in the database is past the partition's high watermark: if the log lost records, \
+                 was truncated or the topic was created again, its records below the stored offset are not handled \
+                 (on Kafka the consumer holds the partition; a broker that answers the fetch with no records leaves \
+                 them unread); correct its row in {table} (delete it to start over, or set its next offset)"
+            );
+        }
+        Ok(_) => {}
+        Err(err) => {
+            tracing::debug!(target: TRACING_TARGET, partition, error = %err, "cannot read the partition's high watermark");
+        }
+    }
 }
 
 /// Revokes `partitions`: nothing more of them starts, their handlers in
@@ -991,10 +1056,20 @@ fn poll_loop(consumer: BaseConsumer<Context>, shared: &Shared) {
                 let mut state = shared.lock();
                 let mut pause = false;
                 if let Some(part) = state.parts.get_mut(&partition).filter(|part| !part.revoking) {
-                    part.queue.push_back(record);
-                    if part.queue.len() >= ready.max_buffered && !part.paused {
+                    if let Some(from) = part.expect_from.take()
+                        && record.offset < from
+                    {
+                        hold(ready, partition, part, from, record.offset);
+                    }
+                    if part.held {
+                        pause = !part.paused;
                         part.paused = true;
-                        pause = true;
+                    } else {
+                        part.queue.push_back(record);
+                        if part.queue.len() >= ready.max_buffered && !part.paused {
+                            part.paused = true;
+                            pause = true;
+                        }
                     }
                 }
                 drop(state);
@@ -1022,7 +1097,7 @@ fn poll_loop(consumer: BaseConsumer<Context>, shared: &Shared) {
             state
                 .parts
                 .iter_mut()
-                .filter(|(_, part)| part.paused && part.queue.len() <= ready.max_buffered / 2)
+                .filter(|(_, part)| part.paused && !part.held && part.queue.len() <= ready.max_buffered / 2)
                 .map(|(partition, part)| {
                     part.paused = false;
                     *partition
@@ -1048,6 +1123,40 @@ fn poll_loop(consumer: BaseConsumer<Context>, shared: &Shared) {
     drop(consumer);
     shared.alive.store(false, Ordering::Relaxed);
     tracing::debug!(target: TRACING_TARGET, topic = %ready.topic, "left the consumer group");
+}
+
+/// Offsets in the database: holds `partition`, whose first record came at
+/// `offset`, before the offset `from` it was started at (its stored row).
+/// librdkafka moves a fetch back only when the broker answers that the
+/// offset is out of range (`auto.offset.reset`): the partition's log now
+/// ends before `from`, so it lost records, was truncated or was recreated
+/// (Kafka keeps its log over restarts; a test broker with memory storage
+/// does not). Its records below `from` would each be taken for one already
+/// applied (the stored offset is past them) and skipped without a trace,
+/// so nothing of the partition is handled: its fetching stays paused and
+/// its records are dropped until the stored offset is corrected and the
+/// partition assigned again. Other partitions go on.
+fn hold(ready: &Ready, partition: i32, part: &mut Part, from: i64, offset: i64) {
+    part.held = true;
+    #[cfg(feature = "sqlx")]
+    let table = ready
+        .offsets
+        .as_ref()
+        .map_or_else(|| "the offsets table".to_owned(), |offsets| offsets.describe());
+    #[cfg(not(feature = "sqlx"))]
+    let table = "the offsets table".to_owned();
+    tracing::error!(
+        target: TRACING_TARGET,
+        topic = %ready.topic,
+        group = %ready.group,
+        partition,
+        stored_offset = from,
+        fetched_offset = offset,
+        "the offset stored in the database is past the end of the partition's log (the broker moved the fetch back \
+         to an earlier offset: the log was lost, truncated or the topic recreated): its records below the stored \
+         offset would be skipped as already applied, so the consumer holds the partition and handles nothing of it; \
+         correct its row in {table} (delete it to start over, or set its next offset) and restart the consumer"
+    );
 }
 
 fn set_paused(consumer: &BaseConsumer<Context>, ready: &Ready, partition: i32, pause: bool) {
