@@ -239,26 +239,45 @@ impl Ctx {
             use idempotent_runtime::redis;
             let mut conn = conn.clone();
             let fresh: bool = if let RedisConn::Cluster(_) = conn {
-                // On the cluster the effect waits for a replica: a
-                // failover must not lose an effect the handler reported
-                // made (the user's effects store, not the library's
-                // markers, is what this makes durable).
-                let (fresh, replicas): (bool, i64) = redis::pipe()
-                    .cmd("HSETNX")
-                    .arg(key)
-                    .arg(&msg.id)
-                    .arg(1)
-                    .cmd("WAIT")
-                    .arg(1)
-                    .arg(500)
-                    .query_async(&mut conn)
-                    .await
-                    .map_err(|e| AppError::Failed(format!("checker: the effect of {}: {e}", msg.id)))?;
-                if replicas < 1 {
-                    return Err(AppError::Failed(format!(
-                        "checker: the effect of {} is not on a replica yet",
-                        msg.id
-                    )));
+                // On the cluster the effect waits for a replica, and is
+                // written again (`HSETNX`: idempotent by design) while a
+                // failover is under way: a failover must not lose an
+                // effect the handler reported made, nor make the checker's
+                // own effects store fail the message (the user's effects
+                // store, not the library's markers, is what this makes
+                // durable).
+                let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+                let mut fresh = false;
+                loop {
+                    let sent: Result<(bool, i64), _> = redis::pipe()
+                        .cmd("HSETNX")
+                        .arg(key)
+                        .arg(&msg.id)
+                        .arg(1)
+                        .cmd("WAIT")
+                        .arg(1)
+                        .arg(500)
+                        .query_async(&mut conn)
+                        .await;
+                    match sent {
+                        Ok((set, replicas)) => {
+                            fresh |= set;
+                            if replicas >= 1 {
+                                break;
+                            }
+                        }
+                        Err(e) if std::time::Instant::now() > deadline => {
+                            return Err(AppError::Failed(format!("checker: the effect of {}: {e}", msg.id)));
+                        }
+                        Err(_) => {}
+                    }
+                    if std::time::Instant::now() > deadline {
+                        return Err(AppError::Failed(format!(
+                            "checker: the effect of {} is not on a replica after 30 s",
+                            msg.id
+                        )));
+                    }
+                    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
                 }
                 fresh
             } else {
