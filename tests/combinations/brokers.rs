@@ -28,6 +28,29 @@ use idempotent_runtime::redis_streams::{RedisStream, StreamConsumer};
 
 use super::common;
 use super::config::BrokerKind;
+use super::handlers::RedisConn;
+
+/// The client the Redis Streams consumers are built on: the Redis server,
+/// or the Redis Cluster (issue 30).
+#[derive(Clone)]
+#[allow(clippy::large_enum_variant)] // one per run
+pub enum StreamsClient {
+    One(redis::Client),
+    Cluster(redis::cluster::ClusterClient),
+}
+
+/// A client of the cluster at `urls`, with the timeouts and retries that
+/// ride out a failover.
+pub fn cluster_client(urls: &[String]) -> redis::cluster::ClusterClient {
+    redis::cluster::ClusterClient::builder(urls.to_vec())
+        .connection_timeout(Duration::from_millis(500))
+        .response_timeout(Duration::from_secs(2))
+        .retries(6)
+        .min_retry_wait(50)
+        .max_retry_wait(1000)
+        .build()
+        .expect("cluster client")
+}
 
 pub const AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
 pub const NATS_URL: &str = "127.0.0.1:4222";
@@ -44,6 +67,10 @@ pub struct Endpoints {
     /// Kafka is its broker or its outbox's.
     #[serde(default)]
     pub kafka: String,
+    /// The nodes of the Redis Cluster a Redis store runs on
+    /// (`Config::cluster`; the checker run's shared cluster), if any.
+    #[serde(default)]
+    pub cluster: Vec<String>,
 }
 
 impl Default for Endpoints {
@@ -54,6 +81,7 @@ impl Default for Endpoints {
             redis: common::REDIS_URL.into(),
             pg: common::PG_URL.into(),
             kafka: String::new(),
+            cluster: Vec::new(),
         }
     }
 }
@@ -92,9 +120,10 @@ pub enum Source {
         consumer: PullConsumer,
     },
     Redis {
-        client: redis::Client,
-        /// Reconnects by itself after a restart.
-        conn: redis::aio::ConnectionManager,
+        client: StreamsClient,
+        /// Reconnects by itself after a restart (the cluster's follows
+        /// failovers).
+        conn: RedisConn,
         stream: String,
         dlq: String,
     },
@@ -142,7 +171,7 @@ async fn live_channel(url: &str, admin: &tokio::sync::Mutex<(Connection, Channel
 
 /// `XRANGE key - +`, retried while the connection manager reconnects (its
 /// first command after a restart fails).
-async fn xrange_all(conn: &redis::aio::ConnectionManager, key: &str) -> redis::streams::StreamRangeReply {
+async fn xrange_all(conn: &RedisConn, key: &str) -> redis::streams::StreamRangeReply {
     let mut tries = 0;
     loop {
         let mut conn = conn.clone();
@@ -247,12 +276,24 @@ impl Source {
                     consumer,
                 }
             }
+            BrokerKind::RedisStreams if !at.cluster.is_empty() => {
+                // On the cluster: the stream and its dead letters share a
+                // slot (a hash tag).
+                let client = cluster_client(&at.cluster);
+                let conn = client.get_async_connection().await.expect("the Redis Cluster");
+                Source::Redis {
+                    client: StreamsClient::Cluster(client),
+                    conn: RedisConn::Cluster(conn),
+                    stream: format!("{{{name}}}.in"),
+                    dlq: format!("{{{name}}}.dlq"),
+                }
+            }
             BrokerKind::RedisStreams => {
                 let client = redis::Client::open(at.redis.as_str()).unwrap();
                 let conn = redis::aio::ConnectionManager::new(client.clone()).await.expect("Redis");
                 Source::Redis {
-                    client,
-                    conn,
+                    client: StreamsClient::One(client),
+                    conn: RedisConn::One(conn),
                     stream: format!("{name}.in"),
                     dlq: format!("{name}.dlq"),
                 }
@@ -324,13 +365,16 @@ impl Source {
         match self {
             Source::Redis {
                 client, stream, dlq, ..
-            } => StreamConsumer::builder(client.clone(), stream, "workers")
-                .dead_letter_stream(dlq)
-                .claim_idle(REDELIVERY)
-                .block(Duration::from_millis(300))
-                .retry_backoff(fast())
-                .outage_backoff(fast())
-                .shutdown_timeout(Duration::from_secs(5)),
+            } => match client {
+                StreamsClient::One(client) => StreamConsumer::builder(client.clone(), stream, "workers"),
+                StreamsClient::Cluster(client) => StreamConsumer::cluster_builder(client.clone(), stream, "workers"),
+            }
+            .dead_letter_stream(dlq)
+            .claim_idle(REDELIVERY)
+            .block(Duration::from_millis(300))
+            .retry_backoff(fast())
+            .outage_backoff(fast())
+            .shutdown_timeout(Duration::from_secs(5)),
             _ => unreachable!(),
         }
     }
@@ -397,10 +441,41 @@ impl Source {
             }
             Source::Redis { conn, stream, .. } => {
                 let mut conn = conn.clone();
-                let _: String = conn
-                    .xadd(stream, "*", &[("message_id", id.as_bytes()), ("body", body)])
-                    .await
-                    .unwrap();
+                if let RedisConn::Cluster(_) = conn {
+                    // A producer that waits for a replica: a failover must
+                    // not lose a published message for "lost" to be the
+                    // consumers' (retried while a failover is under way).
+                    let mut attempt = 0;
+                    loop {
+                        let sent: Result<(String, i64), _> = redis::pipe()
+                            .cmd("XADD")
+                            .arg(stream)
+                            .arg("*")
+                            .arg("message_id")
+                            .arg(id.as_bytes())
+                            .arg("body")
+                            .arg(body)
+                            .cmd("WAIT")
+                            .arg(1)
+                            .arg(1000)
+                            .query_async(&mut conn)
+                            .await;
+                        match sent {
+                            Ok((_, replicas)) if replicas >= 1 => break,
+                            other if attempt < 30 => {
+                                attempt += 1;
+                                eprintln!("checker: XADD of {id} on the cluster: {other:?}, again");
+                                tokio::time::sleep(Duration::from_millis(200)).await;
+                            }
+                            other => panic!("XADD of {id} on the cluster: {other:?}"),
+                        }
+                    }
+                } else {
+                    let _: String = conn
+                        .xadd(stream, "*", &[("message_id", id.as_bytes()), ("body", body)])
+                        .await
+                        .unwrap();
+                }
             }
             Source::Kafka {
                 topic, producer, ends, ..
@@ -751,7 +826,7 @@ impl Sink {
                 out
             }
             Sink::Redis { conn, key } => {
-                let reply = xrange_all(conn, key).await;
+                let reply = xrange_all(&RedisConn::One(conn.clone()), key).await;
                 reply
                     .ids
                     .into_iter()

@@ -186,6 +186,9 @@ async fn join_retrying(spec: &ChildSpec) -> (Opened, Source) {
                 sqlite: spec.sqlite.clone(),
             };
             let cfg = &spec.config;
+            if !spec.at.cluster.is_empty() {
+                let _ = db::CLUSTER_URLS.set(spec.at.cluster.clone());
+            }
             let opened = db::open(cfg, &spec.name, spec.sink.clone(), &spec.at.pg, Some(&attach)).await;
             let source = Source::attach(cfg.broker, &spec.name, &spec.at).await;
             (opened, source)

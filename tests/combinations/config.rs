@@ -157,10 +157,13 @@ pub enum FaultKind {
     /// A consumer running in a child process is killed with SIGKILL at a
     /// drawn point (`KillPhase`); the in-process consumers drain the rest.
     ConsumerSigkill,
+    /// The Redis Cluster a Redis store runs on loses a primary (SIGKILL),
+    /// its replica is promoted and the node started again as a replica.
+    Failover,
 }
 
 impl FaultKind {
-    pub const ALL: [FaultKind; 18] = [
+    pub const ALL: [FaultKind; 19] = [
         FaultKind::HandlerError,
         FaultKind::Panic,
         FaultKind::Cancel,
@@ -179,6 +182,7 @@ impl FaultKind {
         FaultKind::LoneOutage,
         FaultKind::Oversized,
         FaultKind::ConsumerSigkill,
+        FaultKind::Failover,
     ];
     pub fn name(self) -> &'static str {
         match self {
@@ -200,6 +204,7 @@ impl FaultKind {
             FaultKind::LoneOutage => "lone-outage",
             FaultKind::Oversized => "oversized",
             FaultKind::ConsumerSigkill => "consumer-sigkill",
+            FaultKind::Failover => "failover",
         }
     }
     pub fn parse(name: &str) -> Option<FaultKind> {
@@ -229,6 +234,9 @@ pub enum TimedFault {
     BrokerRestart(Duration),
     /// The private PostgreSQL goes down for this long and comes back.
     DbRestart(Duration),
+    /// The primary of this hash slot of the Redis Cluster is SIGKILLed,
+    /// its replica promoted, and the node started again (a replica).
+    Failover(u16),
 }
 
 /// Where a child consumer is killed with SIGKILL.
@@ -302,6 +310,11 @@ pub const RESTARTS_FROM: u64 = 1000;
 /// draw what they drew before Kafka existed.
 pub const KAFKA_FROM: u64 = 40;
 
+/// The first seed whose Redis store and Redis Streams broker may run on a
+/// Redis Cluster (issue 30; from a stream of its own): the seeds below it
+/// draw what they drew before the cluster was drawn.
+pub const CLUSTER_FROM: u64 = 40;
+
 /// One configuration of the library, with its fault schedule.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Config {
@@ -333,6 +346,15 @@ pub struct Config {
     /// draws are what they were before it.
     #[serde(default)]
     pub kafka_offsets: bool,
+    /// The Redis store (its effects hash too) and the Redis Streams broker
+    /// run on a Redis Cluster (3 primaries with a replica each, shared by
+    /// the checker run; `common::cluster`).
+    #[serde(default)]
+    pub cluster: bool,
+    /// On the cluster: the store waits for a replica after each claim,
+    /// completion and renewal (`wait_for_replicas(1, 500ms)`).
+    #[serde(default)]
+    pub wait_replicas: bool,
 }
 
 /// The stream the offsets-in-the-database coin is drawn from (`seed ^` it).
@@ -505,6 +527,28 @@ impl Config {
                 schedule.timed.push(draw(TimedFault::DbRestart));
             }
         }
+        // The Redis Cluster comes from a stream of its own, for seeds from
+        // `CLUSTER_FROM` up: the rest of a seed's schedule is what it was
+        // before it.
+        // It carries the Redis store and the Redis Streams broker (not the
+        // outbox's sink); a configuration that restarts its broker keeps
+        // it on its private server (and seed 1008 of the short form what
+        // it drew).
+        let (mut cluster, mut wait_replicas) = (false, false);
+        let restarted = schedule
+            .timed
+            .iter()
+            .any(|(_, f)| matches!(f, TimedFault::BrokerRestart(_)));
+        if (store == StoreKind::Redis || broker == BrokerKind::RedisStreams) && seed >= CLUSTER_FROM && !restarted {
+            let mut c = Rng::new(seed ^ 0x00c1_0573);
+            cluster = c.percent(50);
+            wait_replicas = c.percent(50);
+            if cluster && c.percent(60) && allowed(FaultKind::Failover) {
+                let at = calls / 10 + c.below(calls * 6 / 10);
+                schedule.timed.push((at, TimedFault::Failover(c.below(16384) as u16)));
+            }
+            wait_replicas &= cluster && store == StoreKind::Redis;
+        }
         schedule.timed.sort_by_key(|(at, _)| *at);
         if outbox != OutboxMode::Off {
             for _ in 0..rng.below(3) {
@@ -559,6 +603,8 @@ impl Config {
             max_attempts,
             schedule,
             kafka_offsets: Rng::new(seed ^ KAFKA_OFFSETS_STREAM).percent(50),
+            cluster,
+            wait_replicas,
         }
     }
 
@@ -578,6 +624,14 @@ impl Config {
             .timed
             .iter()
             .any(|(_, f)| matches!(f, TimedFault::BrokerRestart(_)))
+    }
+
+    /// The Redis Cluster loses a primary during the run.
+    pub fn failover(&self) -> bool {
+        self.schedule
+            .timed
+            .iter()
+            .any(|(_, f)| matches!(f, TimedFault::Failover(_)))
     }
 
     /// The store's database is a private PostgreSQL, restarted during the
@@ -601,9 +655,14 @@ impl Config {
     /// One line: what is combined.
     pub fn summary(&self) -> String {
         format!(
-            "seed {:>5}: {:?}{}{} / {:?} / outbox {:?} / fp {} / {} / {}x{} / {} msgs +{} dup / faults: {} body, {} doomed, {} data error, {} lone outage, {} poison, {} oversized, {} abort-after-commit, {} timed, {} relay, {} sigkill{}{}",
+            "seed {:>5}: {:?}{}{}{} / {:?} / outbox {:?} / fp {} / {} / {}x{} / {} msgs +{} dup / faults: {} body, {} doomed, {} data error, {} lone outage, {} poison, {} oversized, {} abort-after-commit, {} timed, {} relay, {} sigkill{}{}{}",
             self.seed,
             self.store,
+            match (self.cluster, self.wait_replicas) {
+                (false, _) => "",
+                (true, false) => "@cluster",
+                (true, true) => "@cluster+wait",
+            },
             if self.cached { "+cache" } else { "" },
             self.batch.map(|b| format!("+batch{b}")).unwrap_or_default(),
             self.broker,
@@ -626,6 +685,7 @@ impl Config {
             self.schedule.sigkill.len(),
             if self.broker_restart() { ", broker restart" } else { "" },
             if self.db_restart() { ", db restart" } else { "" },
+            if self.failover() { ", failover" } else { "" },
         ) + if self.offsets_in_db() { ", offsets in db" } else { "" }
     }
 }

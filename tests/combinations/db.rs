@@ -71,7 +71,7 @@ pub enum Admin {
         _dir: Option<tempfile::TempDir>,
     },
     Redis {
-        conn: redis::aio::ConnectionManager,
+        conn: RedisConn,
     },
     Memory,
 }
@@ -214,6 +214,11 @@ fn variant(cfg: &Config) -> Variant {
 }
 
 const CACHE: usize = 10_000;
+
+/// The addresses of the Redis Cluster a configuration's Redis store runs
+/// on (`Config::cluster`): the checker run's shared cluster in the test
+/// process, the parent's in a child consumer.
+pub static CLUSTER_URLS: std::sync::OnceLock<Vec<String>> = std::sync::OnceLock::new();
 
 /// Opens the configuration's store (PostgreSQL at `pg_url`: the shared
 /// server or a private one), its tables and its ledger; `attach`: the
@@ -410,14 +415,35 @@ pub async fn open(cfg: &Config, name: &str, sink: Option<String>, pg_url: &str, 
             (ledger, Admin::Lite { pool, _dir: dir }, Some(BatchTarget::Lite(store)))
         }
         StoreKind::Redis => {
-            let client = redis::Client::open(common::REDIS_URL).unwrap();
-            let conn = redis::aio::ConnectionManager::new(client).await.expect("Redis");
             let prefix = format!("{name}:");
             redis_prefix = Some(prefix.clone());
-            let store = RedisStore::builder(conn.clone())
-                .prefix(prefix.clone())
-                .build()
-                .unwrap();
+            let (conn, store) = if cfg.cluster {
+                // The checker run's cluster (`CLUSTER_URLS`), with the
+                // timeouts and retries that ride out a failover.
+                let urls = CLUSTER_URLS.get().expect("the Redis Cluster's addresses").clone();
+                let client = redis::cluster::ClusterClient::builder(urls)
+                    .connection_timeout(Duration::from_millis(500))
+                    .response_timeout(Duration::from_secs(2))
+                    .retries(6)
+                    .min_retry_wait(50)
+                    .max_retry_wait(1000)
+                    .build()
+                    .expect("cluster client");
+                let conn = client.get_async_connection().await.expect("the Redis Cluster");
+                let mut builder = RedisStore::cluster_builder(conn.clone()).prefix(prefix.clone());
+                if cfg.wait_replicas {
+                    builder = builder.wait_for_replicas(1, Duration::from_millis(500));
+                }
+                (RedisConn::Cluster(conn), builder.build().unwrap())
+            } else {
+                let client = redis::Client::open(common::REDIS_URL).unwrap();
+                let conn = redis::aio::ConnectionManager::new(client).await.expect("Redis");
+                let store = RedisStore::builder(conn.clone())
+                    .prefix(prefix.clone())
+                    .build()
+                    .unwrap();
+                (RedisConn::One(conn), store)
+            };
             let _ = ctx.redis_effects.set(RedisEffects {
                 conn: conn.clone(),
                 key: format!("{prefix}effects"),
@@ -786,8 +812,9 @@ impl Opened {
                         .query_async(&mut conn)
                         .await
                         .unwrap_or_default();
-                    if !keys.is_empty() {
-                        let _: Result<(), _> = redis::cmd("DEL").arg(&keys).query_async(&mut conn).await;
+                    // One by one: on a cluster they live in many slots.
+                    for key in keys {
+                        let _: Result<(), _> = redis::cmd("DEL").arg(&key).query_async(&mut conn).await;
                     }
                 }
             }

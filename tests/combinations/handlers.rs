@@ -57,9 +57,48 @@ pub fn classify(error: &AppError) -> idempotent_runtime::broker::Verdict {
     }
 }
 
+/// A connection to the Redis server or to the Redis Cluster (issue 30)
+/// the Redis store of a configuration runs on.
+#[derive(Clone)]
+pub enum RedisConn {
+    One(idempotent_runtime::redis::aio::ConnectionManager),
+    Cluster(idempotent_runtime::redis::cluster_async::ClusterConnection),
+}
+
+impl idempotent_runtime::redis::aio::ConnectionLike for RedisConn {
+    fn req_packed_command<'a>(
+        &'a mut self,
+        cmd: &'a idempotent_runtime::redis::Cmd,
+    ) -> idempotent_runtime::redis::RedisFuture<'a, idempotent_runtime::redis::Value> {
+        match self {
+            RedisConn::One(conn) => conn.req_packed_command(cmd),
+            RedisConn::Cluster(conn) => conn.req_packed_command(cmd),
+        }
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        pipeline: &'a idempotent_runtime::redis::Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> idempotent_runtime::redis::RedisFuture<'a, Vec<idempotent_runtime::redis::Value>> {
+        match self {
+            RedisConn::One(conn) => conn.req_packed_commands(pipeline, offset, count),
+            RedisConn::Cluster(conn) => conn.req_packed_commands(pipeline, offset, count),
+        }
+    }
+
+    fn get_db(&self) -> i64 {
+        match self {
+            RedisConn::One(conn) => conn.get_db(),
+            RedisConn::Cluster(conn) => conn.get_db(),
+        }
+    }
+}
+
 /// Where the Redis store's effects are recorded.
 pub struct RedisEffects {
-    pub conn: idempotent_runtime::redis::aio::ConnectionManager,
+    pub conn: RedisConn,
     pub key: String,
 }
 
@@ -199,13 +238,57 @@ impl Ctx {
         if let Some(RedisEffects { conn, key }) = self.redis_effects.get() {
             use idempotent_runtime::redis;
             let mut conn = conn.clone();
-            let fresh: bool = redis::cmd("HSETNX")
-                .arg(key)
-                .arg(&msg.id)
-                .arg(1)
-                .query_async(&mut conn)
-                .await
-                .map_err(|e| AppError::Failed(format!("checker: the effect of {}: {e}", msg.id)))?;
+            let fresh: bool = if let RedisConn::Cluster(_) = conn {
+                // On the cluster the effect waits for a replica, and is
+                // written again (`HSETNX`: idempotent by design) while a
+                // failover is under way: a failover must not lose an
+                // effect the handler reported made, nor make the checker's
+                // own effects store fail the message (the user's effects
+                // store, not the library's markers, is what this makes
+                // durable).
+                let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+                let mut fresh = false;
+                loop {
+                    let sent: Result<(bool, i64), _> = redis::pipe()
+                        .cmd("HSETNX")
+                        .arg(key)
+                        .arg(&msg.id)
+                        .arg(1)
+                        .cmd("WAIT")
+                        .arg(1)
+                        .arg(500)
+                        .query_async(&mut conn)
+                        .await;
+                    match sent {
+                        Ok((set, replicas)) => {
+                            fresh |= set;
+                            if replicas >= 1 {
+                                break;
+                            }
+                        }
+                        Err(e) if std::time::Instant::now() > deadline => {
+                            return Err(AppError::Failed(format!("checker: the effect of {}: {e}", msg.id)));
+                        }
+                        Err(_) => {}
+                    }
+                    if std::time::Instant::now() > deadline {
+                        return Err(AppError::Failed(format!(
+                            "checker: the effect of {} is not on a replica after 30 s",
+                            msg.id
+                        )));
+                    }
+                    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+                }
+                fresh
+            } else {
+                redis::cmd("HSETNX")
+                    .arg(key)
+                    .arg(&msg.id)
+                    .arg(1)
+                    .query_async(&mut conn)
+                    .await
+                    .map_err(|e| AppError::Failed(format!("checker: the effect of {}: {e}", msg.id)))?
+            };
             if !fresh {
                 let _: Result<i64, _> = redis::cmd("INCR")
                     .arg(format!("{key}:again"))

@@ -315,12 +315,17 @@ struct Fired {
     db_restarts: u64,
     sigkills: u64,
     sigkill_phases: BTreeMap<&'static str, u64>,
+    /// Redis Cluster primaries killed (failed over).
+    failovers: u64,
 }
 
 impl Fired {
-    /// A consumer died in the run (aborted or SIGKILLed).
+    /// A consumer died in the run (aborted or SIGKILLed), or a Redis
+    /// Cluster failover lost what consumers wrote to it (an acknowledgement
+    /// of a stream entry, a completed marker not yet replicated): the
+    /// tolerances are those of a consumer's death.
     fn died(&self) -> bool {
-        self.consumer_kills + self.aborts_after_commit + self.sigkills > 0
+        self.consumer_kills + self.aborts_after_commit + self.sigkills + self.failovers > 0
     }
 }
 
@@ -412,6 +417,13 @@ impl Private {
                 // Never drawn (`BrokerKind::restartable`).
                 BrokerKind::Kafka => {}
             }
+        }
+        if cfg.cluster {
+            // One cluster for the whole checker run (each configuration
+            // its own key prefix), stopped when the test process exits.
+            let cluster = blocking(common::cluster::RedisCluster::shared).await;
+            at.cluster = cluster.urls();
+            let _ = super::db::CLUSTER_URLS.set(at.cluster.clone());
         }
         if cfg.db_restart() {
             let pg = blocking(common::servers::PrivatePostgres::start).await;
@@ -596,6 +608,17 @@ async fn drive<B: Broker>(
                 TimedFault::DbRestart(down) => {
                     bounded("restart of the database", violations, private.restart_db(*down)).await;
                     fired.db_restarts += 1;
+                }
+                TimedFault::Failover(slot) => {
+                    let slot = *slot;
+                    let failover = blocking(move || {
+                        let cluster = common::cluster::RedisCluster::shared();
+                        let killed = cluster.kill_primary_of(slot);
+                        cluster.wait_for_promotion(killed, slot);
+                        cluster.restart(killed);
+                    });
+                    bounded("failover of a Redis Cluster primary", violations, failover).await;
+                    fired.failovers += 1;
                 }
             }
             timed.next();
@@ -1286,6 +1309,11 @@ pub async fn run(cfg: &Config, sabotage: Option<Sabotage>) -> Report {
     counts.reapplied = bounded("read of the effects made again", &mut violations, opened.reapplied())
         .await
         .unwrap_or_default();
+    // A failover may lose a completed marker (replication is
+    // asynchronous; without `wait_for_replicas` even one that was
+    // acknowledged), or fail a completion as the primary dies: the body
+    // runs again, the documented limit of the cluster (README, "Redis
+    // Cluster").
     if counts.reapplied > 0 && !died {
         violations.push(format!(
             "a lease store's effect made {} more time(s) with no consumer killed",
@@ -1373,6 +1401,7 @@ pub async fn run(cfg: &Config, sabotage: Option<Sabotage>) -> Report {
     faults.insert(FaultKind::SettingChange, fired.setting_changes);
     faults.insert(FaultKind::BrokerRestart, fired.broker_restarts);
     faults.insert(FaultKind::DbRestart, fired.db_restarts);
+    faults.insert(FaultKind::Failover, fired.failovers);
     for (k, v) in relay_fired.lock().unwrap().iter() {
         faults.insert(*k, *v);
     }

@@ -70,10 +70,12 @@ static RELEASE: Lua = Lua::new(
 return 0",
 );
 
-/// Writes the completed marker again, unchanged and with its expiry, if
-/// it is still the key's value, so that a `WAIT` after it tells whether the
-/// replicas have it (they receive writes in order). ARGV: marker value.
-/// Only with [`RedisStoreBuilder::wait_for_replicas`], before a replay.
+/// Writes a value (a completed marker, or a lease) again, unchanged and
+/// with its expiry, if it is still the key's value, so that a `WAIT` after
+/// it tells whether the replicas have it (they receive writes in order).
+/// ARGV: the value. Only with [`RedisStoreBuilder::wait_for_replicas`]:
+/// before a replay, and after a claim or a completion the connection
+/// retried.
 static CONFIRM: Lua = Lua::new(
     r"if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('SET', KEYS[1], ARGV[1], 'KEEPTTL') return 1 end
 return 0",
@@ -365,11 +367,27 @@ impl Store for RedisStore {
         let lease_ms = req.lease_millis();
         let mut conn = self.conn.clone();
         let sent = self.set_lease(&mut conn, &key, &lease, lease_ms).await?;
-        let claimed = sent.replicated(self.wait);
+        let mut claimed = sent.replicated(self.wait);
         let current: Option<Vec<u8>> = sent_reply(sent)?;
         // Our own lease: the connection sent the claim again after losing
-        // the reply to the first one (a cluster connection retries).
-        let current = current.filter(|value| value.as_slice() != lease.as_bytes());
+        // the reply to the first one (a cluster connection retries, after a
+        // broken connection or a redirection). The write that set it was the
+        // first attempt's, maybe on a connection since lost: the `WAIT` of
+        // the retry, on this connection, does not cover it. Written again,
+        // unchanged, so that a `WAIT` does.
+        let retried = current.as_deref() == Some(lease.as_bytes());
+        let current = current.filter(|_| !retried);
+        if retried && self.wait.is_some() {
+            let (unchanged, replicated) = rewrite(&mut conn, &key, lease.as_bytes(), self.wait).await?;
+            if !unchanged {
+                // Gone between the two commands (expired, or a failover
+                // lost it): nothing is held, the message comes back.
+                return Err(Error::Store(
+                    format!("the Redis lease on {key:?} was lost while its claim was retried").into(),
+                ));
+            }
+            claimed = replicated;
+        }
         let Some(current) = current else {
             if !claimed {
                 // Not on enough replicas: a failover could lose it while the
@@ -465,15 +483,8 @@ impl RedisStore {
         if self.wait.is_none() {
             return Ok(());
         }
-        let sent = CONFIRM
-            .key(key)
-            .arg(marker)
-            .send(conn, self.wait)
-            .await
-            .map_err(Error::store)?;
-        let replicated = sent.replicated(self.wait);
-        let unchanged: i64 = sent_reply(sent)?;
-        if unchanged != 1 {
+        let (unchanged, replicated) = rewrite(conn, key, marker, self.wait).await?;
+        if !unchanged {
             // It expired or was replaced meanwhile: the message is being
             // processed again.
             return Err(req.in_progress());
@@ -483,6 +494,25 @@ impl RedisStore {
         }
         Ok(())
     }
+}
+
+/// Writes `value` again on `key`, unchanged and with its expiry, if it is
+/// still the key's value (the `CONFIRM` script), followed by `WAIT` with
+/// `wait`: whether it was unchanged, and whether enough replicas
+/// acknowledged the write (they receive writes in order, so they then hold
+/// the value). What makes a `WAIT` cover a value this connection did not
+/// write itself: a marker found by a claim, or a lease or a marker whose
+/// first write was sent by an attempt the connection retried.
+async fn rewrite(conn: &mut RedisConn, key: &str, value: &[u8], wait: Option<Replicas>) -> Result<(bool, bool), Error> {
+    let sent = CONFIRM
+        .key(key)
+        .arg(value)
+        .send(conn, wait)
+        .await
+        .map_err(Error::store)?;
+    let replicated = sent.replicated(wait);
+    let unchanged: i64 = sent_reply(sent)?;
+    Ok((unchanged == 1, replicated))
 }
 
 /// The error of a write fewer replicas acknowledged than `wait` asks for.
@@ -610,7 +640,7 @@ impl RedisGuard {
             let sent = self.conn.send(&set, self.wait).await.map_err(Error::store)?;
             let replicated = sent.replicated(self.wait);
             let replaced = match sent.reply {
-                Ok(redis::Value::Nil) => Some(false),
+                Ok(redis::Value::Nil) => return self.retried_completion(marker).await,
                 Ok(redis::Value::Okay) => Some(true),
                 Ok(redis::Value::SimpleString(reply)) if reply == "OK" => Some(true),
                 Ok(other) => {
@@ -639,7 +669,36 @@ impl RedisGuard {
             .map_err(Error::store)?;
         let replicated = sent.replicated(self.wait);
         let replaced: i64 = sent_reply(sent)?;
-        self.replicated(replaced == 1, replicated)
+        if replaced != 1 {
+            return self.retried_completion(marker).await;
+        }
+        self.replicated(true, replicated)
+    }
+
+    /// The lease was not there to replace. Either it was lost (expired and
+    /// taken over, or lost by a failover): `false`; or the connection sent
+    /// the completion again after losing the reply to the first attempt,
+    /// which did replace it (a cluster connection retries, after a broken
+    /// connection or a redirection): the key holds this very marker. Then
+    /// `true`, and with
+    /// [`wait_for_replicas`](RedisStoreBuilder::wait_for_replicas) the
+    /// marker is written again unchanged and waited for, since the first
+    /// attempt's write may have been on a connection since lost, which this
+    /// connection's `WAIT` does not cover.
+    async fn retried_completion(&mut self, marker: &str) -> Result<bool, Error> {
+        let current: Option<Vec<u8>> = redis::cmd("GET")
+            .arg(&self.key)
+            .query_async(&mut self.conn)
+            .await
+            .map_err(Error::store)?;
+        if current.as_deref() != Some(marker.as_bytes()) {
+            return Ok(false);
+        }
+        if self.wait.is_none() {
+            return Ok(true);
+        }
+        let (unchanged, replicated) = rewrite(&mut self.conn, &self.key, marker.as_bytes(), self.wait).await?;
+        self.replicated(unchanged, replicated)
     }
 
     /// `replaced`, or [`NotReplicated`] for a marker written but not
