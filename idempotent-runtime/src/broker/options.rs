@@ -101,6 +101,14 @@ impl fmt::Debug for BatchMode {
     }
 }
 
+/// How long a batch waits for more deliveries after its first unless
+/// [`ConsumerBuilder::batch_wait`](super::ConsumerBuilder::batch_wait) says otherwise: a message's
+/// acknowledgement may come this much later when messages are sparse, and
+/// in exchange a batch fills at a moderate rate instead of running one
+/// message per transaction, which costs more than a consumer without
+/// batches (`docs/benchmarks.md`, end to end: batch latency).
+pub const DEFAULT_BATCH_WAIT: Duration = Duration::from_millis(5);
+
 /// The longest [`ConsumerBuilder::batch_wait`](super::ConsumerBuilder::batch_wait): a batch waits milliseconds
 /// for more deliveries, never seconds.
 pub const MAX_BATCH_WAIT: Duration = Duration::from_millis(100);
