@@ -157,6 +157,10 @@ struct Cell {
     steady_rate: f64,
 }
 
+/// One broker's part of the run: its variants' labels and its cells (by
+/// slots and share of duplicates).
+type Ran = (Kind, Vec<String>, Vec<((usize, u32), Cell)>);
+
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     match v.len() {
@@ -216,10 +220,14 @@ async fn main() -> Result<(), BoxError> {
     writeln!(
         report,
         "Command: `cargo bench --bench e2e -- {}`",
-        std::env::args().skip(1).filter(|a| a != "--bench").collect::<Vec<_>>().join(" ")
+        std::env::args()
+            .skip(1)
+            .filter(|a| a != "--bench")
+            .collect::<Vec<_>>()
+            .join(" ")
     )?;
     let mut seed = 0;
-    let mut all: Vec<(Kind, Vec<String>, Vec<((usize, u32), Cell)>)> = Vec::new();
+    let mut all: Vec<Ran> = Vec::new();
     for &kind in &args.brokers {
         let variants: Vec<Variant> = args.variants.iter().copied().filter(|v| v.applies_to(kind)).collect();
         let labels: Vec<String> = variants.iter().map(|v| v.label()).collect();
@@ -316,7 +324,11 @@ fn write_broker(
     for ((slots, dup), cell) in cells {
         write!(report, "| {slots}, {dup} % |")?;
         for l in labels {
-            write!(report, " {:.0} |", median(cell.rates.get(l).cloned().unwrap_or_default()))?;
+            write!(
+                report,
+                " {:.0} |",
+                median(cell.rates.get(l).cloned().unwrap_or_default())
+            )?;
         }
         for (x, y) in &ratios {
             write!(report, " {:.2} |", ratio(cell, x, y))?;
@@ -385,11 +397,7 @@ fn batch_label(labels: &[String]) -> Option<&str> {
 /// The table of the README: per broker and slot count, without
 /// duplicates, (a), (b), (c) and (d) where it runs, b/a and c/a, and (c)'s
 /// steady p99.
-fn write_summary(
-    report: &mut String,
-    all: &[(Kind, Vec<String>, Vec<((usize, u32), Cell)>)],
-    steady: bool,
-) -> Result<(), BoxError> {
+fn write_summary(report: &mut String, all: &[Ran], steady: bool) -> Result<(), BoxError> {
     writeln!(
         report,
         "\n### Summary (no duplicates; (c) is the first batch variant, (d) Kafka's offsets in the database)\n"
@@ -398,7 +406,10 @@ fn write_summary(
         report,
         "| broker | slots | (a) msg/s | (b) msg/s | (c) msg/s | (d) msg/s | b/a | c/a | (c) p50 / p99 ms at half of (a) |"
     )?;
-    writeln!(report, "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")?;
+    writeln!(
+        report,
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
+    )?;
     for (kind, labels, cells) in all {
         let c = batch_label(labels);
         for ((slots, dup), cell) in cells {
@@ -409,7 +420,8 @@ fn write_summary(
                 l.and_then(|l| cell.rates.get(l))
                     .map_or_else(|| "–".to_owned(), |r| format!("{:.0}", median(r.clone())))
             };
-            let ratio_of = |x: Option<&str>| x.map_or_else(|| "–".to_owned(), |x| format!("{:.2}", ratio(cell, x, "a")));
+            let ratio_of =
+                |x: Option<&str>| x.map_or_else(|| "–".to_owned(), |x| format!("{:.2}", ratio(cell, x, "a")));
             let d = labels.iter().any(|l| l == "d").then_some("d");
             let latency = match (steady, c.and_then(|c| cell.steady.get(c))) {
                 (true, Some(lat)) => format!(
@@ -438,13 +450,18 @@ fn write_summary(
 /// Bars of (a), (b), (c) and (d) per broker and slot count, without
 /// duplicates (the first share of duplicates run when none is 0), with the
 /// repetitions' min–max: `report::bar_chart` of `benches/throughput.rs`.
-fn plot(
-    path: &std::path::Path,
-    all: &[(Kind, Vec<String>, Vec<((usize, u32), Cell)>)],
-    dups: &[u32],
-) -> Result<(), BoxError> {
-    let dup = if dups.contains(&0) { 0 } else { dups.first().copied().unwrap_or(0) };
-    let series = ["(a) no idempotency", "(b) per message", "(c) batches", "(d) Kafka, offsets in the db"];
+fn plot(path: &std::path::Path, all: &[Ran], dups: &[u32]) -> Result<(), BoxError> {
+    let dup = if dups.contains(&0) {
+        0
+    } else {
+        dups.first().copied().unwrap_or(0)
+    };
+    let series = [
+        "(a) no idempotency",
+        "(b) per message",
+        "(c) batches",
+        "(d) Kafka, offsets in the db",
+    ];
     let mut groups = Vec::new();
     for (kind, labels, cells) in all {
         let c = batch_label(labels);

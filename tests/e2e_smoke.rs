@@ -22,7 +22,9 @@ mod names;
 pub use names::unique;
 
 async fn every_variant_on(kind: Kind) {
-    let env = Env::new(8, kind == Kind::Kafka).await.expect("PostgreSQL (and Tansu for Kafka)");
+    let env = Env::new(8, kind == Kind::Kafka)
+        .await
+        .expect("PostgreSQL (and Tansu for Kafka)");
     let n = 60;
     let variants = [
         Variant::Plain,

@@ -136,7 +136,10 @@ impl Queue {
                 let js = jetstream::new(async_nats::connect(NATS_URL).await?);
                 let stream_name = stream_name(name);
                 let (subject, dlq_subject) = (format!("{name}.in"), format!("{name}.dlq"));
-                for (n, s) in [(stream_name.clone(), &subject), (format!("{stream_name}_DLQ"), &dlq_subject)] {
+                for (n, s) in [
+                    (stream_name.clone(), &subject),
+                    (format!("{stream_name}_DLQ"), &dlq_subject),
+                ] {
                     js.create_stream(stream::Config {
                         name: n,
                         subjects: vec![s.clone()],
@@ -344,7 +347,11 @@ impl Queue {
     pub fn kafka(&self) -> Option<ConsumerBuilder<kafka_consumer::Kafka>> {
         match self {
             Queue::Kafka {
-                config, topic, dlq, group, ..
+                config,
+                topic,
+                dlq,
+                group,
+                ..
             } => Some(KafkaConsumer::builder(config.clone(), topic, group).dead_letter_topic(dlq)),
             _ => None,
         }

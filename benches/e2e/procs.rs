@@ -117,7 +117,11 @@ pub async fn run(
         acked,
         dead_lettered,
         failed,
-        batch_size: if batches == 0 { 0.0 } else { batched as f64 / batches as f64 },
+        batch_size: if batches == 0 {
+            0.0
+        } else {
+            batched as f64 / batches as f64
+        },
         effects: env.effects(&prefix).await?,
         distinct,
     })
@@ -215,7 +219,18 @@ impl Child {
 pub async fn child() -> Result<(), BoxError> {
     let spec = std::env::var(SPEC).map_err(|_| format!("--child needs {SPEC}"))?;
     let parts: Vec<&str> = spec.split(';').collect();
-    let &[kind, variant, slots, name, partitions, markers, effects, hand, bootstrap] = parts.as_slice() else {
+    let &[
+        kind,
+        variant,
+        slots,
+        name,
+        partitions,
+        markers,
+        effects,
+        hand,
+        bootstrap,
+    ] = parts.as_slice()
+    else {
         return Err(format!("cannot read {SPEC}=`{spec}`").into());
     };
     let kind = Kind::ALL

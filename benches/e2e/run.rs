@@ -18,6 +18,9 @@ use serde::{Deserialize, Serialize};
 
 use super::brokers::{BoxError, Kafka, Kind, Queue};
 
+// Also in `benches/throughput/harness.rs`, which `benches/e2e.rs` loads
+// for its chart: one file, two modules of that binary.
+#[allow(clippy::duplicate_mod)]
 #[path = "../shared/cpu.rs"]
 pub mod cpu;
 
@@ -215,7 +218,12 @@ impl Env {
         } else {
             None
         };
-        Ok(Arc::new(Env::with(pool, store, [markers, effects, hand_markers], kafka)))
+        Ok(Arc::new(Env::with(
+            pool,
+            store,
+            [markers, effects, hand_markers],
+            kafka,
+        )))
     }
 
     fn with(pool: PgPool, store: PgStore, [markers, effects, hand_markers]: [String; 3], kafka: Option<Kafka>) -> Env {
@@ -475,7 +483,13 @@ pub type Running = (
 );
 
 /// Starts the consumer of `variant` on `queue` with `slots` handler slots.
-pub fn start_on(env: &Arc<Env>, queue: &Queue, kind: Kind, variant: Variant, slots: usize) -> Result<Running, BoxError> {
+pub fn start_on(
+    env: &Arc<Env>,
+    queue: &Queue,
+    kind: Kind,
+    variant: Variant,
+    slots: usize,
+) -> Result<Running, BoxError> {
     // Room at the broker for every slot's batch, and one more round.
     let prefetch = (slots * variant.per_task() * 2).max(8);
     match kind {

@@ -10,6 +10,9 @@ use std::time::{Duration, Instant};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
+// Also in `benches/e2e/run.rs` (`benches/e2e.rs` loads this file for its
+// chart).
+#[allow(clippy::duplicate_mod)]
 #[path = "../shared/cpu.rs"]
 mod cpu;
 

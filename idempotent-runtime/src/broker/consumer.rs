@@ -133,20 +133,19 @@ impl<B, D, R> ConsumerBuilder<B, D, R> {
     /// the deliveries are acknowledged after the one commit. The same
     /// handler works with and without batches.
     ///
-    /// A batch takes the deliveries that arrive within
-    /// [`batch_wait`](Self::batch_wait) of its first (default
-    /// [`DEFAULT_BATCH_WAIT`](super::DEFAULT_BATCH_WAIT), 5 ms), up to
-    /// `max`: a lone message is acknowledged up to that much later, and in
-    /// exchange batches fill at moderate rates too (a batch of one message
-    /// costs more than a transaction without batches). The
+    /// A batch takes the deliveries that are ready when its first arrives,
+    /// up to `max`, waiting at most [`batch_wait`](Self::batch_wait) for
+    /// more (default [`DEFAULT_BATCH_WAIT`](super::DEFAULT_BATCH_WAIT):
+    /// none, so a batch never delays a lone message); the
     /// [concurrency](Self::concurrency) is then the number of batches at
     /// once. Give the broker room: a RabbitMQ prefetch (or NATS prefetch)
     /// of at least `concurrency × max`.
     ///
     /// The fast configuration, one line on any broker:
-    /// `.concurrency(4).batch(store.clone(), 32)` (see `docs/benchmarks.md`
-    /// for what it buys against one transaction per message, and its
-    /// latency).
+    /// `.concurrency(4).batch(store.clone(), 32)`. Its latency trade-off: a
+    /// message is acknowledged after the commit of its whole batch, so at a
+    /// steady rate it waits for the batch in progress and its own
+    /// (`docs/benchmarks.md`, end to end, has the measured p50 and p99).
     ///
     /// A handler that fails rolls back only its own savepoint and is
     /// retried or dead-lettered as without batches. When the batch cannot
