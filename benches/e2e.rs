@@ -31,6 +31,7 @@
 //!                           --variants=a,s,b,d,c8,c32,o32,c32w0,d32 --messages=4000 --reps=3 --no-steady
 //!                           --out=FILE.md --svg=FILE.svg
 //! cargo bench --bench e2e -- --processes=4     # 4 competing consumer processes, drain rates summed (no steady runs)
+//! cargo bench --bench e2e -- --no-drain --steady-rate=300 --variants=a,b,c32,c32w5   # latency at a rate of your choice
 //! ```
 //!
 //! Needs the services of `.ci/run` (PostgreSQL, RabbitMQ, NATS JetStream,
