@@ -11,6 +11,9 @@ mod brokers;
 #[path = "../benches/e2e/run.rs"]
 mod run;
 
+// The Tansu broker of the Kafka tests.
+mod common;
+
 use brokers::Kind;
 use run::{Env, Feed, Variant};
 
@@ -19,16 +22,22 @@ mod names;
 pub use names::unique;
 
 async fn every_variant_on(kind: Kind) {
-    let env = Env::new(8).await.expect("PostgreSQL");
+    let env = Env::new(8, kind == Kind::Kafka)
+        .await
+        .expect("PostgreSQL (and Tansu for Kafka)");
     let n = 60;
     let variants = [
         Variant::Plain,
         Variant::ByHand,
         Variant::PerMessage,
-        Variant::Batch(8),
-        Variant::Lean(8),
+        Variant::Offsets,
+        Variant::batch(8),
+        Variant::lean(8),
+        Variant::offsets_batch(8),
+        Variant::parse("c8w5").expect("a batch with a wait"),
     ];
-    for (seed, variant) in variants.into_iter().enumerate() {
+    let variants = variants.into_iter().filter(|v| v.applies_to(kind));
+    for (seed, variant) in variants.enumerate() {
         for feed in [Feed::Drain, Feed::Steady(400.0)] {
             let sample = run::run(&env, kind, variant, 3, n, 30, feed, seed as u64)
                 .await
@@ -68,4 +77,23 @@ async fn jetstream_variants_settle_and_apply_as_promised() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_streams_variants_settle_and_apply_as_promised() {
     every_variant_on(Kind::RedisStreams).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kafka_variants_settle_and_apply_as_promised() {
+    every_variant_on(Kind::Kafka).await;
+}
+
+#[test]
+fn variant_labels_read_back() {
+    for label in ["a", "s", "b", "d", "c32", "o32", "d32", "c32w5", "o8w0"] {
+        let variant = Variant::parse(label).unwrap_or_else(|| panic!("`{label}` is a variant"));
+        assert_eq!(variant.label(), label);
+    }
+    assert_eq!(Variant::parse("c"), Variant::parse("c32"));
+    for wrong in ["", "x", "c0", "cw5", "c8w", "d8x"] {
+        assert!(Variant::parse(wrong).is_none(), "`{wrong}` is not a variant");
+    }
+    assert!(!Variant::Offsets.applies_to(Kind::RabbitMq));
+    assert!(Variant::Offsets.applies_to(Kind::Kafka));
 }

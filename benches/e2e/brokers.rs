@@ -1,8 +1,11 @@
 //! The brokers of the end-to-end benchmark: a fresh queue (stream,
-//! subject) per run, filled fast (publishes pipelined, confirmed at the
-//! end), a consumer builder on it, and its removal.
+//! subject, topic) per run, filled fast (publishes pipelined, confirmed at
+//! the end), a consumer builder on it, and its removal. Kafka is a private
+//! Tansu broker ([`Kafka`], the tests' helper), started once per run of the
+//! benchmark.
 
 use std::future::IntoFuture;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use futures_util::future::try_join_all;
@@ -10,6 +13,7 @@ use idempotent_runtime::async_nats;
 use idempotent_runtime::async_nats::jetstream::consumer::{AckPolicy, PullConsumer, pull};
 use idempotent_runtime::async_nats::jetstream::{self, stream};
 use idempotent_runtime::broker::ConsumerBuilder;
+use idempotent_runtime::kafka::{self as kafka_consumer, KafkaConsumer};
 use idempotent_runtime::lapin::options::{
     BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions, QueueDeleteOptions,
 };
@@ -17,8 +21,12 @@ use idempotent_runtime::lapin::types::FieldTable;
 use idempotent_runtime::lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
 use idempotent_runtime::nats::{JetStream, JetStreamConsumer};
 use idempotent_runtime::rabbitmq::{Rabbit, RabbitConsumer};
+use idempotent_runtime::rdkafka::ClientConfig;
+use idempotent_runtime::rdkafka::producer::{FutureProducer, FutureRecord};
 use idempotent_runtime::redis::{self, AsyncCommands};
 use idempotent_runtime::redis_streams::{RedisStream, StreamConsumer};
+
+pub use crate::common::kafka::Kafka;
 
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
@@ -34,16 +42,18 @@ pub enum Kind {
     RabbitMq,
     JetStream,
     RedisStreams,
+    Kafka,
 }
 
 impl Kind {
-    pub const ALL: [Kind; 3] = [Kind::RabbitMq, Kind::JetStream, Kind::RedisStreams];
+    pub const ALL: [Kind; 4] = [Kind::RabbitMq, Kind::JetStream, Kind::RedisStreams, Kind::Kafka];
 
     pub fn name(self) -> &'static str {
         match self {
             Kind::RabbitMq => "rabbitmq",
             Kind::JetStream => "nats",
             Kind::RedisStreams => "redis-streams",
+            Kind::Kafka => "kafka",
         }
     }
 
@@ -52,6 +62,7 @@ impl Kind {
             Kind::RabbitMq => "RabbitMQ",
             Kind::JetStream => "NATS JetStream",
             Kind::RedisStreams => "Redis Streams",
+            Kind::Kafka => "Kafka (Tansu)",
         }
     }
 
@@ -61,8 +72,14 @@ impl Kind {
             Kind::RabbitMq => "beam.smp",
             Kind::JetStream => "nats-server",
             Kind::RedisStreams => "redis-server",
+            Kind::Kafka => "tansu",
         }
     }
+}
+
+/// A JetStream stream's name for the queue `name`.
+fn stream_name(name: &str) -> String {
+    name.to_uppercase().replace(['.', '-'], "_")
 }
 
 /// One run's queue and the connection that fills it.
@@ -88,62 +105,97 @@ pub enum Queue {
         stream: String,
         dlq: String,
     },
+    Kafka {
+        producer: FutureProducer,
+        config: ClientConfig,
+        topic: String,
+        dlq: String,
+        group: String,
+        partitions: usize,
+        /// The partition of the next record (round robin).
+        next: AtomicUsize,
+    },
 }
 
 impl Queue {
-    /// A fresh, empty queue named after `name` (unique per run).
-    pub async fn setup(kind: Kind, name: &str) -> Result<Queue, BoxError> {
-        Ok(match kind {
+    /// A fresh, empty queue named after `name` (unique per run); on Kafka
+    /// a topic of `partitions` partitions on `kafka` (one lane each).
+    pub async fn setup(kind: Kind, name: &str, partitions: usize, kafka: Option<&Kafka>) -> Result<Queue, BoxError> {
+        match kind {
             Kind::RabbitMq => {
                 let conn = Connection::connect(AMQP_URL, ConnectionProperties::default()).await?;
                 let channel = conn.create_channel().await?;
-                channel.confirm_select(ConfirmSelectOptions::default()).await?;
-                let (queue, dlq) = (format!("{name}.in"), format!("{name}.dlq"));
-                for q in [&queue, &dlq] {
+                for q in [format!("{name}.in"), format!("{name}.dlq")] {
                     channel
                         .queue_declare(q.as_str().into(), QueueDeclareOptions::durable(), FieldTable::default())
                         .await?;
                 }
-                Queue::Rabbit {
-                    _conn: conn,
-                    channel,
-                    queue,
-                    dlq,
-                }
+                conn.close(200, "declared".into()).await?;
             }
             Kind::JetStream => {
                 let js = jetstream::new(async_nats::connect(NATS_URL).await?);
-                let stream_name = name.to_uppercase().replace(['.', '-'], "_");
+                let stream_name = stream_name(name);
                 let (subject, dlq_subject) = (format!("{name}.in"), format!("{name}.dlq"));
-                let dlq_stream = format!("{stream_name}_DLQ");
-                for (n, s) in [(&stream_name, &subject), (&dlq_stream, &dlq_subject)] {
+                for (n, s) in [
+                    (stream_name.clone(), &subject),
+                    (format!("{stream_name}_DLQ"), &dlq_subject),
+                ] {
                     js.create_stream(stream::Config {
-                        name: n.clone(),
+                        name: n,
                         subjects: vec![s.clone()],
                         ..Default::default()
                     })
                     .await?;
                 }
-                let consumer = js
-                    .get_stream(&stream_name)
+                js.get_stream(&stream_name)
                     .await?
-                    .get_or_create_consumer(
-                        "worker",
-                        pull::Config {
-                            durable_name: Some("worker".into()),
-                            ack_policy: AckPolicy::Explicit,
-                            ack_wait: Duration::from_secs(30),
-                            filter_subject: subject.clone(),
-                            ..Default::default()
-                        },
-                    )
+                    .create_consumer(pull::Config {
+                        durable_name: Some("worker".into()),
+                        ack_policy: AckPolicy::Explicit,
+                        ack_wait: Duration::from_secs(30),
+                        filter_subject: subject.clone(),
+                        ..Default::default()
+                    })
                     .await?;
+            }
+            Kind::RedisStreams => {}
+            Kind::Kafka => {
+                let kafka = kafka.ok_or("Kafka needs the benchmark's Tansu broker (Env::new with Kafka)")?;
+                kafka
+                    .create_topic(&format!("{name}.in"), i32::try_from(partitions.max(1))?)
+                    .await;
+                kafka.create_topic(&format!("{name}.dlq"), 1).await;
+            }
+        }
+        Queue::open(kind, name, partitions, kafka.map(|k| k.bootstrap()).as_deref()).await
+    }
+
+    /// The queue `name` that [`setup`](Self::setup) made (in this process
+    /// or another: a consumer process of `--processes`); Kafka's at
+    /// `bootstrap`.
+    pub async fn open(kind: Kind, name: &str, partitions: usize, bootstrap: Option<&str>) -> Result<Queue, BoxError> {
+        Ok(match kind {
+            Kind::RabbitMq => {
+                let conn = Connection::connect(AMQP_URL, ConnectionProperties::default()).await?;
+                let channel = conn.create_channel().await?;
+                channel.confirm_select(ConfirmSelectOptions::default()).await?;
+                Queue::Rabbit {
+                    _conn: conn,
+                    channel,
+                    queue: format!("{name}.in"),
+                    dlq: format!("{name}.dlq"),
+                }
+            }
+            Kind::JetStream => {
+                let js = jetstream::new(async_nats::connect(NATS_URL).await?);
+                let stream = stream_name(name);
+                let consumer = js.get_stream(&stream).await?.get_consumer("worker").await?;
                 Queue::Js {
                     js,
-                    stream: stream_name,
-                    dlq_stream,
-                    subject,
-                    dlq_subject,
+                    dlq_stream: format!("{stream}_DLQ"),
+                    stream,
+                    subject: format!("{name}.in"),
+                    dlq_subject: format!("{name}.dlq"),
                     consumer,
                 }
             }
@@ -155,6 +207,22 @@ impl Queue {
                     conn,
                     stream: format!("{name}.in"),
                     dlq: format!("{name}.dlq"),
+                }
+            }
+            Kind::Kafka => {
+                let bootstrap = bootstrap.ok_or("Kafka needs the benchmark's Tansu broker")?;
+                // No linger: a steady feed's record leaves at once.
+                let producer = crate::common::kafka::base_config(bootstrap)
+                    .set("linger.ms", "0")
+                    .create()?;
+                Queue::Kafka {
+                    producer,
+                    config: crate::common::kafka::group_config(bootstrap),
+                    topic: format!("{name}.in"),
+                    dlq: format!("{name}.dlq"),
+                    group: format!("{name}-group"),
+                    partitions: partitions.max(1),
+                    next: AtomicUsize::new(0),
                 }
             }
         })
@@ -201,6 +269,27 @@ impl Queue {
                         pipe.xadd(stream, "*", &[("body", body.as_slice())]).ignore();
                     }
                     let () = pipe.query_async(&mut conn.clone()).await?;
+                }
+                Queue::Kafka {
+                    producer,
+                    topic,
+                    partitions,
+                    next,
+                    ..
+                } => {
+                    let sends: Vec<_> = window
+                        .iter()
+                        .map(|body| {
+                            let partition = next.fetch_add(1, Ordering::Relaxed) % *partitions;
+                            let record: FutureRecord<'_, str, [u8]> = FutureRecord::to(topic)
+                                .payload(body.as_slice())
+                                .partition(i32::try_from(partition).unwrap_or(0));
+                            producer.send(record, Duration::from_secs(10))
+                        })
+                        .collect();
+                    for sent in futures_util::future::join_all(sends).await {
+                        sent.map_err(|(error, _)| format!("produce to {topic}: {error}"))?;
+                    }
                 }
             }
         }
@@ -253,8 +342,25 @@ impl Queue {
         }
     }
 
-    /// Removes the queue and its dead letters.
-    pub async fn teardown(self) -> Result<(), BoxError> {
+    /// A Kafka consumer's builder on this topic, in a group of its own (one
+    /// lane per partition).
+    pub fn kafka(&self) -> Option<ConsumerBuilder<kafka_consumer::Kafka>> {
+        match self {
+            Queue::Kafka {
+                config,
+                topic,
+                dlq,
+                group,
+                ..
+            } => Some(KafkaConsumer::builder(config.clone(), topic, group).dead_letter_topic(dlq)),
+            _ => None,
+        }
+    }
+
+    /// Removes the queue and its dead letters (a Kafka topic stays on the
+    /// private broker, which ends with the benchmark; its group's offsets
+    /// in the database go).
+    pub async fn teardown(self, pool: &idempotent_runtime::sqlx::PgPool) -> Result<(), BoxError> {
         match self {
             Queue::Rabbit {
                 channel, queue, dlq, ..
@@ -276,6 +382,12 @@ impl Queue {
                 mut conn, stream, dlq, ..
             } => {
                 let () = conn.del(&[stream, dlq]).await?;
+            }
+            Queue::Kafka { group, .. } => {
+                idempotent_runtime::sqlx::query("DELETE FROM idempotent_kafka_offsets WHERE consumer_group = $1")
+                    .bind(&group)
+                    .execute(pool)
+                    .await?;
             }
         }
         Ok(())

@@ -16,7 +16,13 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde::{Deserialize, Serialize};
 
-use super::brokers::{BoxError, Kind, Queue};
+use super::brokers::{BoxError, Kafka, Kind, Queue};
+
+// Also in `benches/throughput/harness.rs`, which `benches/e2e.rs` loads
+// for its chart: one file, two modules of that binary.
+#[allow(clippy::duplicate_mod)]
+#[path = "../shared/cpu.rs"]
+pub mod cpu;
 
 pub const PG_URL: &str = "postgres://postgres@127.0.0.1:5432/test";
 
@@ -32,40 +38,125 @@ pub enum Variant {
     ByHand,
     /// (b) `#[idempotent]` on `PgStore`, one transaction per message.
     PerMessage,
-    /// (c) The same handler with the consumer's batch transactions of at
-    /// most this many messages, each under a savepoint (the default).
-    Batch(usize),
-    /// (c) without savepoints (`batch_savepoints(false)`): a failure
-    /// reruns the batch one message per transaction.
-    Lean(usize),
+    /// (d) Kafka only: (b) with the offsets in the database
+    /// (`offsets_in(store)`), one transaction per message.
+    Offsets,
+    /// (c) The same handler with the consumer's batch transactions.
+    Batch(Batching),
+}
+
+/// A batch variant's settings: `cN` (savepoints, the default), `oN`
+/// (`batch_savepoints(false)`), `dN` (Kafka: offsets in the database,
+/// savepoints); a suffix `wM` sets `batch_wait` to M ms (without it, the
+/// builder's default).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Batching {
+    pub max: usize,
+    pub savepoints: bool,
+    pub offsets: bool,
+    pub wait_ms: Option<u64>,
 }
 
 impl Variant {
+    /// A batch of at most `max`, with savepoints and the default wait.
+    pub const fn batch(max: usize) -> Variant {
+        Variant::Batch(Batching {
+            max,
+            savepoints: true,
+            offsets: false,
+            wait_ms: None,
+        })
+    }
+
+    /// `batch(max)` without savepoints.
+    pub const fn lean(max: usize) -> Variant {
+        Variant::Batch(Batching {
+            max,
+            savepoints: false,
+            offsets: false,
+            wait_ms: None,
+        })
+    }
+
+    /// `batch(max)` with the offsets in the database (Kafka).
+    pub const fn offsets_batch(max: usize) -> Variant {
+        Variant::Batch(Batching {
+            max,
+            savepoints: true,
+            offsets: true,
+            wait_ms: None,
+        })
+    }
+
     pub fn label(self) -> String {
         match self {
             Variant::Plain => "a".into(),
             Variant::ByHand => "s".into(),
             Variant::PerMessage => "b".into(),
-            Variant::Batch(max) => format!("c{max}"),
-            Variant::Lean(max) => format!("o{max}"),
+            Variant::Offsets => "d".into(),
+            Variant::Batch(b) => {
+                let letter = match (b.offsets, b.savepoints) {
+                    (true, _) => 'd',
+                    (false, true) => 'c',
+                    (false, false) => 'o',
+                };
+                match b.wait_ms {
+                    Some(ms) => format!("{letter}{}w{ms}", b.max),
+                    None => format!("{letter}{}", b.max),
+                }
+            }
         }
     }
 
-    /// `a`, `b`, `c` (batches of 32), `cN`, `o` (32, no savepoints) or `oN`.
+    /// `a`, `s`, `b`, `d`, `c` (batches of 32), `cN`, `o` (32, no
+    /// savepoints), `oN`, `dN` (Kafka, offsets in the database, batches of
+    /// N); a batch's `wM` suffix: a wait of M ms.
     pub fn parse(s: &str) -> Option<Variant> {
-        let size = |rest: &str| rest.parse().ok().filter(|&n: &usize| n > 0);
         match s {
-            "a" => Some(Variant::Plain),
-            "s" => Some(Variant::ByHand),
-            "b" => Some(Variant::PerMessage),
-            "c" => Some(Variant::Batch(32)),
-            "o" => Some(Variant::Lean(32)),
-            _ => match s.split_at_checked(1)? {
-                ("c", rest) => size(rest).map(Variant::Batch),
-                ("o", rest) => size(rest).map(Variant::Lean),
-                _ => None,
-            },
+            "a" => return Some(Variant::Plain),
+            "s" => return Some(Variant::ByHand),
+            "b" => return Some(Variant::PerMessage),
+            "d" => return Some(Variant::Offsets),
+            "c" => return Some(Variant::batch(32)),
+            "o" => return Some(Variant::lean(32)),
+            _ => {}
         }
+        let (letter, rest) = s.split_at_checked(1)?;
+        let (size, wait) = match rest.split_once('w') {
+            Some((size, wait)) => (size, Some(wait.parse().ok()?)),
+            None => (rest, None),
+        };
+        let max = size.parse().ok().filter(|&n: &usize| n > 0)?;
+        let mut batching = match letter {
+            "c" => Variant::batch(max),
+            "o" => Variant::lean(max),
+            "d" => Variant::offsets_batch(max),
+            _ => return None,
+        };
+        if let Variant::Batch(b) = &mut batching {
+            b.wait_ms = wait;
+        }
+        Some(batching)
+    }
+
+    /// Whether it runs on `kind` (the offsets in the database are Kafka's).
+    pub fn applies_to(self, kind: Kind) -> bool {
+        match self {
+            Variant::Offsets | Variant::Batch(Batching { offsets: true, .. }) => kind == Kind::Kafka,
+            _ => true,
+        }
+    }
+
+    /// Deliveries per transaction at most.
+    fn per_task(self) -> usize {
+        match self {
+            Variant::Batch(b) => b.max,
+            _ => 1,
+        }
+    }
+
+    fn offsets(self) -> bool {
+        matches!(self, Variant::Offsets | Variant::Batch(Batching { offsets: true, .. }))
     }
 }
 
@@ -94,12 +185,15 @@ pub struct Env {
     /// (s)'s marker table and claim.
     hand_markers: String,
     hand_claim: String,
+    /// The private Kafka (Tansu) broker, when the run has Kafka.
+    pub kafka: Option<Kafka>,
 }
 
 impl Env {
     /// Fresh marker and effect tables; `connections` for the pool (at
-    /// least the largest slot count, so that no slot waits for one).
-    pub async fn new(connections: u32) -> Result<Arc<Env>, BoxError> {
+    /// least the largest slot count, so that no slot waits for one); a
+    /// private Kafka broker when `kafka`.
+    pub async fn new(connections: u32, kafka: bool) -> Result<Arc<Env>, BoxError> {
         let pool = PgPoolOptions::new()
             .max_connections(connections)
             .connect(PG_URL)
@@ -112,7 +206,6 @@ impl Env {
         )))
         .execute(&pool)
         .await?;
-        let insert = format!("INSERT INTO {effects} (id, amount) VALUES ($1, $2)");
         let hand_markers = crate::unique("e2e_hand");
         sqlx::query(AssertSqlSafe(format!(
             "CREATE TABLE {hand_markers} (scope TEXT NOT NULL, message_id TEXT NOT NULL, \
@@ -120,17 +213,48 @@ impl Env {
         )))
         .execute(&pool)
         .await?;
-        let hand_claim =
-            format!("INSERT INTO {hand_markers} (scope, message_id) VALUES ('bench.e2e', $1) ON CONFLICT DO NOTHING");
-        Ok(Arc::new(Env {
+        let kafka = if kafka {
+            Some(tokio::task::spawn_blocking(Kafka::start).await?)
+        } else {
+            None
+        };
+        Ok(Arc::new(Env::with(
             pool,
             store,
+            [markers, effects, hand_markers],
+            kafka,
+        )))
+    }
+
+    fn with(pool: PgPool, store: PgStore, [markers, effects, hand_markers]: [String; 3], kafka: Option<Kafka>) -> Env {
+        Env {
+            pool,
+            store,
+            insert: format!("INSERT INTO {effects} (id, amount) VALUES ($1, $2)"),
+            hand_claim: format!(
+                "INSERT INTO {hand_markers} (scope, message_id) VALUES ('bench.e2e', $1) ON CONFLICT DO NOTHING"
+            ),
             markers,
             effects,
-            insert,
             hand_markers,
-            hand_claim,
-        }))
+            kafka,
+        }
+    }
+
+    /// The tables of [`new`](Self::new), for [`attach`](Self::attach).
+    pub fn tables(&self) -> [String; 3] {
+        [self.markers.clone(), self.effects.clone(), self.hand_markers.clone()]
+    }
+
+    /// The tables another process made (a consumer process of
+    /// `--processes`); no Kafka broker of its own.
+    pub async fn attach(connections: u32, tables: [String; 3]) -> Result<Arc<Env>, BoxError> {
+        let pool = PgPoolOptions::new()
+            .max_connections(connections)
+            .connect(PG_URL)
+            .await?;
+        let store = PgStore::builder(pool.clone()).table(&tables[0]).build()?;
+        Ok(Arc::new(Env::with(pool, store, tables, None)))
     }
 
     /// (a)'s handler.
@@ -232,38 +356,22 @@ pub struct Cpu {
     pub broker: u64,
 }
 
-fn schedstat(path: &std::path::Path) -> u64 {
-    std::fs::read_to_string(path)
-        .ok()
-        .and_then(|s| s.split_whitespace().next().and_then(|v| v.parse().ok()))
-        .unwrap_or(0)
-}
-
-/// Every thread of the process at `proc`.
-fn threads(proc: &std::path::Path) -> u64 {
-    std::fs::read_dir(proc.join("task")).map_or(0, |tasks| {
-        tasks.flatten().map(|t| schedstat(&t.path().join("schedstat"))).sum()
-    })
-}
-
 impl Cpu {
-    pub fn now(broker: &str) -> Cpu {
-        let mut cpu = Cpu {
-            client: threads(std::path::Path::new("/proc/self")),
-            ..Cpu::default()
-        };
-        for p in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
-            if !p.file_name().to_string_lossy().bytes().all(|b| b.is_ascii_digit()) {
-                continue;
-            }
-            let comm = std::fs::read_to_string(p.path().join("comm")).unwrap_or_default();
+    pub fn now(server: &str) -> Cpu {
+        let [db, broker] = cpu::processes_ns(|comm| {
             if comm.starts_with("postgres") {
-                cpu.db += schedstat(&p.path().join("schedstat"));
-            } else if comm.trim_end() == broker {
-                cpu.broker += threads(&p.path());
+                Some(cpu::Count::Main(0))
+            } else if comm == server {
+                Some(cpu::Count::Threads(1))
+            } else {
+                None
             }
+        });
+        Cpu {
+            client: cpu::own_ns(),
+            db,
+            broker,
         }
-        cpu
     }
 
     fn since(self, before: Cpu) -> Cpu {
@@ -281,7 +389,7 @@ pub struct Sample {
     /// Messages acknowledged per second, from the first delivery to the
     /// last acknowledgement.
     pub rate: f64,
-    /// CPU per message (µs).
+    /// CPU per message (µs): consumer, database, broker.
     pub cpu_us: (f64, f64, f64),
     /// Publish-to-acknowledgement latencies (µs) in a steady run, sorted.
     pub latencies_us: Vec<u64>,
@@ -297,17 +405,32 @@ pub struct Sample {
     pub distinct: usize,
 }
 
+/// What the consumer's side of a run measured (a [`Sample`] without what
+/// the database says afterwards).
+struct Consumed {
+    rate: f64,
+    cpu_us: (f64, f64, f64),
+    latencies_us: Vec<u64>,
+    acked: u64,
+    dead_lettered: u64,
+    failed: u64,
+    batch_size: f64,
+}
+
 /// How a run is fed.
 #[derive(Debug, Clone, Copy)]
 pub enum Feed {
     /// The whole plan published before the consumer starts.
     Drain,
-    /// Published at this many messages per second while the consumer runs.
+    /// Published at this many messages per second while the consumer runs,
+    /// from its first delivery on (the first message is published alone
+    /// beforehand: connecting, and Kafka's group join, are not measured).
     Steady(f64),
 }
 
 /// One run of `variant` on a fresh `kind` queue: `n` messages with
-/// `dup_pct` % duplicates, `slots` handler slots.
+/// `dup_pct` % duplicates, `slots` handler slots (on Kafka, a topic of
+/// `slots` partitions).
 #[allow(clippy::too_many_arguments)] // the benchmark's matrix, one argument per axis
 pub async fn run(
     env: &Arc<Env>,
@@ -319,6 +442,9 @@ pub async fn run(
     feed: Feed,
     seed: u64,
 ) -> Result<Sample, BoxError> {
+    if !variant.applies_to(kind) {
+        return Err(format!("({}) does not run on {}", variant.label(), kind.title()).into());
+    }
     let name = crate::unique("e2e");
     let prefix = format!("{name}-");
     let bodies = plan(&prefix, n, dup_pct, seed);
@@ -327,58 +453,80 @@ pub async fn run(
         .map(|b| b.as_slice())
         .collect::<std::collections::HashSet<_>>()
         .len();
-    let queue = Arc::new(Queue::setup(kind, &name).await?);
+    let queue = Arc::new(Queue::setup(kind, &name, slots, env.kafka.as_ref()).await?);
     if let Feed::Drain = feed {
         queue.publish(&bodies).await?;
     }
+    let running = start_on(env, &queue, kind, variant, slots)?;
+    let consumed = consume(running, &queue, bodies, feed, kind).await?;
+    if let Ok(queue) = Arc::try_unwrap(queue) {
+        queue.teardown(&env.pool).await?;
+    }
+    Ok(Sample {
+        rate: consumed.rate,
+        cpu_us: consumed.cpu_us,
+        latencies_us: consumed.latencies_us,
+        acked: consumed.acked,
+        dead_lettered: consumed.dead_lettered,
+        failed: consumed.failed,
+        batch_size: consumed.batch_size,
+        effects: env.effects(&prefix).await?,
+        distinct,
+    })
+}
+
+/// A running consumer: its stats, its task, its shutdown.
+pub type Running = (
+    ConsumerStats,
+    tokio::task::JoinHandle<Result<idempotent_runtime::broker::RunStats, idempotent_runtime::broker::ConsumerError>>,
+    CancellationToken,
+);
+
+/// Starts the consumer of `variant` on `queue` with `slots` handler slots.
+pub fn start_on(
+    env: &Arc<Env>,
+    queue: &Queue,
+    kind: Kind,
+    variant: Variant,
+    slots: usize,
+) -> Result<Running, BoxError> {
     // Room at the broker for every slot's batch, and one more round.
-    let per_slot = match variant {
-        Variant::Batch(max) | Variant::Lean(max) => max,
-        _ => 1,
-    };
-    let prefetch = (slots * per_slot * 2).max(8);
-    let sample = match kind {
+    let prefetch = (slots * variant.per_task() * 2).max(8);
+    match kind {
         Kind::RabbitMq => {
             let builder = queue
                 .rabbit(u16::try_from(prefetch).unwrap_or(u16::MAX))
                 .ok_or("not RabbitMQ")?;
-            consume(env, builder, variant, slots, &queue, bodies, feed, kind).await?
+            start(env, builder, variant, slots)
         }
-        Kind::JetStream => {
-            let builder = queue.jetstream(prefetch).ok_or("not JetStream")?;
-            consume(env, builder, variant, slots, &queue, bodies, feed, kind).await?
+        Kind::JetStream => start(env, queue.jetstream(prefetch).ok_or("not JetStream")?, variant, slots),
+        Kind::RedisStreams => start(env, queue.streams().ok_or("not Redis Streams")?, variant, slots),
+        Kind::Kafka => {
+            let mut builder = queue.kafka().ok_or("not Kafka")?;
+            if variant.offsets() {
+                builder = builder.offsets_in(env.store.clone());
+            }
+            start(env, builder, variant, slots)
         }
-        Kind::RedisStreams => {
-            let builder = queue.streams().ok_or("not Redis Streams")?;
-            consume(env, builder, variant, slots, &queue, bodies, feed, kind).await?
-        }
-    };
-    if let Ok(queue) = Arc::try_unwrap(queue) {
-        queue.teardown().await?;
     }
-    Ok(Sample {
-        effects: env.effects(&prefix).await?,
-        distinct,
-        ..sample
-    })
 }
 
-#[allow(clippy::too_many_arguments)]
-async fn consume<B: Broker>(
+/// Starts the consumer of `variant` with `slots` handler slots.
+fn start<B: Broker>(
     env: &Arc<Env>,
     builder: ConsumerBuilder<B>,
     variant: Variant,
     slots: usize,
-    queue: &Arc<Queue>,
-    bodies: Vec<Vec<u8>>,
-    feed: Feed,
-    kind: Kind,
-) -> Result<Sample, BoxError> {
-    let n = bodies.len() as u64;
+) -> Result<Running, BoxError> {
     let builder = builder.concurrency(slots).max_attempts(3);
     let builder = match variant {
-        Variant::Batch(max) => builder.batch(env.store.clone(), max),
-        Variant::Lean(max) => builder.batch(env.store.clone(), max).batch_savepoints(false),
+        Variant::Batch(b) => {
+            let builder = builder.batch(env.store.clone(), b.max).batch_savepoints(b.savepoints);
+            match b.wait_ms {
+                Some(ms) => builder.batch_wait(Duration::from_millis(ms)),
+                None => builder,
+            }
+        }
         _ => builder,
     };
     let consumer = builder.build()?;
@@ -409,13 +557,38 @@ async fn consume<B: Broker>(
         )),
     };
 
+    Ok((stats, run, shutdown))
+}
+
+/// Runs `running` until it settled `bodies` (published beforehand, or
+/// here at a steady rate), and measures it.
+async fn consume(
+    (stats, run, shutdown): Running,
+    queue: &Arc<Queue>,
+    bodies: Vec<Vec<u8>>,
+    feed: Feed,
+    kind: Kind,
+) -> Result<Consumed, BoxError> {
+    let n = bodies.len() as u64;
+
+    // The clock starts at the first delivery (connecting is not measured).
+    // The clock starts at the first delivery (connecting is not measured).
+    let deadline = Instant::now() + Duration::from_secs(600);
     // Publish times (ns since the epoch) of a steady feed, by position.
     let published: Arc<Vec<AtomicU64>> = Arc::new((0..n).map(|_| AtomicU64::new(0)).collect());
+    if let Feed::Steady(_) = feed {
+        // The first message alone, until the consumer has it.
+        published[0].store(epoch_ns(), Ordering::Relaxed);
+        queue.publish(&bodies[..1]).await?;
+    }
+    while stats.snapshot().received == 0 && Instant::now() < deadline && !run.is_finished() {
+        tokio::time::sleep(Duration::from_micros(200)).await;
+    }
     let publisher = match feed {
         Feed::Drain => None,
         Feed::Steady(rate) => {
             let (queue, published) = (Arc::clone(queue), Arc::clone(&published));
-            Some(tokio::spawn(feed_steadily(queue, bodies, rate, published)))
+            Some(tokio::spawn(feed_steadily(queue, bodies, 1, rate, published)))
         }
     };
 
@@ -423,11 +596,6 @@ async fn consume<B: Broker>(
         let snap = s.snapshot();
         snap.acked + snap.dead_lettered
     };
-    // The clock starts at the first delivery (connecting is not measured).
-    let deadline = Instant::now() + Duration::from_secs(600);
-    while stats.snapshot().received == 0 && Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_micros(200)).await;
-    }
     let (t0, cpu0) = (Instant::now(), Cpu::now(kind.server_comm()));
     // Acknowledged count over time, for a steady feed's latencies.
     let mut progress: Vec<(u64, u64)> = Vec::new();
@@ -460,7 +628,7 @@ async fn consume<B: Broker>(
     if matches!(feed, Feed::Steady(_)) {
         // Message k (in publish order) is counted settled at the first
         // sample with more than k settled: in order, which the slots keep
-        // to within their number.
+        // to within their number (of batches).
         let mut at = 0;
         for (k, published) in published.iter().enumerate() {
             while at < progress.len() && progress[at].1 <= k as u64 {
@@ -471,7 +639,7 @@ async fn consume<B: Broker>(
         }
         latencies_us.sort_unstable();
     }
-    Ok(Sample {
+    Ok(Consumed {
         rate: n as f64 / elapsed.as_secs_f64(),
         cpu_us: (per(cpu.client), per(cpu.db), per(cpu.broker)),
         latencies_us,
@@ -483,8 +651,6 @@ async fn consume<B: Broker>(
         } else {
             snap.batched as f64 / snap.batches as f64
         },
-        effects: (0, 0),
-        distinct: 0,
     })
 }
 
@@ -494,18 +660,19 @@ fn epoch_ns() -> u64 {
         .map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX))
 }
 
-/// Publishes `bodies` at `rate` per second, in bursts every millisecond,
-/// recording when each was handed to the broker.
+/// Publishes `bodies` from `from` on at `rate` per second, in bursts
+/// every millisecond, recording when each was handed to the broker.
 async fn feed_steadily(
     queue: Arc<Queue>,
     bodies: Vec<Vec<u8>>,
+    from: usize,
     rate: f64,
     published: Arc<Vec<AtomicU64>>,
 ) -> Result<(), BoxError> {
     let start = Instant::now();
-    let mut sent = 0;
+    let mut sent = from.min(bodies.len());
     while sent < bodies.len() {
-        let due = ((start.elapsed().as_secs_f64() * rate) as usize + 1).min(bodies.len());
+        let due = (from + (start.elapsed().as_secs_f64() * rate) as usize + 1).min(bodies.len());
         if due > sent {
             let now = epoch_ns();
             for stamp in &published[sent..due] {

@@ -10,6 +10,12 @@ use std::time::{Duration, Instant};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
+// Also in `benches/e2e/run.rs` (`benches/e2e.rs` loads this file for its
+// chart).
+#[allow(clippy::duplicate_mod)]
+#[path = "../shared/cpu.rs"]
+mod cpu;
+
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 /// What one delivery did.
@@ -321,40 +327,19 @@ pub struct CpuSnapshot {
     pub server_ns: u64,
 }
 
-fn schedstat_ns(path: &std::path::Path) -> u64 {
-    std::fs::read_to_string(path)
-        .ok()
-        .and_then(|s| s.split_whitespace().next().and_then(|v| v.parse().ok()))
-        .unwrap_or(0)
-}
-
-/// CPU time of every live thread of the process at `proc` (`/proc/<pid>`).
-fn threads_ns(proc: &std::path::Path) -> u64 {
-    std::fs::read_dir(proc.join("task")).map_or(0, |tasks| {
-        tasks.flatten().map(|t| schedstat_ns(&t.path().join("schedstat"))).sum()
-    })
-}
-
 pub fn cpu_snapshot() -> CpuSnapshot {
-    let mut snap = CpuSnapshot::default();
-    if let Ok(tasks) = std::fs::read_dir("/proc/self/task") {
-        snap.client_ns = tasks.flatten().map(|t| schedstat_ns(&t.path().join("schedstat"))).sum();
-    }
-    if let Ok(procs) = std::fs::read_dir("/proc") {
-        for p in procs.flatten() {
-            let path = p.path();
-            if !p.file_name().to_string_lossy().bytes().all(|b| b.is_ascii_digit()) {
-                continue;
-            }
-            let comm = std::fs::read_to_string(path.join("comm")).unwrap_or_default();
-            if comm.starts_with("postgres") || comm.starts_with("redis-server") || comm.starts_with("valkey-server") {
-                snap.server_ns += schedstat_ns(&path.join("schedstat"));
-            } else if comm.starts_with("mariadbd") || comm.starts_with("mysqld") {
-                // One process, a thread per connection: a process's own
-                // schedstat counts its main thread only.
-                snap.server_ns += threads_ns(&path);
-            }
+    let [server_ns] = cpu::processes_ns(|comm| {
+        if comm.starts_with("postgres") || comm.starts_with("redis-server") || comm.starts_with("valkey-server") {
+            Some(cpu::Count::Main(0))
+        } else if comm.starts_with("mariadbd") || comm.starts_with("mysqld") {
+            // One process, a thread per connection.
+            Some(cpu::Count::Threads(0))
+        } else {
+            None
         }
+    });
+    CpuSnapshot {
+        client_ns: cpu::own_ns(),
+        server_ns,
     }
-    snap
 }

@@ -45,7 +45,7 @@ pub mod redis_streams;
 pub use consumer::{Consumer, ConsumerBuilder};
 pub use handler::Handler;
 pub use options::{
-    BatchMode, ConsumerOptions, DEFAULT_CONCURRENCY, DEFAULT_MAX_ATTEMPTS, DEFAULT_MAX_BODY_BYTES,
+    BatchMode, ConsumerOptions, DEFAULT_BATCH_WAIT, DEFAULT_CONCURRENCY, DEFAULT_MAX_ATTEMPTS, DEFAULT_MAX_BODY_BYTES,
     DEFAULT_SHUTDOWN_TIMEOUT, MAX_BATCH_WAIT,
 };
 pub use policy::{Backoff, Classify, Decoder, Json, Reconnect, RetryAll, RetryPolicy, Verdict};

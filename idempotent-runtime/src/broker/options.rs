@@ -101,6 +101,16 @@ impl fmt::Debug for BatchMode {
     }
 }
 
+/// How long a batch waits for more deliveries after its first unless
+/// [`ConsumerBuilder::batch_wait`](super::ConsumerBuilder::batch_wait) says otherwise: none. A batch takes
+/// what the client holds when its first delivery arrives and closes, so it
+/// never delays a lone message; under load the client holds a full batch.
+/// Measured end to end (`docs/benchmarks.md`), a wait of 5 ms made batches
+/// at a moderate steady rate larger but their latency higher (each message
+/// waits for its batch to close, then for the batches before it), and full
+/// batches filled as fast without it.
+pub const DEFAULT_BATCH_WAIT: Duration = Duration::ZERO;
+
 /// The longest [`ConsumerBuilder::batch_wait`](super::ConsumerBuilder::batch_wait): a batch waits milliseconds
 /// for more deliveries, never seconds.
 pub const MAX_BATCH_WAIT: Duration = Duration::from_millis(100);
