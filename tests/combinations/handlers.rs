@@ -102,6 +102,69 @@ pub struct RedisEffects {
     pub key: String,
 }
 
+impl RedisEffects {
+    /// Records the effect of `id` (`HSETNX`), counting a second one in
+    /// `<key>:again`. On the cluster the effect waits for a replica, and is
+    /// written again (`HSETNX`: idempotent by design) while a failover is
+    /// under way: a failover must not lose an effect the handler reported
+    /// made, nor make the checker's own effects store fail the message (the
+    /// user's effects store, not the library's markers, is what this makes
+    /// durable).
+    pub async fn record(&self, id: &str) -> Result<(), String> {
+        use idempotent_runtime::redis;
+        let RedisEffects { conn, key } = self;
+        let mut conn = conn.clone();
+        let fresh: bool = if let RedisConn::Cluster(_) = conn {
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+            let mut fresh = false;
+            loop {
+                let sent: Result<(bool, i64), _> = redis::pipe()
+                    .cmd("HSETNX")
+                    .arg(key)
+                    .arg(id)
+                    .arg(1)
+                    .cmd("WAIT")
+                    .arg(1)
+                    .arg(500)
+                    .query_async(&mut conn)
+                    .await;
+                match sent {
+                    Ok((set, replicas)) => {
+                        fresh |= set;
+                        if replicas >= 1 {
+                            break;
+                        }
+                    }
+                    Err(e) if std::time::Instant::now() > deadline => {
+                        return Err(format!("checker: the effect of {id}: {e}"));
+                    }
+                    Err(_) => {}
+                }
+                if std::time::Instant::now() > deadline {
+                    return Err(format!("checker: the effect of {id} is not on a replica after 30 s"));
+                }
+                tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+            }
+            fresh
+        } else {
+            redis::cmd("HSETNX")
+                .arg(key)
+                .arg(id)
+                .arg(1)
+                .query_async(&mut conn)
+                .await
+                .map_err(|e| format!("checker: the effect of {id}: {e}"))?
+        };
+        if !fresh {
+            let _: Result<i64, _> = redis::cmd("INCR")
+                .arg(format!("{key}:again"))
+                .query_async(&mut conn)
+                .await;
+        }
+        Ok(())
+    }
+}
+
 impl std::fmt::Debug for RedisEffects {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "RedisEffects({})", self.key)
@@ -235,66 +298,8 @@ impl Ctx {
     async fn mem_body(&self, msg: &Msg, ran: &AtomicBool, fault: Option<BodyFault>) -> Result<(), AppError> {
         ran.store(true, Ordering::SeqCst);
         self.fault(&msg.id, fault).await?;
-        if let Some(RedisEffects { conn, key }) = self.redis_effects.get() {
-            use idempotent_runtime::redis;
-            let mut conn = conn.clone();
-            let fresh: bool = if let RedisConn::Cluster(_) = conn {
-                // On the cluster the effect waits for a replica, and is
-                // written again (`HSETNX`: idempotent by design) while a
-                // failover is under way: a failover must not lose an
-                // effect the handler reported made, nor make the checker's
-                // own effects store fail the message (the user's effects
-                // store, not the library's markers, is what this makes
-                // durable).
-                let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
-                let mut fresh = false;
-                loop {
-                    let sent: Result<(bool, i64), _> = redis::pipe()
-                        .cmd("HSETNX")
-                        .arg(key)
-                        .arg(&msg.id)
-                        .arg(1)
-                        .cmd("WAIT")
-                        .arg(1)
-                        .arg(500)
-                        .query_async(&mut conn)
-                        .await;
-                    match sent {
-                        Ok((set, replicas)) => {
-                            fresh |= set;
-                            if replicas >= 1 {
-                                break;
-                            }
-                        }
-                        Err(e) if std::time::Instant::now() > deadline => {
-                            return Err(AppError::Failed(format!("checker: the effect of {}: {e}", msg.id)));
-                        }
-                        Err(_) => {}
-                    }
-                    if std::time::Instant::now() > deadline {
-                        return Err(AppError::Failed(format!(
-                            "checker: the effect of {} is not on a replica after 30 s",
-                            msg.id
-                        )));
-                    }
-                    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
-                }
-                fresh
-            } else {
-                redis::cmd("HSETNX")
-                    .arg(key)
-                    .arg(&msg.id)
-                    .arg(1)
-                    .query_async(&mut conn)
-                    .await
-                    .map_err(|e| AppError::Failed(format!("checker: the effect of {}: {e}", msg.id)))?
-            };
-            if !fresh {
-                let _: Result<i64, _> = redis::cmd("INCR")
-                    .arg(format!("{key}:again"))
-                    .query_async(&mut conn)
-                    .await;
-            }
+        if let Some(effects) = self.redis_effects.get() {
+            effects.record(&msg.id).await.map_err(AppError::Failed)?;
             // A child killed mid-body: the effect made, the lease held.
             self.hang_mid_body(&msg.id).await;
             return Ok(());

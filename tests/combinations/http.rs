@@ -82,14 +82,14 @@ use idempotent_runtime::http::{IdempotencyLayer, IdempotentTx, InProgress, NotKe
 use idempotent_runtime::outbox::Outgoing;
 use idempotent_runtime::sqlx::{self, AssertSqlSafe};
 use idempotent_runtime::store::{StagesOutbox, Store, TransactionalStore};
-use idempotent_runtime::{CachedStore, MemoryStore, MySqlStore, PgStore, RedisStore, SqliteStore, redis};
+use idempotent_runtime::{CachedStore, MemoryStore, MySqlStore, PgStore, RedisStore, SqliteStore};
 use tokio::sync::{Notify, watch};
 
 use super::brokers::Sink;
 use super::common;
 use super::config::{BodyFault, Config, FaultKind, Rng, StoreKind, TimedFault};
 use super::db::{self, Admin, Opened};
-use super::handlers::{BoxFut, Msg};
+use super::handlers::{BoxFut, Msg, RedisConn};
 use super::run::{self, Counts, Private, RelayPlan, Report, Sabotage};
 
 /// The first seed that may draw HTTP as its source.
@@ -368,22 +368,8 @@ async fn lease_handler(State(st): State<Arc<HttpState>>, body: Bytes) -> Respons
     }
     let ctx = st.ctx();
     if let Some(effects) = ctx.redis_effects.get() {
-        let mut conn = effects.conn.clone();
-        let fresh: Result<bool, _> = redis::cmd("HSETNX")
-            .arg(&effects.key)
-            .arg(&msg.id)
-            .arg(1)
-            .query_async(&mut conn)
-            .await;
-        match fresh {
-            Ok(true) => {}
-            Ok(false) => {
-                let _: Result<i64, _> = redis::cmd("INCR")
-                    .arg(format!("{}:again", effects.key))
-                    .query_async(&mut conn)
-                    .await;
-            }
-            Err(error) => return (StatusCode::INTERNAL_SERVER_ERROR, error.to_string()).into_response(),
+        if let Err(error) = effects.record(&msg.id).await {
+            return (StatusCode::INTERNAL_SERVER_ERROR, error).into_response();
         }
     } else {
         let mut effects = ctx.mem_effects.lock().unwrap();
@@ -494,13 +480,23 @@ fn router(cfg: &Config, opened: &Opened, plan: &Plan, st: &Arc<HttpState>) -> (R
                 .build()
                 .unwrap()
         ),
-        Admin::Redis { conn } => serve!(
-            lease_router,
-            RedisStore::builder(conn.clone())
-                .prefix(opened.redis_prefix.clone().unwrap_or_default())
-                .build()
-                .unwrap()
-        ),
+        Admin::Redis { conn } => {
+            let prefix = opened.redis_prefix.clone().unwrap_or_default();
+            let store = match conn {
+                RedisConn::One(conn) => RedisStore::builder(conn.clone()).prefix(prefix).build(),
+                // The checker run's Redis Cluster (issue 30), as `db::open`
+                // builds the messages' store on it.
+                RedisConn::Cluster(conn) => {
+                    let builder = RedisStore::cluster_builder(conn.clone()).prefix(prefix);
+                    if cfg.wait_replicas {
+                        builder.wait_for_replicas(1, Duration::from_millis(500)).build()
+                    } else {
+                        builder.build()
+                    }
+                }
+            };
+            serve!(lease_router, store.unwrap())
+        }
         Admin::Memory => serve!(lease_router, MemoryStore::new()),
     }
 }
@@ -555,10 +551,23 @@ struct Seen {
     requests: AtomicU64,
 }
 
+/// How the client retries.
+#[derive(Clone, Copy)]
+struct Retries {
+    /// `5xx` answers before it gives up.
+    attempts: u32,
+    /// The layer's `503` (the store failed, nothing ran) is retried until `GIVE_UP`
+    /// without counting: while a Redis Cluster primary fails over, a store
+    /// waiting for a replica refuses every claim of its slots until one is
+    /// back, as a client with backoff would ride out.
+    outages: bool,
+}
+
 /// Sends `job` until a final answer: a `2xx` or a `4xx` but `409`; a `5xx`
-/// is retried up to `attempts` times, a lost connection, a timeout or a
+/// is retried up to `retries.attempts` times, a lost connection, a timeout or a
 /// `409` until `GIVE_UP`.
-async fn send(client: &reqwest::Client, servers: &Servers, job: &Job, attempts: u32, opened: &Opened, seen: &Seen) {
+async fn send(client: &reqwest::Client, servers: &Servers, job: &Job, retries: Retries, opened: &Opened, seen: &Seen) {
+    let attempts = retries.attempts;
     let started = Instant::now();
     let mut failures = 0;
     loop {
@@ -601,6 +610,12 @@ async fn send(client: &reqwest::Client, servers: &Servers, job: &Job, attempts: 
         };
         if status == 409 {
             tokio::time::sleep(Duration::from_millis(50)).await;
+            continue;
+        }
+        // The layer's own 503 (a problem document of type `store-failed`),
+        // not the handler's (a lone outage's `503` counts).
+        if status == 503 && retries.outages && body.windows(12).any(|w| w == b"store-failed") {
+            tokio::time::sleep(Duration::from_millis(200)).await;
             continue;
         }
         if status >= 500 {
@@ -697,6 +712,7 @@ struct Fired {
     setting_changes: u64,
     broker_restarts: u64,
     db_restarts: u64,
+    failovers: u64,
 }
 
 /// Fires `cfg`'s timed faults as the handler calls reach them, until
@@ -737,6 +753,18 @@ async fn drive_faults(cfg: &Config, st: &HttpState, opened: &Opened, private: &P
                     private.restart_db(down).await;
                     fired.db_restarts += 1;
                 }
+                // A Redis Cluster primary SIGKILLed, its replica promoted,
+                // the node started again (as `run::run` does it).
+                TimedFault::Failover(slot) => {
+                    run::blocking(move || {
+                        let cluster = common::cluster::RedisCluster::shared();
+                        let killed = cluster.kill_primary_of(slot);
+                        cluster.wait_for_promotion(killed, slot);
+                        cluster.restart(killed);
+                    })
+                    .await;
+                    fired.failovers += 1;
+                }
             }
         }
     }
@@ -774,6 +802,8 @@ struct ChildSpec {
     sink: Option<String>,
     pg: String,
     sqlite: Option<std::path::PathBuf>,
+    /// The checker run's Redis Cluster (empty: none), for a Redis store on it.
+    cluster: Vec<String>,
 }
 
 /// A second server of a configuration, in a process of its own: runs when
@@ -795,6 +825,9 @@ fn checker_http_child_server() {
         .expect("the child's runtime")
         .block_on(async move {
             let attach = db::Attach { sqlite: spec.sqlite };
+            if !spec.cluster.is_empty() {
+                let _ = db::CLUSTER_URLS.set(spec.cluster.clone());
+            }
             let opened = Arc::new(db::open(&spec.cfg, &spec.name, spec.sink.clone(), &spec.pg, Some(&attach)).await);
             let plan = Plan::draw(&spec.cfg);
             let st = state(&spec.cfg, &opened, spec.sink);
@@ -977,6 +1010,7 @@ pub async fn run(cfg: &Config, sabotage: Option<Sabotage>) -> Report {
         sink: sink.as_ref().map(Sink::destination),
         pg: at.pg.clone(),
         sqlite: opened.sqlite_path.clone(),
+        cluster: at.cluster.clone(),
     };
     let child_violations = Mutex::new(Vec::new());
 
@@ -987,7 +1021,10 @@ pub async fn run(cfg: &Config, sabotage: Option<Sabotage>) -> Report {
     let done = Notify::new();
     // Store failures (a killed connection, a serialization failure) are
     // 5xx too: room for them beside the body's faults.
-    let attempts = cfg.max_attempts + 5;
+    let retries = Retries {
+        attempts: cfg.max_attempts + 5,
+        outages: cfg.failover(),
+    };
     let clients = async {
         futures_util::stream::iter(first)
             .for_each_concurrent(plan.concurrency, |copies| {
@@ -996,7 +1033,7 @@ pub async fn run(cfg: &Config, sabotage: Option<Sabotage>) -> Report {
                     futures_util::future::join_all(
                         copies
                             .iter()
-                            .map(|job| send(client, servers, job, attempts, opened, seen)),
+                            .map(|job| send(client, servers, job, retries, opened, seen)),
                     )
                     .await;
                 }
@@ -1005,7 +1042,7 @@ pub async fn run(cfg: &Config, sabotage: Option<Sabotage>) -> Report {
         futures_util::stream::iter(then)
             .for_each_concurrent(plan.concurrency, |job| {
                 let (client, servers, seen, opened) = (&client, &servers, &seen, &opened);
-                async move { send(client, servers, &job, attempts, opened, seen).await }
+                async move { send(client, servers, &job, retries, opened, seen).await }
             })
             .await;
         done.notify_waiters();
@@ -1071,7 +1108,15 @@ pub async fn run(cfg: &Config, sabotage: Option<Sabotage>) -> Report {
         }
         effects = opened.effects().await;
     }
-    let died = fired.server_kills + st.aborts_after_commit.load(Ordering::SeqCst) + sigkills > 0;
+    // A failover may lose a Redis lease or marker (the README's failover
+    // table): like a server's death, it lets a Redis effect be made again.
+    let died = fired.server_kills + st.aborts_after_commit.load(Ordering::SeqCst) + sigkills + fired.failovers > 0;
+    // Without `wait_for_replicas`, a failover can lose a completed marker
+    // that was already answered (the README's failover table): the next
+    // retry runs the body again and is answered afresh. With the option the
+    // answer waits for a replica, so a second fresh answer stays a
+    // violation.
+    let markers_may_be_lost = cfg.store == StoreKind::Redis && cfg.cluster && !cfg.wait_replicas && fired.failovers > 0;
     let no_effect: HashSet<&String> = cfg
         .schedule
         .doomed
@@ -1082,6 +1127,7 @@ pub async fn run(cfg: &Config, sabotage: Option<Sabotage>) -> Report {
     let mut lost = Vec::new();
     let mut twice = Vec::new();
     let mut wrong = Vec::new();
+    let mut answered_again = 0u64;
     counts.messages = cfg.messages as u64;
     counts.published = seen.requests.load(Ordering::SeqCst);
     for n in 0..cfg.messages {
@@ -1123,7 +1169,9 @@ pub async fn run(cfg: &Config, sabotage: Option<Sabotage>) -> Report {
         }
         // Replays: byte for byte the first run's answer; one fresh answer.
         let fresh: Vec<&&Answer> = ok.iter().filter(|a| !a.replayed).collect();
-        if fresh.len() > 1 {
+        if fresh.len() > 1 && markers_may_be_lost {
+            answered_again += 1;
+        } else if fresh.len() > 1 {
             wrong.push(format!(
                 "{id}: {} fresh answers (the body ran and was kept more than once)",
                 fresh.len()
@@ -1131,7 +1179,10 @@ pub async fn run(cfg: &Config, sabotage: Option<Sabotage>) -> Report {
         }
         let reference = fresh.first().copied().copied().unwrap_or(ok[0]);
         for a in &ok {
-            if a.kept() != reference.kept() {
+            // After a lost marker, a replay is one of the fresh answers.
+            let matches =
+                a.kept() == reference.kept() || markers_may_be_lost && fresh.iter().any(|f| f.kept() == a.kept());
+            if !matches {
                 wrong.push(format!(
                     "{id}: a replay differs from the first answer: {:?} / {:?}",
                     (a.status, &a.run, String::from_utf8_lossy(&a.body)),
@@ -1193,6 +1244,11 @@ pub async fn run(cfg: &Config, sabotage: Option<Sabotage>) -> Report {
         ));
     }
     counts.wrong_replay = wrong.len() as u64;
+    if answered_again > 0 {
+        println!(
+            "    {answered_again} keys answered afresh after a failover lost their completed marker (no wait_for_replicas: the README's failover table)"
+        );
+    }
     if !wrong.is_empty() {
         violations.push(format!("wrong answers: {wrong:?}"));
     }
@@ -1294,6 +1350,7 @@ pub async fn run(cfg: &Config, sabotage: Option<Sabotage>) -> Report {
     faults.insert(FaultKind::Oversized, cfg.schedule.oversized as u64);
     faults.insert(FaultKind::Doomed, cfg.schedule.doomed.len() as u64);
     faults.insert(FaultKind::ConsumerKill, fired.server_kills);
+    faults.insert(FaultKind::Failover, fired.failovers);
     faults.insert(
         FaultKind::AbortAfterCommit,
         st.aborts_after_commit.load(Ordering::SeqCst),

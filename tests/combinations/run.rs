@@ -465,7 +465,7 @@ impl Private {
 }
 
 /// Runs `f` on a blocking thread (a panic there is the caller's).
-async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
+pub async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
     match tokio::task::spawn_blocking(f).await {
         Ok(value) => value,
         Err(err) => std::panic::resume_unwind(err.into_panic()),
