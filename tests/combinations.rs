@@ -159,6 +159,10 @@
 //! answer byte for byte (docs/testing.md has the figures). The default run adds
 //! `http::http_combinations_keep_the_invariants` (six HTTP configurations
 //! of 80 keys, one per store) and its sabotage test.
+//! HTTP runs take the Redis Cluster too (the layer's `RedisStore` on it,
+//! failovers fired); a failover without `wait_for_replicas` may lose an
+//! answered key's marker, and the key is then answered afresh: counted,
+//! not a violation, in that case only.
 //! Offsets in the database (`KafkaConsumerBuilder::offsets_in`), from a
 //! stream of its own (`config::KAFKA_OFFSETS_STREAM`) for every seed, so
 //! that every other draw of a seed is what it was before: a coin, which
