@@ -247,7 +247,10 @@ async fn main() -> Result<(), BoxError> {
                         };
                         let label = format!("{} {} slots={slots} dup={dup}% rep={rep}", kind.name(), variant.label());
                         check(&label, variant, &sample, args.messages)?;
-                        eprintln!("{label}: {:.0} msg/s, batches of {:.1}", sample.rate, sample.batch_size);
+                        eprintln!(
+                            "{label}: {:.0} msg/s, batches of {:.1}, {} failed attempts",
+                            sample.rate, sample.batch_size, sample.failed
+                        );
                         cell.rates.entry(variant.label()).or_default().push(sample.rate);
                         cell.cpu.entry(variant.label()).or_default().push(sample.cpu_us);
                     }
