@@ -1070,3 +1070,603 @@ async fn tansu_leaves_a_rebalance_hanging_when_a_member_leaves_during_it() {
         "Tansu now completes a rebalance a member left during: drop this test and the note in docs/brokers.md"
     );
 }
+
+// ---- order by key within a partition (`order(Order::Key)`) ------------------
+
+/// A record of a keyed test: its Kafka key is `key` too.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+struct Keyed {
+    message_id: String,
+    key: String,
+    offset: i64,
+}
+
+/// Produces `keys` in this order to partition 0 of `topic`, one record
+/// each, keyed and numbered by offset (from 0); `None` makes a record
+/// without a key.
+async fn produce_keyed(kafka: &Kafka, topic: &str, keys: &[Option<&str>]) {
+    for (offset, key) in keys.iter().enumerate() {
+        let msg = Keyed {
+            message_id: format!("{topic}-{offset}"),
+            key: key.unwrap_or("").to_owned(),
+            offset: offset as i64,
+        };
+        let at = kafka
+            .produce(topic, Some(0), *key, &serde_json::to_vec(&msg).unwrap(), &[])
+            .await;
+        assert_eq!(at, (0, offset as i64), "a fresh topic numbers its records from 0");
+    }
+}
+
+/// What a keyed handler saw: each record's start and finish, in order, as
+/// `(offset, attempt, started)`, and whether two records of one key ran at
+/// once.
+#[derive(Default)]
+struct KeyedLog {
+    events: Vec<(i64, u32, bool)>,
+    running_keys: HashMap<String, usize>,
+    overlapped_key: bool,
+    running: usize,
+    most_running: usize,
+}
+
+impl KeyedLog {
+    fn start(&mut self, msg: &Keyed, attempt: u32) {
+        self.events.push((msg.offset, attempt, true));
+        let here = self.running_keys.entry(msg.key.clone()).or_default();
+        *here += 1;
+        if *here > 1 {
+            self.overlapped_key = true;
+        }
+        self.running += 1;
+        self.most_running = self.most_running.max(self.running);
+    }
+
+    fn finish(&mut self, msg: &Keyed, attempt: u32) {
+        self.events.push((msg.offset, attempt, false));
+        *self.running_keys.get_mut(&msg.key).unwrap() -= 1;
+        self.running -= 1;
+    }
+
+    /// Where an event is in the log.
+    fn at(&self, offset: i64, attempt: u32, started: bool) -> usize {
+        self.events
+            .iter()
+            .position(|e| *e == (offset, attempt, started))
+            .unwrap_or_else(|| panic!("no event {offset}/{attempt}/{started}: {:?}", self.events))
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_key_order_different_keys_of_a_partition_overlap_and_each_key_runs_in_offset_order() {
+    use idempotent_runtime::kafka::Order;
+    // One partition, keys a b c and records without a key, interleaved.
+    // The first records of `a` and `b` meet at a barrier: under partition
+    // order the second could only start after the first finished, and the
+    // first would time out.
+    let kafka = Kafka::start();
+    let topic = common::unique("bykey");
+    kafka.create_topic(&topic, 1).await;
+    kafka.create_topic(&format!("{topic}.dlq"), 1).await;
+    let keys: Vec<Option<&str>> = (0..24)
+        .map(|i| [Some("a"), Some("b"), Some("c"), None][i % 4])
+        .collect();
+    produce_keyed(&kafka, &topic, &keys).await;
+    let log = Arc::new(Mutex::new(KeyedLog::default()));
+    let barrier = Arc::new(tokio::sync::Barrier::new(2));
+    let consumer = builder(&kafka, &topic, "bykey")
+        .order(Order::Key)
+        .concurrency(8)
+        .stop_when_idle(Duration::from_secs(2))
+        .build()
+        .unwrap();
+    let (handler_log, handler_barrier) = (Arc::clone(&log), Arc::clone(&barrier));
+    let stats = tokio::time::timeout(
+        WAIT * 2,
+        consumer.run_with_info(
+            move |msg: Keyed, info: DeliveryInfo| {
+                let (log, barrier) = (Arc::clone(&handler_log), Arc::clone(&handler_barrier));
+                async move {
+                    log.lock().unwrap().start(&msg, info.attempt);
+                    if msg.offset < 2 {
+                        tokio::time::timeout(Duration::from_secs(10), barrier.wait())
+                            .await
+                            .map_err(|_| format!("record {} waited alone at the barrier", msg.offset))?;
+                    }
+                    let pause = 5 + (msg.offset as u64 * 7) % 20;
+                    tokio::time::sleep(Duration::from_millis(pause)).await;
+                    log.lock().unwrap().finish(&msg, info.attempt);
+                    // Every record at offset 6 mod 8 (key c) fails once.
+                    if msg.offset % 8 == 6 && info.attempt == 1 {
+                        return Err(format!("{} fails once", msg.offset));
+                    }
+                    Ok::<(), String>(())
+                }
+            },
+            CancellationToken::new(),
+        ),
+    )
+    .await
+    .expect("stops once idle")
+    .unwrap();
+    let log = std::mem::take(&mut *log.lock().unwrap());
+    assert!(
+        !log.overlapped_key,
+        "two records of one key ran at once: {:?}",
+        log.events
+    );
+    assert!(log.most_running > 1, "the partition's records ran one at a time");
+    // Each key's records (and the keyless ones) started in offset order,
+    // each after the one before it finished (a failed one after its retry).
+    for lane in 0..4 {
+        let offsets: Vec<i64> = (0..24).filter(|o| o % 4 == lane).collect();
+        let started: Vec<i64> = log
+            .events
+            .iter()
+            .filter(|(o, attempt, started)| o % 4 == lane && *started && *attempt == 1)
+            .map(|(o, _, _)| *o)
+            .collect();
+        assert_eq!(started, offsets, "lane {lane}");
+        for pair in offsets.windows(2) {
+            let before = if pair[0] % 8 == 6 { 2 } else { 1 };
+            assert!(
+                log.at(pair[0], before, false) < log.at(pair[1], 1, true),
+                "{} started before {} finished: {:?}",
+                pair[1],
+                pair[0],
+                log.events
+            );
+        }
+    }
+    assert_eq!(
+        (stats.acked, stats.retried, stats.dead_lettered),
+        (24, 3, 0),
+        "{stats:?}"
+    );
+    assert_eq!(kafka.committed("bykey", &topic).await, vec![Some(24)]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_key_order_the_committed_offset_stays_at_a_slow_record_while_later_keys_finish() {
+    use idempotent_runtime::kafka::Order;
+    // Offset 1 (key `slow`) waits for a permit; offsets 2..10 have keys of
+    // their own, but offset 5 is `slow` again. While offset 1 runs, every
+    // other record but 5 finishes, and the committed offset stays at 1.
+    let kafka = Kafka::start();
+    let topic = common::unique("keyoffsets");
+    let group = "keyoffsets";
+    kafka.create_topic(&topic, 1).await;
+    kafka.create_topic(&format!("{topic}.dlq"), 1).await;
+    let keys = [
+        Some("k0"),
+        Some("slow"),
+        Some("k2"),
+        Some("k3"),
+        None,
+        Some("slow"),
+        Some("k6"),
+        None,
+        Some("k8"),
+        Some("k9"),
+    ];
+    produce_keyed(&kafka, &topic, &keys).await;
+    let release = Arc::new(tokio::sync::Semaphore::new(0));
+    let done: Arc<Mutex<Vec<i64>>> = Arc::default();
+    let consumer = builder(&kafka, &topic, group)
+        .order(Order::Key)
+        .concurrency(4)
+        .commit_every(1)
+        .build()
+        .unwrap();
+    let stats = consumer.stats();
+    let shutdown = CancellationToken::new();
+    let (handler_release, handler_done) = (Arc::clone(&release), Arc::clone(&done));
+    let run = tokio::spawn(consumer.run(
+        move |msg: Keyed| {
+            let (release, done) = (Arc::clone(&handler_release), Arc::clone(&handler_done));
+            async move {
+                if msg.offset == 1 {
+                    release.acquire().await.unwrap().forget();
+                }
+                done.lock().unwrap().push(msg.offset);
+                Ok::<(), String>(())
+            }
+        },
+        shutdown.clone(),
+    ));
+    wait_until("every record but the slow key's", || stats.snapshot().acked == 8).await;
+    let mut finished = done.lock().unwrap().clone();
+    finished.sort();
+    assert_eq!(finished, [0, 2, 3, 4, 6, 7, 8, 9], "the slow key's second record waits");
+    // Commits go by (commit_every(1), commit_interval 100 ms); none passes
+    // offset 1.
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        let committed = kafka.committed(group, &topic).await;
+        assert!(
+            committed[0].is_none_or(|offset| offset <= 1),
+            "committed past the slow record: {committed:?}"
+        );
+        if committed == [Some(1)] {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "never committed up to the slow record"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(kafka.committed(group, &topic).await, [Some(1)]);
+    release.add_permits(1);
+    wait_until("every record", || stats.snapshot().acked == 10).await;
+    let finished = done.lock().unwrap().clone();
+    let (one, five) = (
+        finished.iter().position(|o| *o == 1).unwrap(),
+        finished.iter().position(|o| *o == 5).unwrap(),
+    );
+    assert!(one < five, "the slow key in offset order: {finished:?}");
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while kafka.committed(group, &topic).await != [Some(10)] {
+        assert!(tokio::time::Instant::now() < deadline, "never committed to the end");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    shutdown.cancel();
+    run.await.unwrap().unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_key_order_a_retry_holds_its_key_not_the_partition() {
+    use idempotent_runtime::kafka::Order;
+    // Offset 0 (key `r`) fails its first attempt and waits 1.5 s for its
+    // retry; offset 3 is `r` too. The other keys' records run meanwhile;
+    // offset 3 only after offset 0's retry succeeded; the committed offset
+    // stays at 0 until then.
+    let kafka = Kafka::start();
+    let topic = common::unique("keyretry");
+    let group = "keyretry";
+    kafka.create_topic(&topic, 1).await;
+    kafka.create_topic(&format!("{topic}.dlq"), 1).await;
+    let keys = [Some("r"), Some("a"), Some("b"), Some("r"), Some("c"), None, Some("d")];
+    produce_keyed(&kafka, &topic, &keys).await;
+    let log = Arc::new(Mutex::new(KeyedLog::default()));
+    let consumer = builder(&kafka, &topic, group)
+        .order(Order::Key)
+        .concurrency(4)
+        .retry_backoff(Backoff::new(Duration::from_millis(1500), Duration::from_millis(1500)))
+        .build()
+        .unwrap();
+    let stats = consumer.stats();
+    let shutdown = CancellationToken::new();
+    let handler_log = Arc::clone(&log);
+    let run = tokio::spawn(consumer.run_with_info(
+        move |msg: Keyed, info: DeliveryInfo| {
+            let log = Arc::clone(&handler_log);
+            async move {
+                log.lock().unwrap().start(&msg, info.attempt);
+                log.lock().unwrap().finish(&msg, info.attempt);
+                if msg.offset == 0 && info.attempt == 1 {
+                    return Err("fails once".to_owned());
+                }
+                Ok::<(), String>(())
+            }
+        },
+        shutdown.clone(),
+    ));
+    wait_until("the other keys", || stats.snapshot().acked == 5).await;
+    {
+        let log = log.lock().unwrap();
+        assert!(
+            !log.events.iter().any(|(o, a, _)| *o == 3 || (*o == 0 && *a == 2)),
+            "the retry ran, or key r's next record started, before the backoff: {:?}",
+            log.events
+        );
+    }
+    let committed = kafka.committed(group, &topic).await;
+    assert!(
+        committed[0].is_none_or(|offset| offset == 0),
+        "committed past the record waiting for its retry: {committed:?}"
+    );
+    wait_until("every record", || stats.snapshot().acked == 7).await;
+    {
+        let log = log.lock().unwrap();
+        assert!(log.at(0, 2, false) < log.at(3, 1, true), "{:?}", log.events);
+        assert!(!log.overlapped_key);
+    }
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while kafka.committed(group, &topic).await != [Some(7)] {
+        assert!(tokio::time::Instant::now() < deadline, "never committed to the end");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    shutdown.cancel();
+    let stats = run.await.unwrap().unwrap();
+    assert_eq!((stats.acked, stats.retried), (7, 1), "{stats:?}");
+}
+
+/// Records the transaction each record's effect ran in.
+struct TxLedger {
+    store: PgStore,
+    txids: Mutex<Vec<(i64, String)>>,
+}
+
+impl TxLedger {
+    #[idempotent(key = "msg.message_id", store = self.store, scope = "kafka.txledger")]
+    async fn apply(&self, msg: &Keyed, tx: &mut PgConnection) -> Result<(), AppError> {
+        let (txid,): (String,) = sqlx::query_as("SELECT txid_current()::text")
+            .fetch_one(&mut *tx)
+            .await?;
+        self.txids.lock().unwrap().push((msg.offset, txid));
+        Ok(())
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_key_order_a_batch_takes_several_records_of_one_partition() {
+    use idempotent_runtime::kafka::Order;
+    // One partition, 8 keys: a batch (one transaction) takes records of
+    // several keys of it; under partition order each batch would hold one.
+    let kafka = Kafka::start();
+    let topic = common::unique("keybatch");
+    kafka.create_topic(&topic, 1).await;
+    kafka.create_topic(&format!("{topic}.dlq"), 1).await;
+    let names: Vec<String> = (0..8).map(|k| format!("k{k}")).collect();
+    let keys: Vec<Option<&str>> = (0..32).map(|i| Some(names[i % 8].as_str())).collect();
+    produce_keyed(&kafka, &topic, &keys).await;
+    let pool = common::pg_pool(4).await;
+    let markers = common::unique("keybatch_m");
+    let store = PgStore::builder(pool.clone()).table(&markers).build().unwrap();
+    store.migrate().await.unwrap();
+    let ledger = Arc::new(TxLedger {
+        store: store.clone(),
+        txids: Mutex::default(),
+    });
+    let consumer = builder(&kafka, &topic, "keybatch")
+        .order(Order::Key)
+        .concurrency(1)
+        .batch(store.clone(), 8)
+        .stop_when_idle(Duration::from_secs(2))
+        .build()
+        .unwrap();
+    let handler_ledger = Arc::clone(&ledger);
+    let stats = tokio::time::timeout(
+        WAIT * 2,
+        consumer.run(
+            move |msg: Keyed| {
+                let ledger = Arc::clone(&handler_ledger);
+                async move { ledger.apply(&msg).await }
+            },
+            CancellationToken::new(),
+        ),
+    )
+    .await
+    .expect("stops once idle")
+    .unwrap();
+    assert_eq!(stats.acked, 32, "{stats:?}");
+    let txids = ledger.txids.lock().unwrap().clone();
+    let mut by_tx: HashMap<String, Vec<i64>> = HashMap::new();
+    for (offset, txid) in &txids {
+        by_tx.entry(txid.clone()).or_default().push(*offset);
+    }
+    let largest = by_tx.values().map(Vec::len).max().unwrap();
+    assert!(largest > 1, "each transaction held one record: {by_tx:?}");
+    // Within a transaction, no two records of one key.
+    for offsets in by_tx.values() {
+        let mut keys: Vec<i64> = offsets.iter().map(|o| o % 8).collect();
+        keys.sort();
+        keys.dedup();
+        assert_eq!(
+            keys.len(),
+            offsets.len(),
+            "two records of one key in a batch: {offsets:?}"
+        );
+    }
+    assert_eq!(kafka.committed("keybatch", &topic).await, vec![Some(32)]);
+    common::drop_pg_table(&pool, &markers).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn key_order_with_offsets_in_the_database_is_refused_at_build() {
+    use idempotent_runtime::kafka::Order;
+    let pool = common::pg_pool(1).await;
+    let store = PgStore::new(pool);
+    let mut config = idempotent_runtime::rdkafka::ClientConfig::new();
+    config.set("bootstrap.servers", "127.0.0.1:9");
+    let refused = KafkaConsumer::builder(config.clone(), "payments", "refused")
+        .order(Order::Key)
+        .offsets_in(store.clone())
+        .build()
+        .unwrap_err()
+        .to_string();
+    assert!(
+        refused.contains("Order::Key") && refused.contains("offsets_in"),
+        "{refused}"
+    );
+    KafkaConsumer::builder(config, "payments", "refused")
+        .order(Order::Partition)
+        .offsets_in(store)
+        .build()
+        .expect("partition order keeps offsets in the database");
+}
+
+// ---- a refused offset commit is made again ---------------------------------
+
+/// The consumer's warnings about `topic` (`idempotent::broker`, with a
+/// `topic` field), for the tests that check what it reported.
+fn warnings_about(topic: &str) -> Vec<String> {
+    use tracing_subscriber::layer::SubscriberExt as _;
+
+    struct Record;
+    impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for Record {
+        fn on_event(&self, event: &tracing::Event<'_>, _: tracing_subscriber::layer::Context<'_, S>) {
+            #[derive(Default)]
+            struct Fields {
+                message: String,
+                topic: String,
+                error: String,
+            }
+            impl tracing::field::Visit for Fields {
+                fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+                    match field.name() {
+                        "message" => self.message = format!("{value:?}"),
+                        "topic" => self.topic = format!("{value:?}"),
+                        "error" => self.error = format!("{value:?}"),
+                        _ => {}
+                    }
+                }
+            }
+            let meta = event.metadata();
+            if meta.target() == "idempotent::broker" && *meta.level() <= tracing::Level::WARN {
+                let mut fields = Fields::default();
+                event.record(&mut fields);
+                reported()
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner)
+                    .push((fields.topic, format!("{} ({})", fields.message, fields.error)));
+            }
+        }
+    }
+
+    type Reported = Mutex<Vec<(String, String)>>;
+    fn reported() -> &'static Reported {
+        static REPORTED: std::sync::OnceLock<Reported> = std::sync::OnceLock::new();
+        REPORTED.get_or_init(Default::default)
+    }
+    static INSTALLED: std::sync::Once = std::sync::Once::new();
+    INSTALLED.call_once(|| {
+        let _ = tracing::subscriber::set_global_default(tracing_subscriber::registry().with(Record));
+    });
+    reported()
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .iter()
+        .filter(|(about, _)| about == topic)
+        .map(|(_, line)| line.clone())
+        .collect()
+}
+
+/// A TCP proxy in front of a Kafka-protocol broker that, while `refuse`
+/// is set, closes the connection of every OffsetCommit request (API key 8)
+/// instead of passing it on, counting them in `refused`; every other
+/// request and every answer goes through unchanged.
+async fn commit_refusing_proxy(
+    listener: tokio::net::TcpListener,
+    upstream: u16,
+    refuse: Arc<std::sync::atomic::AtomicBool>,
+    refused: Arc<AtomicUsize>,
+) {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    const OFFSET_COMMIT: i16 = 8;
+    loop {
+        let Ok((client, _)) = listener.accept().await else {
+            return;
+        };
+        let Ok(server) = tokio::net::TcpStream::connect(("127.0.0.1", upstream)).await else {
+            continue;
+        };
+        let (refuse, refused) = (Arc::clone(&refuse), Arc::clone(&refused));
+        tokio::spawn(async move {
+            let (mut client_read, mut client_write) = client.into_split();
+            let (mut server_read, mut server_write) = server.into_split();
+            let answers = tokio::spawn(async move {
+                let _ = tokio::io::copy(&mut server_read, &mut client_write).await;
+            });
+            loop {
+                let mut size = [0u8; 4];
+                if client_read.read_exact(&mut size).await.is_err() {
+                    break;
+                }
+                let mut request = vec![0u8; u32::from_be_bytes(size) as usize];
+                if client_read.read_exact(&mut request).await.is_err() {
+                    break;
+                }
+                let api_key = request.get(..2).map(|key| i16::from_be_bytes([key[0], key[1]]));
+                if api_key == Some(OFFSET_COMMIT) && refuse.load(Ordering::SeqCst) {
+                    refused.fetch_add(1, Ordering::SeqCst);
+                    break;
+                }
+                if server_write.write_all(&size).await.is_err() || server_write.write_all(&request).await.is_err() {
+                    break;
+                }
+            }
+            // Both directions closed: the client sees the connection go.
+            answers.abort();
+        });
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_offset_commit_is_made_again_at_the_next_poll_without_new_records() {
+    // The broker is reached through a proxy (Tansu advertises the proxy's
+    // port) that cuts the connection of every OffsetCommit while told to:
+    // the consumer's commits fail for real (librdkafka reports the error
+    // after `socket.timeout.ms`). Commits are due only every 10 records or
+    // every hour, so once the 10 records are finished, only the retry of
+    // the failed commit can store their offset: it must be there soon
+    // after the proxy lets commits through again, with no record finishing
+    // meanwhile.
+    use common::servers::{ChildServer, tansu_server};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let proxy_port = listener.local_addr().unwrap().port();
+    let binary = tansu_server();
+    let server = ChildServer::start("a Tansu broker behind a proxy", move |port, _dir| {
+        let mut command = std::process::Command::new(&binary);
+        command
+            .arg("broker")
+            .args(["--listener-url", &format!("tcp://127.0.0.1:{port}")])
+            .args(["--advertised-listener-url", &format!("tcp://127.0.0.1:{proxy_port}")])
+            .args(["--storage-engine", "memory://tansu/"]);
+        command
+    });
+    let refuse = Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let refused = Arc::new(AtomicUsize::new(0));
+    tokio::spawn(commit_refusing_proxy(
+        listener,
+        server.port,
+        Arc::clone(&refuse),
+        Arc::clone(&refused),
+    ));
+    let kafka = Kafka::on(server);
+    let topic = common::unique("commitfails");
+    let group = "commitfails";
+    kafka.create_topic(&topic, 1).await;
+    kafka.create_topic(&format!("{topic}.dlq"), 1).await;
+    for seq in 0..10 {
+        kafka.produce(&topic, Some(0), None, &step(0, seq), &[]).await;
+    }
+    let _ = warnings_about(&topic); // installs the recorder before the consumer starts
+    let consumer = builder(&kafka, &topic, group)
+        .commit_every(10)
+        .commit_interval(Duration::from_secs(3600))
+        .client_config("socket.timeout.ms", "1000")
+        .build()
+        .unwrap();
+    let stats = consumer.stats();
+    let shutdown = CancellationToken::new();
+    let run = tokio::spawn(consumer.run(|_: Step| async { Ok::<(), String>(()) }, shutdown.clone()));
+    wait_until("the records", || stats.snapshot().acked == 10).await;
+    wait_until("a refused commit reported", || {
+        warnings_about(&topic)
+            .iter()
+            .any(|line| line.contains("committing offsets failed"))
+    })
+    .await;
+    assert!(refused.load(Ordering::SeqCst) > 0);
+    assert_eq!(
+        kafka.committed(group, &topic).await,
+        [None::<i64>],
+        "nothing committed yet"
+    );
+    refuse.store(false, Ordering::SeqCst);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
+    while kafka.committed(group, &topic).await != [Some(10)] {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the failed commit was not made again: {:?}",
+            warnings_about(&topic)
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(stats.snapshot().acked, 10, "no record finished meanwhile");
+    shutdown.cancel();
+    run.await.unwrap().unwrap();
+}

@@ -9,30 +9,40 @@
 //!
 //! | handler | what happens |
 //! | --- | --- |
-//! | `Ok` | the record is finished: its partition's offset may be committed past it, and the partition's next record starts |
-//! | `Err`, attempts left and the error retryable | after the backoff, the same record runs again as the next attempt; the partition waits for it |
+//! | `Ok` | the record is finished: its partition's offset may be committed past it, and the partition's next record (of its key, with [`Order::Key`]) starts |
+//! | `Err`, attempts left and the error retryable | after the backoff, the same record runs again as the next attempt; the partition (its key, with [`Order::Key`]) waits for it |
 //! | `Err` on the last attempt, or not retryable ([`RetryPolicy`](super::RetryPolicy)) | the record is produced to the dead-letter topic with its key, value and headers plus `x-idempotent-reason`, `-kind`, `-attempts`, `-source` and its `x-idempotent-topic`, `-partition`, `-offset`; then it is finished |
-//! | a dependency down (the `#[idempotent]` store failed, or [`Verdict::Outage`](super::Verdict::Outage)) | the handler runs again after a backoff, without spending an attempt; the partition waits |
+//! | a dependency down (the `#[idempotent]` store failed, or [`Verdict::Outage`](super::Verdict::Outage)) | the handler runs again after a backoff, without spending an attempt; the partition (its key) waits |
 //! | undecodable value, or no value (poison) | dead-lettered at once |
 //! | panic | counts as a failed attempt |
 //!
 //! # Order
 //!
-//! Records of one partition are handled one at a time, in offset order: the
-//! next one starts only after the previous one is finished (its handler's
-//! transaction committed, or it was dead-lettered). Retries and outage
-//! retries hold the partition: a record never overtakes one before it.
-//! Partitions run concurrently, up to the consumer's
-//! [concurrency](ConsumerBuilder::concurrency) at once (so more partitions
-//! than the concurrency take turns). There is no ordering by key within a
-//! partition yet: one partition is one lane.
+//! By default ([`Order::Partition`]) records of one partition are handled
+//! one at a time, in offset order: the next one starts only after the
+//! previous one is finished (its handler's transaction committed, or it was
+//! dead-lettered). Retries and outage retries hold the partition: a record
+//! never overtakes one before it. Partitions run concurrently, up to the
+//! consumer's [concurrency](ConsumerBuilder::concurrency) at once (so more
+//! partitions than the concurrency take turns).
+//!
+//! With [`order(Order::Key)`](ConsumerBuilder::order) the same holds per
+//! key within a partition: records with the same key run in offset order,
+//! one at a time, and a retry holds its key only; records of one partition
+//! with different keys run concurrently (within the concurrency, and up to
+//! [`max_buffered`](ConsumerBuilder::max_buffered) records buffered behind
+//! a key that is held). Records without a key are ordered among
+//! themselves, as one key.
 //!
 //! # Offsets
 //!
 //! The consumer commits offsets itself (`enable.auto.commit=false`, which
-//! it sets): after a record is finished, its partition's offset to commit
-//! becomes its offset + 1, and since a partition has one record in flight,
-//! the committed offset never passes a record that is not finished.
+//! it sets): a partition's offset to commit is its lowest offset not yet
+//! finished (buffered, running or waiting for a retry), or its last
+//! finished record's offset + 1 when nothing is left, so the committed
+//! offset never passes a record that is not finished, in whatever order
+//! records finish ([`Order::Key`]). With the default order it is simply the
+//! last finished record's offset + 1.
 //! Commits are batched: made when [`commit_every`](ConsumerBuilder::commit_every)
 //! records were finished since the last commit, or
 //! [`commit_interval`](ConsumerBuilder::commit_interval) after it, whichever
@@ -107,7 +117,7 @@
 //! # Ok(()) }
 //! ```
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashSet, VecDeque};
 use std::fmt;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -198,6 +208,28 @@ const CONSUMER_ONLY: [&str; 12] = [
     "isolation.level",
 ];
 
+/// Which records of one partition a [`KafkaConsumer`] handles one after
+/// the other ([`order`](ConsumerBuilder::order)); partitions always run
+/// concurrently.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Order {
+    /// All of them (the default): one record of a partition at a time, in
+    /// offset order, the next starting only after the previous one is
+    /// finished (its transaction committed, or it was dead-lettered). A
+    /// retry holds the partition.
+    #[default]
+    Partition,
+    /// Those with the same key: records of one partition with different
+    /// keys run concurrently, those with the same key in offset order (the
+    /// next of a key starts only after the previous one is finished; a
+    /// retry holds its key, not the partition). Records without a key
+    /// (a null key) are one key among themselves: in offset order, beside
+    /// the keyed ones. Keys compare as bytes. Not with
+    /// [`offsets_in`](ConsumerBuilder::offsets_in) (refused at build).
+    Key,
+}
+
 /// A consumer of a Kafka topic; see the [module documentation](self).
 pub type KafkaConsumer<D = Json, R = RetryAll> = Consumer<Kafka, D, R>;
 
@@ -216,6 +248,7 @@ pub struct Kafka {
     commit_interval: Duration,
     revoke_timeout: Duration,
     max_buffered: usize,
+    order: Order,
     /// Offsets in the database: the table, or why the store cannot keep
     /// them (reported at build).
     #[cfg(feature = "sqlx")]
@@ -240,6 +273,7 @@ struct Ready {
     commit_interval: Duration,
     revoke_timeout: Duration,
     max_buffered: usize,
+    order: Order,
     /// Offsets in the database: read at each assignment.
     #[cfg(feature = "sqlx")]
     offsets: Option<Arc<dyn offsets::OffsetTable>>,
@@ -255,6 +289,7 @@ impl fmt::Debug for Kafka {
             .field("commit_every", &self.commit_every)
             .field("commit_interval", &self.commit_interval)
             .field("revoke_timeout", &self.revoke_timeout)
+            .field("order", &self.order)
             .finish_non_exhaustive()
     }
 }
@@ -278,6 +313,7 @@ impl KafkaConsumer {
             commit_interval: DEFAULT_COMMIT_INTERVAL,
             revoke_timeout: DEFAULT_REVOKE_TIMEOUT,
             max_buffered: DEFAULT_MAX_BUFFERED,
+            order: Order::Partition,
             #[cfg(feature = "sqlx")]
             offsets: None,
             kafka_commits: true,
@@ -393,9 +429,36 @@ impl<D, R> ConsumerBuilder<Kafka, D, R> {
 
     /// Most records fetched but not started, per partition, before the
     /// partition's fetching pauses (at least 1; default
-    /// [`DEFAULT_MAX_BUFFERED`]); it resumes below half.
+    /// [`DEFAULT_MAX_BUFFERED`]); it resumes below half. With
+    /// [`Order::Key`] it is also how far a partition's other keys get
+    /// ahead of a key that is held (a slow record, a retry waiting): its
+    /// records stay buffered, and the partition pauses once `records` wait.
     pub fn max_buffered(mut self, records: usize) -> Self {
         self.broker.max_buffered = records;
+        self
+    }
+
+    /// Which records of one partition run one after the other (default
+    /// [`Order::Partition`]: all of them). [`Order::Key`] runs a
+    /// partition's records with different keys concurrently, up to the
+    /// consumer's [concurrency](ConsumerBuilder::concurrency) (partitions
+    /// take turns) and [`max_buffered`](Self::max_buffered) records
+    /// buffered behind a held key, each key's records in offset order;
+    /// a [batch](ConsumerBuilder::batch) may then take several records of
+    /// one partition (different keys). The committed offset is still the
+    /// partition's lowest offset not finished, so it never passes a record
+    /// still running or waiting for its retry: records of other keys
+    /// finished after it are delivered again after a crash or a rebalance,
+    /// and the idempotent handler skips them.
+    ///
+    /// Refused at build with [`offsets_in`](Self::offsets_in): the
+    /// database keeps one next offset per partition, moved by each
+    /// record's transaction, and records finishing out of order would move
+    /// it past one still running (whose effect would then never be
+    /// applied after a restart), or leave finished records below it to be
+    /// applied again without a marker to catch them.
+    pub fn order(mut self, order: Order) -> Self {
+        self.broker.order = order;
         self
     }
 }
@@ -442,6 +505,15 @@ impl Broker for Kafka {
         }
         #[cfg(feature = "sqlx")]
         let offsets = match self.offsets.clone() {
+            Some(Ok(_)) if self.order == Order::Key => {
+                return Err(ConsumerError::Config(
+                    "order(Order::Key) with offsets_in(store): the database keeps one next offset per partition, \
+                     and records of different keys finishing out of order would move it past records still running; \
+                     keep offsets in the database with Order::Partition (the default), or Kafka's commits with \
+                     Order::Key"
+                        .into(),
+                ));
+            }
             Some(Ok(table)) => {
                 for (what, value) in [("group", &self.group), ("topic", &self.topic)] {
                     if value.len() > 255 {
@@ -500,6 +572,7 @@ impl Broker for Kafka {
             commit_interval: self.commit_interval,
             revoke_timeout: self.revoke_timeout,
             max_buffered: self.max_buffered,
+            order: self.order,
             #[cfg(feature = "sqlx")]
             offsets,
             kafka_commits: self.kafka_commits,
@@ -655,14 +728,18 @@ struct Part {
     epoch: u64,
     /// Fetched, not started, in offset order.
     queue: VecDeque<Record>,
-    /// Handed back, to run again before anything after it.
-    waiting: Option<Waiting>,
-    /// A record of it is in flight.
-    busy: bool,
+    /// Handed back, to run again before anything after them in their lane
+    /// (each holds its lane meanwhile).
+    waiting: Vec<Waiting>,
+    /// The offsets of its records in flight (started, not settled).
+    running: BTreeSet<i64>,
+    /// The lanes with a record started and not finished (running or
+    /// handed back): nothing else of them starts.
+    lanes: HashSet<Lane>,
     /// Being revoked: nothing more starts.
     revoking: bool,
-    /// Its offset to commit: the last finished record's offset + 1.
-    finished: Option<i64>,
+    /// The highest offset finished (acknowledged or dead-lettered).
+    last_finished: Option<i64>,
     /// What was committed last.
     committed: Option<i64>,
     /// Its fetching is paused (too much buffered).
@@ -674,6 +751,36 @@ struct Part {
     /// Held: its log ends before its stored offset (the broker moved the
     /// fetch back), so nothing of it is handled in this assignment.
     held: bool,
+}
+
+/// The records of a partition that must run one after the other: all of
+/// them ([`Order::Partition`], one lane, `None`), or those with the same
+/// key ([`Order::Key`]; the records without a key share the lane `None`).
+type Lane = Option<Vec<u8>>;
+
+impl Part {
+    /// Its offset to commit, once a record of it finished: its lowest
+    /// offset not finished (buffered, running or handed back), or past its
+    /// last finished record when none is left. Records fetched later have
+    /// higher offsets, so every record below it is finished, whatever the
+    /// order they finished in.
+    fn commit_offset(&self) -> Option<i64> {
+        let past_last = self.last_finished?.saturating_add(1);
+        let lowest_unfinished = [
+            self.queue.front().map(|record| record.offset),
+            self.running.first().copied(),
+            self.waiting.iter().map(|waiting| waiting.record.offset).min(),
+        ]
+        .into_iter()
+        .flatten()
+        .min();
+        Some(lowest_unfinished.map_or(past_last, |lowest| lowest.min(past_last)))
+    }
+
+    /// Its offset to commit when it differs from the one committed last.
+    fn to_commit(&self) -> Option<i64> {
+        self.commit_offset().filter(|next| Some(*next) != self.committed)
+    }
 }
 
 #[derive(Default)]
@@ -823,10 +930,11 @@ impl ConsumerContext for Context {
                     Part {
                         epoch,
                         queue: VecDeque::new(),
-                        waiting: None,
-                        busy: false,
+                        waiting: Vec::new(),
+                        running: BTreeSet::new(),
+                        lanes: HashSet::new(),
                         revoking: false,
-                        finished: None,
+                        last_finished: None,
                         committed: None,
                         paused: false,
                         expect_from,
@@ -973,7 +1081,7 @@ fn revoke(consumer: &BaseConsumer<Context>, shared: &Shared, partitions: &[i32])
         let busy: Vec<i32> = partitions
             .iter()
             .copied()
-            .filter(|p| state.parts.get(p).is_some_and(|part| part.busy))
+            .filter(|p| state.parts.get(p).is_some_and(|part| !part.running.is_empty()))
             .collect();
         let now = std::time::Instant::now();
         // Closing: the consumer's drain already waited for its handlers;
@@ -1000,7 +1108,7 @@ fn revoke(consumer: &BaseConsumer<Context>, shared: &Shared, partitions: &[i32])
     let mut offsets = TopicPartitionList::new();
     for partition in partitions {
         if let Some(part) = state.parts.remove(partition)
-            && let Some(next) = part.finished.filter(|next| Some(*next) != part.committed)
+            && let Some(next) = part.to_commit()
             && let Err(err) = offsets.add_partition_offset(&ready.topic, *partition, Offset::Offset(next))
         {
             tracing::warn!(target: TRACING_TARGET, error = %err, partition, "cannot list the offset to commit");
@@ -1181,7 +1289,7 @@ fn commit_finished(consumer: &BaseConsumer<Context>, shared: &Shared) {
         let mut state = shared.lock();
         state.finished_since_commit = 0;
         for (partition, part) in &state.parts {
-            if let Some(next) = part.finished.filter(|next| Some(*next) != part.committed)
+            if let Some(next) = part.to_commit()
                 && offsets
                     .add_partition_offset(&ready.topic, *partition, Offset::Offset(next))
                     .is_ok()
@@ -1221,39 +1329,59 @@ pub struct Session {
 }
 
 impl Session {
-    /// The next record that may start: the head of a partition with
-    /// nothing in flight, a handed-back record first; or when the earliest
-    /// handed-back record is due.
+    /// The next record that may start, partitions taking turns: in a
+    /// partition, a handed-back record that is due first (it holds its
+    /// lane), then the first buffered record whose lane is free; or when
+    /// the earliest handed-back record is due.
     fn take(&mut self) -> Result<Option<Delivery>, Option<Instant>> {
         let shared = &self.shared;
+        let order = shared.ready.order;
         let now = Instant::now();
         let mut state = shared.lock();
         let mut earliest: Option<Instant> = None;
         let after = self.cursor.unwrap_or(i32::MIN);
-        let order: Vec<i32> = state
+        let partitions: Vec<i32> = state
             .parts
             .range(after.saturating_add(1)..)
             .chain(state.parts.range(..=after))
             .map(|(p, _)| *p)
             .collect();
-        for partition in order {
+        for partition in partitions {
             let Some(part) = state.parts.get_mut(&partition) else {
                 continue;
             };
-            if part.busy || part.revoking {
+            if part.revoking {
                 continue;
             }
-            let taken = match part.waiting.take() {
-                Some(waiting) if waiting.at <= now => Some((waiting.record, waiting.attempt)),
-                Some(waiting) => {
-                    earliest = Some(earliest.map_or(waiting.at, |e| e.min(waiting.at)));
-                    part.waiting = Some(waiting);
-                    None
+            let due = part
+                .waiting
+                .iter()
+                .enumerate()
+                .filter(|(_, waiting)| waiting.at <= now)
+                .min_by_key(|(_, waiting)| waiting.record.offset)
+                .map(|(index, _)| index);
+            let taken = if let Some(index) = due {
+                let waiting = part.waiting.swap_remove(index);
+                Some((waiting.record, waiting.attempt))
+            } else {
+                if let Some(at) = part.waiting.iter().map(|waiting| waiting.at).min() {
+                    earliest = Some(earliest.map_or(at, |e| e.min(at)));
                 }
-                None => part.queue.pop_front().map(|record| (record, 1)),
+                let free = match order {
+                    // One lane: only the head, once nothing is in flight.
+                    Order::Partition => (!part.lanes.contains(&None) && !part.queue.is_empty()).then_some(0),
+                    Order::Key => part.queue.iter().position(|record| !part.lanes.contains(&record.key)),
+                };
+                free.and_then(|index| part.queue.remove(index))
+                    .map(|record| (record, 1))
             };
             if let Some((record, attempt)) = taken {
-                part.busy = true;
+                let lane = match order {
+                    Order::Partition => None,
+                    Order::Key => record.key.clone(),
+                };
+                part.running.insert(record.offset);
+                part.lanes.insert(lane.clone());
                 let epoch = part.epoch;
                 drop(state);
                 self.cursor = Some(partition);
@@ -1261,6 +1389,7 @@ impl Session {
                     Arc::clone(shared),
                     partition,
                     epoch,
+                    lane,
                     record,
                     attempt,
                 )));
@@ -1331,12 +1460,14 @@ pub struct Delivery {
     shared: Arc<Shared>,
     partition: i32,
     epoch: u64,
+    /// The lane it holds until it is finished.
+    lane: Lane,
     record: Record,
     meta: Meta,
 }
 
 impl Delivery {
-    fn new(shared: Arc<Shared>, partition: i32, epoch: u64, record: Record, attempt: u32) -> Delivery {
+    fn new(shared: Arc<Shared>, partition: i32, epoch: u64, lane: Lane, record: Record, attempt: u32) -> Delivery {
         let ready = &shared.ready;
         let message_id = record
             .headers
@@ -1364,13 +1495,14 @@ impl Delivery {
             shared,
             partition,
             epoch,
+            lane,
             record,
             meta,
         }
     }
 
     /// Runs `settle` on this delivery's partition while it is still this
-    /// assignment's, then marks it free.
+    /// assignment's, once the record is no longer in flight.
     fn settle(&self, settle: impl FnOnce(&mut Part)) -> Result<(), Settle> {
         let mut state = self.shared.lock();
         let Some(part) = state
@@ -1383,20 +1515,22 @@ impl Delivery {
                 self.partition, self.record.offset
             )));
         };
+        part.running.remove(&self.record.offset);
         settle(part);
-        part.busy = false;
         drop(state);
         self.shared.changed.notify_all();
         self.shared.wake.notify_one();
         Ok(())
     }
 
-    /// Finished: the partition's offset may be committed past it.
+    /// Finished: its lane is free, and the partition's offset may be
+    /// committed past it once nothing before it is left unfinished.
     fn finish(&self) -> Result<(), Settle> {
         let offset = self.record.offset;
         let mut finished = false;
         let result = self.settle(|part| {
-            part.finished = Some(offset + 1);
+            part.lanes.remove(&self.lane);
+            part.last_finished = Some(part.last_finished.map_or(offset, |last| last.max(offset)));
             finished = true;
         });
         if finished {
@@ -1407,11 +1541,11 @@ impl Delivery {
     }
 
     /// Handed back, to run as `attempt` after `delay`, before anything
-    /// after it in its partition.
+    /// after it in its lane (which it keeps).
     fn hand_back(&self, attempt: u32, delay: Duration) -> Result<(), Settle> {
         let record = self.record.clone();
         self.settle(|part| {
-            part.waiting = Some(Waiting {
+            part.waiting.push(Waiting {
                 record,
                 attempt,
                 at: Instant::now() + delay,
@@ -1515,5 +1649,65 @@ impl pipeline::Delivery for Delivery {
 
     async fn release(&self, delay: Duration) -> Result<(), Settle> {
         self.hand_back(self.meta.attempt, delay)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{BTreeSet, HashSet, Part, Record, VecDeque, Waiting};
+
+    fn record(offset: i64) -> Record {
+        Record {
+            offset,
+            key: None,
+            value: None,
+            headers: Vec::new(),
+        }
+    }
+
+    fn part() -> Part {
+        Part {
+            epoch: 1,
+            queue: VecDeque::new(),
+            waiting: Vec::new(),
+            running: BTreeSet::new(),
+            lanes: HashSet::new(),
+            revoking: false,
+            last_finished: None,
+            committed: None,
+            paused: false,
+            expect_from: None,
+            held: false,
+        }
+    }
+
+    #[test]
+    fn the_offset_to_commit_is_the_lowest_unfinished_whatever_finished_after_it() {
+        let mut part = part();
+        part.running.extend([3, 7]);
+        part.queue.extend([record(5), record(8)]);
+        assert_eq!(part.commit_offset(), None, "nothing finished yet");
+        // 4 and 6 finished: 3 still runs.
+        part.last_finished = Some(6);
+        assert_eq!(part.commit_offset(), Some(3));
+        // 3 finished; 5 (buffered, its key held) is the lowest left.
+        part.running.remove(&3);
+        assert_eq!(part.commit_offset(), Some(5));
+        // 5 waits for its retry.
+        part.queue.pop_front();
+        part.waiting.push(Waiting {
+            record: record(5),
+            attempt: 2,
+            at: tokio::time::Instant::now(),
+        });
+        assert_eq!(part.commit_offset(), Some(5));
+        // Everything up to 8 finished.
+        part.waiting.clear();
+        part.running.clear();
+        part.queue.clear();
+        part.last_finished = Some(8);
+        assert_eq!(part.commit_offset(), Some(9));
+        part.committed = Some(9);
+        assert_eq!(part.to_commit(), None, "already committed");
     }
 }
