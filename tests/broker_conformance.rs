@@ -1177,125 +1177,43 @@ mod rabbit {
 }
 
 mod jetstream {
-    use idempotent_runtime::async_nats::jetstream::consumer::{AckPolicy, pull};
-    use idempotent_runtime::async_nats::jetstream::{self, stream};
-    use idempotent_runtime::async_nats::{self, HeaderMap};
     use idempotent_runtime::nats::{JetStream, JetStreamConsumer};
 
     use super::*;
 
-    pub struct NatsFixture {
-        js: jetstream::Context,
-        stream: String,
-        dlq_stream: String,
-        subject: String,
-        dlq_subject: String,
-        consumer: idempotent_runtime::async_nats::jetstream::consumer::PullConsumer,
-    }
+    pub struct NatsFixture(common::nats::Streams);
 
     impl Fixture for NatsFixture {
         type B = JetStream;
         const REDELIVERY: Duration = Duration::from_secs(1);
 
         async fn setup(name: &str) -> Self {
-            let js = jetstream::new(
-                async_nats::connect("127.0.0.1:4222")
-                    .await
-                    .expect("NATS at 127.0.0.1:4222"),
-            );
-            let id = common::unique(name);
-            let stream_name = format!("CONF_{}", id.to_uppercase());
-            let subject = format!("conf.{id}.in");
-            let dlq_subject = format!("conf.{id}.dlq");
-            let dlq_stream = format!("{stream_name}_DLQ");
-            for (n, s) in [(&stream_name, &subject), (&dlq_stream, &dlq_subject)] {
-                js.create_stream(stream::Config {
-                    name: n.clone(),
-                    subjects: vec![s.clone()],
-                    ..Default::default()
-                })
-                .await
-                .unwrap();
-            }
-            let consumer = js
-                .get_stream(&stream_name)
-                .await
-                .unwrap()
-                .get_or_create_consumer(
-                    "worker",
-                    pull::Config {
-                        durable_name: Some("worker".into()),
-                        ack_policy: AckPolicy::Explicit,
-                        ack_wait: Self::REDELIVERY,
-                        filter_subject: subject.clone(),
-                        ..Default::default()
-                    },
-                )
-                .await
-                .unwrap();
-            NatsFixture {
-                js,
-                stream: stream_name,
-                dlq_stream,
-                subject,
-                dlq_subject,
-                consumer,
-            }
+            NatsFixture(common::nats::Streams::setup("conf", name, Self::REDELIVERY, None).await)
         }
 
         fn builder(&self) -> ConsumerBuilder<JetStream> {
-            JetStreamConsumer::builder(self.js.clone(), self.consumer.clone())
-                .dead_letter_subject(&self.dlq_subject)
+            JetStreamConsumer::builder(self.0.js.clone(), self.0.consumer.clone())
+                .dead_letter_subject(&self.0.dlq_subject)
                 .fetch_expiry(Duration::from_millis(300))
                 .retry_backoff(fast())
                 .shutdown_timeout(Duration::from_secs(5))
         }
 
         async fn publish(&self, body: &[u8], id: &str) {
-            let mut headers = HeaderMap::new();
-            headers.insert("Nats-Msg-Id", id);
-            self.js
-                .publish_with_headers(self.subject.clone(), headers, body.to_vec().into())
-                .await
-                .unwrap()
-                .await
-                .unwrap();
+            self.0.publish(body.to_vec(), id).await;
         }
 
         async fn dead_letters(&self) -> Vec<(Vec<u8>, HashMap<String, String>)> {
-            let stream = self.js.get_stream(&self.dlq_stream).await.unwrap();
-            let last = stream.cached_info().state.last_sequence;
-            let mut stream = stream;
-            let last = stream.info().await.map(|i| i.state.last_sequence).unwrap_or(last);
-            let mut out = Vec::new();
-            for seq in 1..=last {
-                if let Ok(msg) = stream.get_raw_message(seq).await {
-                    let headers = msg
-                        .headers
-                        .iter()
-                        .map(|(k, v)| {
-                            (
-                                k.to_string(),
-                                v.first().map(|v| v.as_str().to_owned()).unwrap_or_default(),
-                            )
-                        })
-                        .collect();
-                    out.push((msg.payload.to_vec(), headers));
-                }
-            }
-            out
+            self.0.dead_letters().await
         }
 
         async fn backlog(&self) -> u64 {
-            let stream = self.js.get_stream(&self.stream).await.unwrap();
-            let info = stream.consumer_info("worker").await.unwrap();
-            info.num_pending + info.num_ack_pending as u64
+            let (pending, unacked) = self.0.backlog().await;
+            pending + unacked as u64
         }
 
         async fn teardown(self) {
-            for name in [&self.stream, &self.dlq_stream] {
-                self.js.delete_stream(name).await.unwrap();
-            }
+            self.0.teardown().await;
         }
     }
 }

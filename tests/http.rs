@@ -7,230 +7,20 @@
 
 mod common;
 
-use std::future::Future;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
+use common::http::{Backend, CachedPg, Lite, My, Pg, PgPartitioned, PgPartitionedBySecond, caller, listen, tenant};
+use idempotent_runtime::axum::Router;
 use idempotent_runtime::axum::body::{Body, Bytes};
 use idempotent_runtime::axum::extract::State;
 use idempotent_runtime::axum::http::{HeaderMap, StatusCode};
 use idempotent_runtime::axum::response::{IntoResponse, Response};
 use idempotent_runtime::axum::routing::post;
-use idempotent_runtime::axum::{self, Router};
 use idempotent_runtime::http::{IdempotencyLayer, IdempotentTx, InProgress, NotKept};
-use idempotent_runtime::sqlx::{self, AssertSqlSafe, MySqlPool, PgPool};
-use idempotent_runtime::store::{PurgeExpired, Store, TransactionalStore};
-use idempotent_runtime::{CachedStore, Janitor, MemoryStore, MySqlStore, PgStore, RedisStore, SqliteStore};
-
-// ---- the backends ------------------------------------------------------------
-
-trait Backend: Sized + Send + Sync + 'static {
-    type S: TransactionalStore<Guard: 'static> + Clone + 'static;
-    fn setup() -> impl Future<Output = Self> + Send;
-    fn store(&self) -> Self::S;
-    fn table(&self) -> &str;
-    /// The handler's effect, in the claim's transaction, into `table`.
-    fn insert<'a>(
-        tx: &'a mut IdempotentTx<Self::S>,
-        table: &'a str,
-        tenant: &'a str,
-        request: &'a str,
-    ) -> impl Future<Output = Result<(), sqlx::Error>> + Send + 'a;
-    /// Rows the handler committed.
-    fn charges(&self) -> impl Future<Output = i64> + Send;
-    /// Markers in the store's table.
-    fn markers(&self) -> impl Future<Output = i64> + Send;
-    fn teardown(self) -> impl Future<Output = ()> + Send;
-}
-
-/// `SELECT count(*)` of `$table` (a name of ours: no quoting needed) on
-/// `$pool`.
-macro_rules! count_rows {
-    ($pool:expr, $table:expr) => {
-        sqlx::query_scalar::<_, i64>(AssertSqlSafe(format!("SELECT count(*) FROM {}", $table)))
-            .fetch_one($pool)
-            .await
-            .unwrap()
-    };
-}
-
-struct Lite {
-    store: SqliteStore,
-    table: String,
-    _dir: tempfile::TempDir,
-}
-
-impl Backend for Lite {
-    type S = SqliteStore;
-    async fn setup() -> Self {
-        let dir = tempfile::tempdir().unwrap();
-        let store = SqliteStore::open(dir.path().join("http.db")).await.unwrap();
-        store.migrate().await.unwrap();
-        let table = common::unique("charges");
-        let ddl = format!("CREATE TABLE {table} (tenant TEXT NOT NULL, request TEXT NOT NULL)");
-        sqlx::query(AssertSqlSafe(ddl)).execute(store.pool()).await.unwrap();
-        Lite {
-            store,
-            table,
-            _dir: dir,
-        }
-    }
-    fn store(&self) -> SqliteStore {
-        self.store.clone()
-    }
-    fn table(&self) -> &str {
-        &self.table
-    }
-    async fn insert(
-        tx: &mut IdempotentTx<SqliteStore>,
-        table: &str,
-        tenant: &str,
-        request: &str,
-    ) -> Result<(), sqlx::Error> {
-        sqlx::query(AssertSqlSafe(format!(
-            "INSERT INTO {table} (tenant, request) VALUES (?1, ?2)"
-        )))
-        .bind(tenant)
-        .bind(request)
-        .execute(&mut ***tx)
-        .await?;
-        Ok(())
-    }
-    async fn charges(&self) -> i64 {
-        count_rows!(self.store.pool(), &self.table)
-    }
-    async fn markers(&self) -> i64 {
-        count_rows!(self.store.pool(), self.store.table())
-    }
-    async fn teardown(self) {}
-}
-
-/// A fixture on a server database: `$store` built by `$build` (which sees
-/// the pool and the markers' table name as `$pool` and `$markers`), the
-/// charges table beside it, both dropped at the end. PostgreSQL and MariaDB
-/// differ only in the pool, the drop, and the placeholders.
-macro_rules! server_backend {
-    (
-        $(#[$doc:meta])*
-        $name:ident: $store:ty, $pool_ty:ty = $connect:path, drop = $drop:path, values = $values:literal,
-        build = |$pool:ident, $markers:ident| $build:expr $(,)?
-    ) => {
-        $(#[$doc])*
-        struct $name {
-            store: $store,
-            pool: $pool_ty,
-            markers: String,
-            table: String,
-        }
-
-        impl Backend for $name {
-            type S = $store;
-            async fn setup() -> Self {
-                let pool = $connect(16).await;
-                let (markers, table) = (common::unique("http_markers"), common::unique("http_charges"));
-                let store = {
-                    let $pool = pool.clone();
-                    let $markers = markers.as_str();
-                    $build
-                };
-                let ddl = format!("CREATE TABLE {table} (tenant TEXT NOT NULL, request TEXT NOT NULL)");
-                sqlx::query(AssertSqlSafe(ddl)).execute(&pool).await.unwrap();
-                $name { store, pool, markers, table }
-            }
-            fn store(&self) -> $store {
-                self.store.clone()
-            }
-            fn table(&self) -> &str {
-                &self.table
-            }
-            async fn insert(
-                tx: &mut IdempotentTx<$store>,
-                table: &str,
-                tenant: &str,
-                request: &str,
-            ) -> Result<(), sqlx::Error> {
-                let insert = format!("INSERT INTO {table} (tenant, request) VALUES {}", $values);
-                sqlx::query(AssertSqlSafe(insert))
-                    .bind(tenant)
-                    .bind(request)
-                    .execute(&mut ***tx)
-                    .await?;
-                Ok(())
-            }
-            async fn charges(&self) -> i64 {
-                count_rows!(&self.pool, &self.table)
-            }
-            async fn markers(&self) -> i64 {
-                count_rows!(&self.pool, &self.markers)
-            }
-            async fn teardown(self) {
-                $drop(&self.pool, &self.markers).await;
-                $drop(&self.pool, &self.table).await;
-            }
-        }
-    };
-}
-
-server_backend! {
-    Pg: PgStore, PgPool = common::pg_pool, drop = common::drop_pg_table, values = "($1, $2)",
-    build = |pool, markers| {
-        let store = PgStore::builder(pool).table(markers).build().unwrap();
-        store.migrate().await.unwrap();
-        store
-    },
-}
-
-server_backend! {
-    My: MySqlStore, MySqlPool = common::mysql_pool, drop = common::drop_mysql_table, values = "(?, ?)",
-    build = |pool, markers| {
-        let store = MySqlStore::builder(pool).table(markers).build().unwrap();
-        store.migrate().await.unwrap();
-        store
-    },
-}
-
-server_backend! {
-    /// PostgreSQL's partitioned layout, a partition per day (the layer's
-    /// keys live the default seven days).
-    PgPartitioned: PgStore, PgPool = common::pg_pool, drop = common::drop_pg_table, values = "($1, $2)",
-    build = |pool, markers| {
-        let store = PgStore::builder(pool)
-            .table(markers)
-            .partitioned(Duration::from_secs(24 * 3600))
-            .build()
-            .unwrap();
-        store.migrate().await.unwrap();
-        store
-    },
-}
-
-server_backend! {
-    /// The partitioned layout with a partition per second, for keys that
-    /// expire in seconds (the janitor's test).
-    PgPartitionedBySecond: PgStore, PgPool = common::pg_pool, drop = common::drop_pg_table, values = "($1, $2)",
-    build = |pool, markers| {
-        let store = PgStore::builder(pool)
-            .table(markers)
-            .partitioned(Duration::from_secs(1))
-            .partition_horizon(Duration::from_secs(5))
-            .build()
-            .unwrap();
-        store.migrate().await.unwrap();
-        store
-    },
-}
-
-server_backend! {
-    /// PostgreSQL behind a `CachedStore`: replays of completed keys come
-    /// from the process's cache.
-    CachedPg: CachedStore<PgStore>, PgPool = common::pg_pool, drop = common::drop_pg_table, values = "($1, $2)",
-    build = |pool, markers| {
-        let store = PgStore::builder(pool).table(markers).build().unwrap();
-        store.migrate().await.unwrap();
-        CachedStore::new(store, 1000)
-    },
-}
+use idempotent_runtime::store::{PurgeExpired, Store};
+use idempotent_runtime::{Janitor, MemoryStore, RedisStore};
 
 // ---- the server ----------------------------------------------------------------
 
@@ -243,14 +33,6 @@ struct App {
     delay: Duration,
     /// What a `hold` request waits for after its insert.
     gate: Arc<tokio::sync::Notify>,
-}
-
-fn tenant(headers: &HeaderMap) -> String {
-    headers
-        .get("x-tenant")
-        .and_then(|v| v.to_str().ok())
-        .unwrap_or("")
-        .to_owned()
 }
 
 /// Charges: inserts a row in the claim's transaction, then answers by the
@@ -309,7 +91,7 @@ async fn plain(State(app): State<App>) -> (StatusCode, &'static str) {
 
 fn layer<S: Store + 'static>(store: S, policy: InProgress) -> IdempotencyLayer<S> {
     IdempotencyLayer::builder(store)
-        .caller(|parts| parts.headers.get("x-tenant")?.to_str().ok().map(str::to_owned))
+        .caller(caller)
         .body_limit(1024)
         .in_progress(policy)
         .build()
@@ -324,18 +106,10 @@ async fn serve<B: Backend>(backend: &B, app: App, policy: InProgress) -> String 
     let optional = Router::new().route("/optional", post(plain)).route_layer(
         IdempotencyLayer::builder(backend.store())
             .optional()
-            .caller(|parts| parts.headers.get("x-tenant")?.to_str().ok().map(str::to_owned))
+            .caller(caller)
             .build(),
     );
     listen(required.merge(optional).with_state(app)).await
-}
-
-/// `router` served on 127.0.0.1; its base URL.
-async fn listen(router: Router) -> String {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move { axum::serve(listener, router).await.unwrap() });
-    format!("http://{addr}")
 }
 
 fn app(table: &str, delay: Duration) -> App {
@@ -344,6 +118,37 @@ fn app(table: &str, delay: Duration) -> App {
         ran: Arc::default(),
         delay,
         gate: Arc::default(),
+    }
+}
+
+/// A backend behind [`serve`]'s routes, and a client.
+struct Served<B> {
+    backend: B,
+    /// How many times a handler's body ran.
+    ran: Arc<AtomicUsize>,
+    /// What a `hold` request waits for after its insert.
+    gate: Arc<tokio::sync::Notify>,
+    client: reqwest::Client,
+    /// The server's base URL.
+    base: String,
+    /// Its `/charges`.
+    url: String,
+}
+
+/// A `B` set up and served, its charge handler taking `delay`, the layer
+/// answering retries in progress by `policy`.
+async fn served<B: Backend>(delay: Duration, policy: InProgress) -> Served<B> {
+    let backend = B::setup().await;
+    let app = app(backend.table(), delay);
+    let (ran, gate) = (Arc::clone(&app.ran), Arc::clone(&app.gate));
+    let base = serve(&backend, app, policy).await;
+    Served {
+        backend,
+        ran,
+        gate,
+        client: reqwest::Client::new(),
+        url: format!("{base}/charges"),
+        base,
     }
 }
 
@@ -387,12 +192,13 @@ async fn send(client: &reqwest::Client, url: &str, key: Option<&str>, tenant: &s
 // ---- the promises --------------------------------------------------------------
 
 async fn concurrent_requests_with_one_key_run_the_body_once<B: Backend>() {
-    let backend = B::setup().await;
-    let app = app(backend.table(), Duration::from_millis(300));
-    let ran = Arc::clone(&app.ran);
-    let base = serve(&backend, app, InProgress::default()).await;
-    let client = reqwest::Client::new();
-    let url = format!("{base}/charges");
+    let Served {
+        backend,
+        ran,
+        client,
+        url,
+        ..
+    } = served::<B>(Duration::from_millis(300), InProgress::default()).await;
     let key = format!("\"{}\"", common::unique("key"));
     let answers = futures_util::future::join_all(
         (0..50).map(|_| send(&client, &url, Some(&key), "acme", r#"{"order":"A-1","amount":42}"#)),
@@ -422,15 +228,16 @@ async fn concurrent_requests_with_one_key_run_the_body_once<B: Backend>() {
 }
 
 async fn waiting_retries_get_the_first_answer<B: Backend>() {
-    let backend = B::setup().await;
-    let app = app(backend.table(), Duration::from_millis(200));
-    let ran = Arc::clone(&app.ran);
     let policy = InProgress::Wait {
         timeout: Duration::from_secs(30),
     };
-    let base = serve(&backend, app, policy).await;
-    let client = reqwest::Client::new();
-    let url = format!("{base}/charges");
+    let Served {
+        backend,
+        ran,
+        client,
+        url,
+        ..
+    } = served::<B>(Duration::from_millis(200), policy).await;
     let key = common::unique("key");
     let answers =
         futures_util::future::join_all((0..10).map(|_| send(&client, &url, Some(&key), "acme", "order W"))).await;
@@ -442,12 +249,13 @@ async fn waiting_retries_get_the_first_answer<B: Backend>() {
 }
 
 async fn a_different_request_with_a_used_key_is_422<B: Backend>() {
-    let backend = B::setup().await;
-    let app = app(backend.table(), Duration::ZERO);
-    let ran = Arc::clone(&app.ran);
-    let base = serve(&backend, app, InProgress::default()).await;
-    let client = reqwest::Client::new();
-    let url = format!("{base}/charges");
+    let Served {
+        backend,
+        ran,
+        client,
+        url,
+        ..
+    } = served::<B>(Duration::ZERO, InProgress::default()).await;
     let key = common::unique("key");
     assert_eq!(send(&client, &url, Some(&key), "acme", "amount 42").await.status, 201);
     let mismatched = send(&client, &url, Some(&key), "acme", "amount 43").await;
@@ -461,12 +269,44 @@ async fn a_different_request_with_a_used_key_is_422<B: Backend>() {
     backend.teardown().await;
 }
 
+/// The fingerprint is over the body's raw bytes (docs/http.md): the same
+/// JSON with its keys reordered, or with other white space, is another
+/// request (`422`); only the byte-identical retry is the replay.
+async fn a_reordered_json_body_is_another_request_not_a_replay<B: Backend>() {
+    let Served {
+        backend,
+        ran,
+        client,
+        url,
+        ..
+    } = served::<B>(Duration::ZERO, InProgress::default()).await;
+    let key = common::unique("key");
+    let sent = r#"{"order":"A-1","amount":42}"#;
+    let first = send(&client, &url, Some(&key), "acme", sent).await;
+    assert_eq!((first.status, first.replayed()), (201, false));
+    for other in [r#"{"amount":42,"order":"A-1"}"#, r#"{"order": "A-1", "amount": 42}"#] {
+        let same: serde_json::Value = serde_json::from_str(other).unwrap();
+        assert_eq!(same, serde_json::from_str::<serde_json::Value>(sent).unwrap());
+        let answer = send(&client, &url, Some(&key), "acme", other).await;
+        assert_eq!(answer.status, 422, "{other}: {}", String::from_utf8_lossy(&answer.body));
+        assert_eq!(answer.problem_type(), "urn:idempotent:key-reused", "{other}");
+    }
+    let again = send(&client, &url, Some(&key), "acme", sent).await;
+    assert_eq!((again.status, again.replayed()), (201, true));
+    assert_eq!(again.body, first.body, "the replay is the first answer");
+    assert_eq!(ran.load(Ordering::SeqCst), 1);
+    assert_eq!(backend.charges().await, 1);
+    backend.teardown().await;
+}
+
 async fn missing_keys_and_callers_are_400<B: Backend>() {
-    let backend = B::setup().await;
-    let app = app(backend.table(), Duration::ZERO);
-    let ran = Arc::clone(&app.ran);
-    let base = serve(&backend, app, InProgress::default()).await;
-    let client = reqwest::Client::new();
+    let Served {
+        backend,
+        ran,
+        client,
+        base,
+        ..
+    } = served::<B>(Duration::ZERO, InProgress::default()).await;
     let missing = send(&client, &format!("{base}/charges"), None, "acme", "x").await;
     assert_eq!(missing.status, 400);
     assert_eq!(missing.problem_type(), "urn:idempotent:missing-key");
@@ -504,12 +344,13 @@ async fn missing_keys_and_callers_are_400<B: Backend>() {
 }
 
 async fn hostile_keys_and_bodies_are_refused<B: Backend>() {
-    let backend = B::setup().await;
-    let app = app(backend.table(), Duration::ZERO);
-    let ran = Arc::clone(&app.ran);
-    let base = serve(&backend, app, InProgress::default()).await;
-    let client = reqwest::Client::new();
-    let url = format!("{base}/charges");
+    let Served {
+        backend,
+        ran,
+        client,
+        url,
+        ..
+    } = served::<B>(Duration::ZERO, InProgress::default()).await;
     let long = "k".repeat(256);
     for key in [
         "\"\"",
@@ -579,12 +420,13 @@ async fn hostile_keys_and_bodies_are_refused<B: Backend>() {
 }
 
 async fn two_tenants_with_one_key_are_independent<B: Backend>() {
-    let backend = B::setup().await;
-    let app = app(backend.table(), Duration::ZERO);
-    let ran = Arc::clone(&app.ran);
-    let base = serve(&backend, app, InProgress::default()).await;
-    let client = reqwest::Client::new();
-    let url = format!("{base}/charges");
+    let Served {
+        backend,
+        ran,
+        client,
+        url,
+        ..
+    } = served::<B>(Duration::ZERO, InProgress::default()).await;
     let key = common::unique("key");
     let acme = send(&client, &url, Some(&key), "acme", "same").await;
     let globex = send(&client, &url, Some(&key), "globex", "same").await;
@@ -601,12 +443,13 @@ async fn two_tenants_with_one_key_are_independent<B: Backend>() {
 }
 
 async fn server_errors_and_not_kept_answers_are_not_stored<B: Backend>() {
-    let backend = B::setup().await;
-    let app = app(backend.table(), Duration::ZERO);
-    let ran = Arc::clone(&app.ran);
-    let base = serve(&backend, app, InProgress::default()).await;
-    let client = reqwest::Client::new();
-    let url = format!("{base}/charges");
+    let Served {
+        backend,
+        ran,
+        client,
+        url,
+        ..
+    } = served::<B>(Duration::ZERO, InProgress::default()).await;
     for (body, status) in [("fail", 500), ("not-kept", 429)] {
         let key = common::unique("key");
         let before = ran.load(Ordering::SeqCst);
@@ -627,12 +470,13 @@ async fn server_errors_and_not_kept_answers_are_not_stored<B: Backend>() {
 }
 
 async fn a_streaming_answer_is_refused_not_truncated<B: Backend>() {
-    let backend = B::setup().await;
-    let app = app(backend.table(), Duration::ZERO);
-    let ran = Arc::clone(&app.ran);
-    let base = serve(&backend, app, InProgress::default()).await;
-    let client = reqwest::Client::new();
-    let url = format!("{base}/charges");
+    let Served {
+        backend,
+        ran,
+        client,
+        url,
+        ..
+    } = served::<B>(Duration::ZERO, InProgress::default()).await;
     let key = common::unique("key");
     for _ in 0..2 {
         let answer = send(&client, &url, Some(&key), "acme", "stream").await;
@@ -645,11 +489,9 @@ async fn a_streaming_answer_is_refused_not_truncated<B: Backend>() {
 }
 
 async fn a_replay_is_the_first_answer_byte_for_byte<B: Backend>() {
-    let backend = B::setup().await;
-    let app = app(backend.table(), Duration::ZERO);
-    let base = serve(&backend, app, InProgress::default()).await;
-    let client = reqwest::Client::new();
-    let url = format!("{base}/charges");
+    let Served {
+        backend, client, url, ..
+    } = served::<B>(Duration::ZERO, InProgress::default()).await;
     let key = common::unique("key");
     let first = send(&client, &url, Some(&key), "acme", "replay me").await;
     assert_eq!(first.status, 201);
@@ -727,6 +569,10 @@ macro_rules! http_suite {
                 super::a_different_request_with_a_used_key_is_422::<$backend>().await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_reordered_json_body_is_another_request_not_a_replay() {
+                super::a_reordered_json_body_is_another_request_not_a_replay::<$backend>().await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn missing_keys_and_callers_are_400() {
                 super::missing_keys_and_callers_are_400::<$backend>().await
             }
@@ -777,7 +623,7 @@ where
         .route("/charges", post(charge::<B>))
         .route_layer(
             IdempotencyLayer::builder(backend.store())
-                .caller(|parts| parts.headers.get("x-tenant")?.to_str().ok().map(str::to_owned))
+                .caller(caller)
                 .ttl(ttl)
                 .build(),
         )
@@ -837,13 +683,14 @@ async fn postgres_partitioned_the_janitor_drops_expired_keys_and_the_next_reques
 /// then replayed from the cache.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_cached_a_rolled_back_key_is_never_answered_from_the_cache() {
-    let backend = CachedPg::setup().await;
+    let Served {
+        backend,
+        ran,
+        client,
+        url,
+        ..
+    } = served::<CachedPg>(Duration::ZERO, InProgress::default()).await;
     let store = backend.store();
-    let app = app(backend.table(), Duration::ZERO);
-    let ran = Arc::clone(&app.ran);
-    let base = serve(&backend, app, InProgress::default()).await;
-    let client = reqwest::Client::new();
-    let url = format!("{base}/charges");
     let key = common::unique("key");
     let failed = send(&client, &url, Some(&key), "acme", "fail").await;
     assert_eq!(failed.status, 500);
@@ -892,12 +739,14 @@ fn outcomes_are_counted_like_messages_after_the_commit() {
     };
     metrics::with_local_recorder(&counters, || {
         runtime.block_on(async {
-            let backend = Pg::setup().await;
-            let app = app(backend.table(), Duration::ZERO);
-            let (ran, gate) = (Arc::clone(&app.ran), Arc::clone(&app.gate));
-            let base = serve(&backend, app, InProgress::default()).await;
-            let client = reqwest::Client::new();
-            let url = format!("{base}/charges");
+            let Served {
+                backend,
+                ran,
+                gate,
+                client,
+                url,
+                ..
+            } = served::<Pg>(Duration::ZERO, InProgress::default()).await;
             let key = common::unique("key");
             let first = tokio::spawn({
                 let (client, url, key) = (client.clone(), url.clone(), key.clone());
@@ -960,10 +809,7 @@ async fn effect(State(app): State<Lease>, body: Bytes) -> Response {
 
 /// `/effects` behind a layer on `store` with `lease`, served; its URL.
 async fn lease_server<S: Store<Guard: 'static> + 'static>(store: S, lease: Duration, app: Lease) -> String {
-    let layer = IdempotencyLayer::builder(store)
-        .caller(|parts| parts.headers.get("x-tenant")?.to_str().ok().map(str::to_owned))
-        .lease(lease)
-        .build();
+    let layer = IdempotencyLayer::builder(store).caller(caller).lease(lease).build();
     let router = Router::new()
         .route("/effects", post(effect))
         .route_layer(layer)

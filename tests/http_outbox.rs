@@ -11,13 +11,14 @@
 
 mod common;
 
-use std::future::Future;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
+use common::http::{Backend, CachedPg, Lite, My, Pg, caller, tenant};
+use idempotent_runtime::PgStore;
 use idempotent_runtime::axum::extract::State;
-use idempotent_runtime::axum::http::StatusCode;
+use idempotent_runtime::axum::http::{HeaderMap, StatusCode};
 use idempotent_runtime::axum::response::{IntoResponse, Response};
 use idempotent_runtime::axum::routing::post;
 use idempotent_runtime::axum::{self, Router};
@@ -26,179 +27,8 @@ use idempotent_runtime::lapin::options::{BasicGetOptions, QueueDeclareOptions, Q
 use idempotent_runtime::lapin::types::FieldTable;
 use idempotent_runtime::lapin::{Channel, Connection, ConnectionProperties};
 use idempotent_runtime::outbox::{OutboxStore, Outgoing, RabbitPublisher, Relay};
-use idempotent_runtime::sqlx::{self, AssertSqlSafe, MySqlPool, PgPool};
-use idempotent_runtime::store::{StagesOutbox, TransactionalStore};
-use idempotent_runtime::{CachedStore, MySqlStore, PgStore, SqliteStore};
 
 const AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
-
-// ---- the databases -------------------------------------------------------------
-
-trait Db: Sized + Send + Sync + 'static {
-    type S: TransactionalStore<Guard: 'static> + StagesOutbox + OutboxStore + Clone + 'static;
-    fn setup() -> impl Future<Output = Self> + Send;
-    fn store(&self) -> Self::S;
-    fn table(&self) -> &str;
-    /// The handler's effect, in the claim's transaction.
-    fn insert<'a>(
-        tx: &'a mut IdempotentTx<Self::S>,
-        table: &'a str,
-        order: &'a str,
-    ) -> impl Future<Output = Result<(), sqlx::Error>> + Send + 'a;
-    /// Rows the handlers committed.
-    fn charges(&self) -> impl Future<Output = i64> + Send;
-    /// Rows in the outbox table (pending or dispatched).
-    fn outbox_rows(&self) -> impl Future<Output = i64> + Send;
-    fn teardown(self) -> impl Future<Output = ()> + Send;
-}
-
-macro_rules! count_rows {
-    ($pool:expr, $table:expr) => {
-        sqlx::query_scalar::<_, i64>(AssertSqlSafe(format!("SELECT count(*) FROM {}", $table)))
-            .fetch_one($pool)
-            .await
-            .unwrap()
-    };
-}
-
-struct Lite {
-    store: SqliteStore,
-    table: String,
-    _dir: tempfile::TempDir,
-}
-
-impl Db for Lite {
-    type S = SqliteStore;
-    async fn setup() -> Self {
-        let dir = tempfile::tempdir().unwrap();
-        let store = SqliteStore::open(dir.path().join("http_outbox.db")).await.unwrap();
-        store.migrate().await.unwrap();
-        let table = common::unique("charges");
-        let ddl = format!("CREATE TABLE {table} (order_id TEXT NOT NULL)");
-        sqlx::query(AssertSqlSafe(ddl)).execute(store.pool()).await.unwrap();
-        Lite {
-            store,
-            table,
-            _dir: dir,
-        }
-    }
-    fn store(&self) -> SqliteStore {
-        self.store.clone()
-    }
-    fn table(&self) -> &str {
-        &self.table
-    }
-    async fn insert(tx: &mut IdempotentTx<SqliteStore>, table: &str, order: &str) -> Result<(), sqlx::Error> {
-        sqlx::query(AssertSqlSafe(format!("INSERT INTO {table} (order_id) VALUES (?1)")))
-            .bind(order)
-            .execute(&mut ***tx)
-            .await?;
-        Ok(())
-    }
-    async fn charges(&self) -> i64 {
-        count_rows!(self.store.pool(), &self.table)
-    }
-    async fn outbox_rows(&self) -> i64 {
-        count_rows!(self.store.pool(), "idempotent_outbox")
-    }
-    async fn teardown(self) {}
-}
-
-/// A fixture on a server database: markers, outbox and charges tables of
-/// unique names, dropped at the end.
-macro_rules! server_db {
-    (
-        $name:ident: $store:ty, $pool_ty:ty = $connect:path, drop = $drop:path, values = $values:literal,
-        build = |$pool:ident, $markers:ident, $outbox:ident| $build:expr $(,)?
-    ) => {
-        struct $name {
-            store: $store,
-            pool: $pool_ty,
-            markers: String,
-            outbox: String,
-            table: String,
-        }
-
-        impl Db for $name {
-            type S = $store;
-            async fn setup() -> Self {
-                let pool = $connect(16).await;
-                let (markers, outbox, table) = (
-                    common::unique("httpo_m"),
-                    common::unique("httpo_o"),
-                    common::unique("httpo_c"),
-                );
-                let store = {
-                    let $pool = pool.clone();
-                    let $markers = markers.as_str();
-                    let $outbox = outbox.as_str();
-                    $build
-                };
-                let ddl = format!("CREATE TABLE {table} (order_id VARCHAR(200) NOT NULL)");
-                sqlx::query(AssertSqlSafe(ddl)).execute(&pool).await.unwrap();
-                $name {
-                    store,
-                    pool,
-                    markers,
-                    outbox,
-                    table,
-                }
-            }
-            fn store(&self) -> $store {
-                self.store.clone()
-            }
-            fn table(&self) -> &str {
-                &self.table
-            }
-            async fn insert(tx: &mut IdempotentTx<$store>, table: &str, order: &str) -> Result<(), sqlx::Error> {
-                let insert = format!("INSERT INTO {table} (order_id) VALUES {}", $values);
-                sqlx::query(AssertSqlSafe(insert))
-                    .bind(order)
-                    .execute(&mut ***tx)
-                    .await?;
-                Ok(())
-            }
-            async fn charges(&self) -> i64 {
-                count_rows!(&self.pool, &self.table)
-            }
-            async fn outbox_rows(&self) -> i64 {
-                count_rows!(&self.pool, &self.outbox)
-            }
-            async fn teardown(self) {
-                $drop(&self.pool, &self.markers).await;
-                $drop(&self.pool, &self.outbox).await;
-                $drop(&self.pool, &self.table).await;
-            }
-        }
-    };
-}
-
-server_db! {
-    Pg: PgStore, PgPool = common::pg_pool, drop = common::drop_pg_table, values = "($1)",
-    build = |pool, markers, outbox| {
-        let store = PgStore::builder(pool).table(markers).outbox_table(outbox).build().unwrap();
-        store.migrate().await.unwrap();
-        store
-    },
-}
-
-server_db! {
-    My: MySqlStore, MySqlPool = common::mysql_pool, drop = common::drop_mysql_table, values = "(?)",
-    build = |pool, markers, outbox| {
-        let store = MySqlStore::builder(pool).table(markers).outbox_table(outbox).build().unwrap();
-        store.migrate().await.unwrap();
-        store
-    },
-}
-
-server_db! {
-    CachedPg: CachedStore<PgStore>, PgPool = common::pg_pool, drop = common::drop_pg_table, values = "($1)",
-    build = |pool, markers, outbox| {
-        let store = PgStore::builder(pool).table(markers).outbox_table(outbox).build().unwrap();
-        store.migrate().await.unwrap();
-        CachedStore::new(store, 1000)
-    },
-}
 
 // ---- the broker ------------------------------------------------------------------
 
@@ -308,10 +138,15 @@ struct App {
 /// `fail` answers 500 and `not-kept` 429 `NotKept` (while `failures`
 /// lasts), `refused` publishes a message without a destination; otherwise
 /// 201 with the run's number.
-async fn pay<D: Db>(State(app): State<App>, mut tx: IdempotentTx<D::S>, body: String) -> Response {
+async fn pay<D: Backend>(
+    State(app): State<App>,
+    headers: HeaderMap,
+    mut tx: IdempotentTx<D::S>,
+    body: String,
+) -> Response {
     let run = app.ran.fetch_add(1, Ordering::SeqCst) + 1;
     let order = body.split_whitespace().next().unwrap_or("none").to_owned();
-    if let Err(error) = D::insert(&mut tx, &app.table, &order).await {
+    if let Err(error) = D::insert(&mut tx, &app.table, &tenant(&headers), &order).await {
         return (StatusCode::INTERNAL_SERVER_ERROR, error.to_string()).into_response();
     }
     tx.publish(Outgoing::new(
@@ -350,23 +185,16 @@ fn app(table: &str, destination: &str) -> App {
     }
 }
 
-fn router<D: Db>(store: D::S, app: App) -> Router {
+fn router<D: Backend>(store: D::S, app: App) -> Router {
     Router::new()
         .route("/payments", post(pay::<D>))
         .route_layer(
             IdempotencyLayer::builder(store)
-                .caller(|parts| parts.headers.get("x-tenant")?.to_str().ok().map(str::to_owned))
+                .caller(caller)
                 .in_progress(InProgress::default())
                 .build(),
         )
         .with_state(app)
-}
-
-async fn listen(router: Router) -> String {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move { axum::serve(listener, router).await.unwrap() });
-    format!("http://{addr}/payments")
 }
 
 struct Answer {
@@ -416,7 +244,7 @@ async fn send_until_done(client: &reqwest::Client, url: &str, key: &str, body: &
     }
 }
 
-struct Rig<D: Db> {
+struct Rig<D: Backend> {
     db: D,
     queue: Queue,
     relay: idempotent_runtime::outbox::RelayHandle,
@@ -425,7 +253,7 @@ struct Rig<D: Db> {
     client: reqwest::Client,
 }
 
-impl<D: Db> Rig<D> {
+impl<D: Backend> Rig<D> {
     async fn start() -> Rig<D> {
         let db = D::setup().await;
         let queue = Queue::new().await;
@@ -433,7 +261,10 @@ impl<D: Db> Rig<D> {
             .poll_interval(Duration::from_millis(50))
             .spawn();
         let app = app(db.table(), &queue.name);
-        let url = listen(router::<D>(db.store(), app.clone())).await;
+        let url = format!(
+            "{}/payments",
+            common::http::listen(router::<D>(db.store(), app.clone())).await
+        );
         Rig {
             db,
             queue,
@@ -455,7 +286,7 @@ impl<D: Db> Rig<D> {
 
 /// A key's messages are staged once: its retries are replays that stage
 /// nothing, and another key's messages have other ids.
-async fn retries_are_replays_that_stage_nothing<D: Db>() {
+async fn retries_are_replays_that_stage_nothing<D: Backend>() {
     let rig = Rig::<D>::start().await;
     let first = send(&rig.client, &rig.url, "k-1", "order-1").await.unwrap();
     assert_eq!(first.status, 201, "{}", first.body);
@@ -489,7 +320,7 @@ async fn retries_are_replays_that_stage_nothing<D: Db>() {
 /// 24 concurrent requests with one key, each retried while it gets `409`:
 /// the body runs once, every client ends with the same answer, and the
 /// key's two messages are delivered once each.
-async fn concurrent_retries_of_one_key_publish_once<D: Db>() {
+async fn concurrent_retries_of_one_key_publish_once<D: Backend>() {
     let rig = Rig::<D>::start().await;
     let answers = futures_util::future::join_all(
         (0..24).map(|_| send_until_done(&rig.client, &rig.url, "race-1", "order-9 slow")),
@@ -512,7 +343,7 @@ async fn concurrent_retries_of_one_key_publish_once<D: Db>() {
 /// message (its transaction rolled back with the claim); the retry runs,
 /// stages once, and its messages are delivered once. A message the outbox
 /// refuses fails the request with `500` and commits nothing.
-async fn a_failure_after_staging_leaves_no_message<D: Db>() {
+async fn a_failure_after_staging_leaves_no_message<D: Backend>() {
     let rig = Rig::<D>::start().await;
     rig.app.failures.store(1, Ordering::SeqCst);
     let failed = send(&rig.client, &rig.url, "f-1", "order-f fail").await.unwrap();

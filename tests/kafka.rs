@@ -16,39 +16,19 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use common::kafka::Kafka;
+use common::kafka::{Kafka, Step, step};
 use idempotent_runtime::broker::{
-    Backoff, CancellationToken, DeliveryInfo, HEADER_ATTEMPTS, HEADER_KIND, HEADER_REASON, HEADER_SOURCE,
+    CancellationToken, DeliveryInfo, HEADER_ATTEMPTS, HEADER_KIND, HEADER_REASON, HEADER_SOURCE,
 };
-use idempotent_runtime::kafka::{HEADER_OFFSET, HEADER_PARTITION, HEADER_TOPIC, KafkaConsumer, KafkaConsumerBuilder};
+use idempotent_runtime::kafka::{HEADER_OFFSET, HEADER_PARTITION, HEADER_TOPIC, KafkaConsumerBuilder};
 use idempotent_runtime::outbox::{KafkaPublisher, Outbox, Outgoing, Relay};
 use idempotent_runtime::sqlx::{self, PgConnection};
 use idempotent_runtime::{MemoryStore, PgStore, idempotent};
 
 const WAIT: Duration = Duration::from_secs(30);
 
-#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
-struct Step {
-    message_id: String,
-    partition: i32,
-    seq: u32,
-}
-
-fn step(partition: i32, seq: u32) -> Vec<u8> {
-    serde_json::to_vec(&Step {
-        message_id: format!("p{partition}-{seq}"),
-        partition,
-        seq,
-    })
-    .unwrap()
-}
-
 fn builder(kafka: &Kafka, topic: &str, group: &str) -> KafkaConsumerBuilder {
-    KafkaConsumer::builder(kafka.config(), topic, group)
-        .commit_interval(Duration::from_millis(100))
-        .retry_backoff(Backoff::new(Duration::from_millis(20), Duration::from_millis(40)))
-        .revoke_timeout(Duration::from_secs(5))
-        .shutdown_timeout(Duration::from_secs(5))
+    kafka.consumer(topic, group)
 }
 
 async fn wait_until(what: &str, mut cond: impl FnMut() -> bool) {
@@ -75,16 +55,7 @@ async fn partitions_run_concurrently_and_each_in_order_with_retries_holding_thei
     const PARTITIONS: i32 = 4;
     const PER_PARTITION: u32 = 15;
     let kafka = Kafka::start();
-    let topic = common::unique("order");
-    kafka.create_topic(&topic, PARTITIONS).await;
-    kafka.create_topic(&format!("{topic}.dlq"), 1).await;
-    for seq in 0..PER_PARTITION {
-        for partition in 0..PARTITIONS {
-            kafka
-                .produce(&topic, Some(partition), None, &step(partition, seq), &[])
-                .await;
-        }
-    }
+    let topic = kafka.topic_of_steps("order", PARTITIONS, PER_PARTITION).await;
     let seen = Arc::new(Mutex::new(Seen::default()));
     let consumer = builder(&kafka, &topic, "order")
         .concurrency(8)
@@ -167,8 +138,7 @@ async fn the_committed_offset_never_passes_an_unfinished_record() {
     let kafka = Kafka::start();
     let topic = common::unique("offsets");
     let group = "offsets";
-    kafka.create_topic(&topic, 2).await;
-    kafka.create_topic(&format!("{topic}.dlq"), 1).await;
+    kafka.create_topic_with_dlq(&topic, 2).await;
     for seq in 0..11 {
         kafka.produce(&topic, Some(0), None, &step(0, seq), &[]).await;
     }
@@ -391,17 +361,8 @@ async fn members_joining_and_leaving_mid_stream_hand_partitions_over_after_their
     const PARTITIONS: i32 = 4;
     const PER_PARTITION: u32 = 40;
     let kafka = Kafka::start();
-    let topic = common::unique("join");
+    let topic = kafka.topic_of_steps("join", PARTITIONS, PER_PARTITION).await;
     let group = "join";
-    kafka.create_topic(&topic, PARTITIONS).await;
-    kafka.create_topic(&format!("{topic}.dlq"), 1).await;
-    for seq in 0..PER_PARTITION {
-        for partition in 0..PARTITIONS {
-            kafka
-                .produce(&topic, Some(partition), None, &step(partition, seq), &[])
-                .await;
-        }
-    }
     let ledger = Arc::new(Ledger {
         store: MemoryStore::new(),
         effects: Mutex::default(),
@@ -494,17 +455,8 @@ async fn a_handler_outliving_the_revoke_timeout_cannot_settle_and_the_marker_cat
     // then replays it; the first one's acknowledgement is refused (its
     // partition was revoked). The effect is applied once.
     let kafka = Kafka::start();
-    let topic = common::unique("outlive");
+    let topic = kafka.topic_of_steps("outlive", 2, 5).await;
     let group = "outlive";
-    kafka.create_topic(&topic, 2).await;
-    kafka.create_topic(&format!("{topic}.dlq"), 1).await;
-    for seq in 0..5 {
-        for partition in 0..2 {
-            kafka
-                .produce(&topic, Some(partition), None, &step(partition, seq), &[])
-                .await;
-        }
-    }
     let ledger = Arc::new(SlowLedger {
         store: MemoryStore::new(),
         slow: "p0-0".into(),
@@ -517,7 +469,7 @@ async fn a_handler_outliving_the_revoke_timeout_cannot_settle_and_the_marker_cat
         let consumer = builder(&kafka, &topic, group)
             .concurrency(2)
             .revoke_timeout(Duration::from_secs(1))
-            .outage_backoff(Backoff::new(Duration::from_millis(50), Duration::from_millis(200)))
+            .outage_backoff(common::kafka::QUICK_OUTAGES)
             .client_config("client.id", name)
             .build()
             .unwrap();
@@ -654,8 +606,7 @@ async fn a_chain_kafka_handler_outbox_kafka_forwards_each_record_once() {
     let kafka = Kafka::start();
     let input = common::unique("chain.in");
     let out = common::unique("chain.out");
-    kafka.create_topic(&input, 2).await;
-    kafka.create_topic(&format!("{input}.dlq"), 1).await;
+    kafka.create_topic_with_dlq(&input, 2).await;
     kafka.create_topic(&out, 2).await;
     for seq in 0..20 {
         kafka
@@ -833,17 +784,8 @@ async fn partitions_over_max_buffered_pause_and_resume_through_rebalances() {
     // paused would stall), once.
     const PER_PARTITION: u32 = 60;
     let kafka = Kafka::start();
-    let topic = common::unique("paused");
+    let topic = kafka.topic_of_steps("paused", 2, PER_PARTITION).await;
     let group = "paused";
-    kafka.create_topic(&topic, 2).await;
-    kafka.create_topic(&format!("{topic}.dlq"), 1).await;
-    for seq in 0..PER_PARTITION {
-        for partition in 0..2 {
-            kafka
-                .produce(&topic, Some(partition), None, &step(partition, seq), &[])
-                .await;
-        }
-    }
     let members = Members::new();
     let member = || builder(&kafka, &topic, group).concurrency(2).max_buffered(3);
     let pause = Duration::from_millis(30);
@@ -883,8 +825,7 @@ async fn a_dead_letter_the_broker_refuses_leaves_its_record_uncommitted_until_on
     let topic = common::unique("dlqrefused");
     let dlq = format!("{topic}.dlq");
     let group = "dlqrefused";
-    kafka.create_topic(&topic, 1).await;
-    kafka.create_topic(&dlq, 1).await;
+    kafka.create_topic_with_dlq(&topic, 1).await;
     let poison = vec![b'~'; 2100];
     kafka.produce(&topic, Some(0), None, &step(0, 0), &[]).await;
     kafka.produce(&topic, Some(0), Some("k-poison"), &poison, &[]).await;
@@ -933,8 +874,7 @@ async fn an_idle_member_takes_over_when_a_member_with_partitions_leaves() {
     let kafka = Kafka::start();
     let topic = common::unique("idle");
     let group = "idle";
-    kafka.create_topic(&topic, 2).await;
-    kafka.create_topic(&format!("{topic}.dlq"), 1).await;
+    kafka.create_topic_with_dlq(&topic, 2).await;
     let members = Members::new();
     let member = || builder(&kafka, &topic, group).concurrency(2);
     let pause = Duration::from_millis(20);
@@ -1030,8 +970,7 @@ async fn tansu_leaves_a_rebalance_hanging_when_a_member_leaves_during_it() {
     let kafka = Kafka::start();
     let topic = common::unique("hang");
     let group = "hang";
-    kafka.create_topic(&topic, 4).await;
-    kafka.create_topic(&format!("{topic}.dlq"), 1).await;
+    kafka.create_topic_with_dlq(&topic, 4).await;
     for seq in 0..100 {
         let partition = (seq % 4) as i32;
         kafka

@@ -16,69 +16,27 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
-use common::kafka::Kafka;
-use idempotent_runtime::broker::{Backoff, CancellationToken};
+use common::kafka::{Kafka, QUICK_OUTAGES, Step, step};
+use idempotent_runtime::broker::CancellationToken;
 use idempotent_runtime::idempotent;
 use idempotent_runtime::kafka::{KafkaConsumer, KafkaConsumerBuilder};
 use idempotent_runtime::sqlx;
 
 const WAIT: Duration = Duration::from_secs(40);
 
-#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
-struct Step {
-    message_id: String,
-    partition: i32,
-    seq: u32,
-}
-
-fn step(partition: i32, seq: u32) -> Vec<u8> {
-    serde_json::to_vec(&Step {
-        message_id: format!("p{partition}-{seq}"),
-        partition,
-        seq,
-    })
-    .unwrap()
-}
-
 fn builder(kafka: &Kafka, topic: &str, group: &str) -> KafkaConsumerBuilder {
-    KafkaConsumer::builder(kafka.config(), topic, group)
-        .commit_interval(Duration::from_millis(100))
-        .retry_backoff(Backoff::new(Duration::from_millis(20), Duration::from_millis(40)))
-        .outage_backoff(Backoff::new(Duration::from_millis(50), Duration::from_millis(200)))
+    kafka
+        .consumer(topic, group)
+        .outage_backoff(QUICK_OUTAGES)
         .revoke_timeout(Duration::from_secs(1))
-        .shutdown_timeout(Duration::from_secs(5))
 }
 
 /// Waits until `$cond` (an expression that may `.await`) holds, at most
 /// [`WAIT`].
 macro_rules! wait_until {
-    ($what:expr, $cond:expr) => {{
-        let deadline = tokio::time::Instant::now() + WAIT;
-        while !$cond {
-            assert!(
-                tokio::time::Instant::now() < deadline,
-                "timed out waiting for {}",
-                $what
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    }};
-}
-
-/// A topic with `partitions` partitions and its dead-letter topic, holding
-/// `per_partition` records in each (produced one at a time).
-async fn topic_with(kafka: &Kafka, prefix: &str, partitions: i32, per_partition: u32) -> String {
-    let topic = common::unique(prefix);
-    kafka.create_topic(&topic, partitions).await;
-    kafka.create_topic(&format!("{topic}.dlq"), 1).await;
-    for seq in 0..per_partition {
-        for partition in 0..partitions {
-            kafka
-                .produce(&topic, Some(partition), None, &step(partition, seq), &[])
-                .await;
-        }
-    }
-    topic
+    ($what:expr, $cond:expr) => {
+        common::wait_for!(WAIT, $what, $cond)
+    };
 }
 
 /// A store, its effects table, and the handlers that write it.
@@ -276,7 +234,7 @@ fixture!(
 async fn exactly_once_with_the_offsets_in_the_database<F: Fixture>() {
     let kafka = Kafka::start();
     let db = Arc::new(F::open().await);
-    let topic = topic_with(&kafka, "offsets_once", 2, 12).await;
+    let topic = kafka.topic_of_steps("offsets_once", 2, 12).await;
     // p0-3 again, at the end of partition 1.
     kafka.produce(&topic, Some(1), None, &step(0, 3), &[]).await;
     let group = "once";
@@ -317,7 +275,7 @@ async fn exactly_once_with_the_offsets_in_the_database<F: Fixture>() {
 async fn a_new_consumer_resumes_at_the_stored_offsets_without_markers_or_kafka_commits<F: Fixture>() {
     let kafka = Kafka::start();
     let db = Arc::new(F::open().await);
-    let topic = topic_with(&kafka, "offsets_restart", 2, 15).await;
+    let topic = kafka.topic_of_steps("offsets_restart", 2, 15).await;
     let group = "restart";
     let applied = Arc::new(AtomicUsize::new(0));
     let start = |idle: Option<Duration>| {
@@ -385,7 +343,9 @@ async fn a_rebalance_hands_each_partition_over_at_its_stored_offset<F: Fixture>(
     const PER_PARTITION: u32 = 20;
     let kafka = Kafka::start();
     let db = Arc::new(F::open().await);
-    let topic = topic_with(&kafka, "offsets_rebalance", PARTITIONS, PER_PARTITION).await;
+    let topic = kafka
+        .topic_of_steps("offsets_rebalance", PARTITIONS, PER_PARTITION)
+        .await;
     let group = "rebalance";
     let start = |name: &str| {
         let consumer = db
@@ -439,8 +399,7 @@ async fn a_poison_record_moves_the_stored_offset_past_it<F: Fixture>() {
     let kafka = Kafka::start();
     let db = Arc::new(F::open().await);
     let topic = common::unique("offsets_poison");
-    kafka.create_topic(&topic, 1).await;
-    kafka.create_topic(&format!("{topic}.dlq"), 1).await;
+    kafka.create_topic_with_dlq(&topic, 1).await;
     kafka.produce(&topic, Some(0), None, &step(0, 0), &[]).await;
     kafka.produce(&topic, Some(0), None, b"not json", &[]).await;
     kafka.produce(&topic, Some(0), None, &step(0, 2), &[]).await;
@@ -493,7 +452,7 @@ async fn a_poison_record_moves_the_stored_offset_past_it<F: Fixture>() {
 async fn a_revoked_handler_cannot_move_the_stored_offset_back_or_apply_twice<F: Fixture>() {
     let kafka = Kafka::start();
     let db = Arc::new(F::open().await);
-    let topic = topic_with(&kafka, "offsets_zombie", 2, 5).await;
+    let topic = kafka.topic_of_steps("offsets_zombie", 2, 5).await;
     let group = "zombie";
     let slowed = Arc::new(AtomicBool::new(false));
     let slow_started = Arc::new(tokio::sync::Notify::new());
@@ -705,7 +664,7 @@ async fn consumers_sigkilled_mid_stream_resume_at_the_stored_offsets() {
     const PER_PARTITION: u32 = 60;
     let kafka = Kafka::start();
     let db = Arc::new(Postgres::open().await);
-    let topic = topic_with(&kafka, "offsets_sigkill", 2, PER_PARTITION).await;
+    let topic = kafka.topic_of_steps("offsets_sigkill", 2, PER_PARTITION).await;
     let group = "sigkill";
     let spec = format!("{},{topic},{group},{},{}", kafka.bootstrap(), db.markers, db.effects);
     for kill in 1..=2 {

@@ -19,10 +19,10 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
-use common::kafka::Kafka;
+use common::kafka::{Kafka, QUICK_OUTAGES};
 use common::servers::ChildServer;
-use idempotent_runtime::broker::{Backoff, CancellationToken};
-use idempotent_runtime::kafka::{KafkaConsumer, KafkaConsumerBuilder};
+use idempotent_runtime::broker::CancellationToken;
+use idempotent_runtime::kafka::KafkaConsumerBuilder;
 use idempotent_runtime::rdkafka::producer::{FutureProducer, FutureRecord};
 use idempotent_runtime::{PgStore, idempotent, sqlx};
 
@@ -94,17 +94,9 @@ fn msg(seq: u32) -> Vec<u8> {
 /// Waits until `$cond` (an expression that may `.await`) holds, at most
 /// [`WAIT`].
 macro_rules! wait_until {
-    ($what:expr, $cond:expr) => {{
-        let deadline = tokio::time::Instant::now() + WAIT;
-        while !$cond {
-            assert!(
-                tokio::time::Instant::now() < deadline,
-                "timed out waiting for {}",
-                $what
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    }};
+    ($what:expr, $cond:expr) => {
+        common::wait_for!(WAIT, $what, $cond)
+    };
 }
 
 /// The store, its marker table and the effects table.
@@ -204,12 +196,10 @@ impl Db {
 }
 
 fn builder(kafka: &Kafka, topic: &str, group: &str) -> KafkaConsumerBuilder {
-    KafkaConsumer::builder(kafka.config(), topic, group)
-        .commit_interval(Duration::from_millis(100))
-        .retry_backoff(Backoff::new(Duration::from_millis(20), Duration::from_millis(40)))
-        .outage_backoff(Backoff::new(Duration::from_millis(50), Duration::from_millis(200)))
+    kafka
+        .consumer(topic, group)
+        .outage_backoff(QUICK_OUTAGES)
         .revoke_timeout(Duration::from_secs(2))
-        .shutdown_timeout(Duration::from_secs(5))
 }
 
 /// A Tansu broker keeping its log on a private S3 server (both stopped
@@ -243,12 +233,6 @@ async fn produce(producer: &FutureProducer, topic: &str, partition: i32, seq: u3
         .unwrap_or_else(|(err, _)| panic!("produce to {topic}: {err}"));
 }
 
-/// `topic` (one partition) and its dead-letter topic.
-async fn create_topics(kafka: &Kafka, topic: &str) {
-    kafka.create_topic(topic, 1).await;
-    kafka.create_topic(&format!("{topic}.dlq"), 1).await;
-}
-
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum Mode {
     /// Markers per message id, offsets committed to Kafka.
@@ -269,8 +253,7 @@ async fn the_consumer_goes_on_after_a_broker_restart(mode: Mode) {
     let db = Db::open().await;
     let topic = common::unique("restart");
     let group = "restart";
-    durable.kafka.create_topic(&topic, 2).await;
-    durable.kafka.create_topic(&format!("{topic}.dlq"), 1).await;
+    durable.kafka.create_topic_with_dlq(&topic, 2).await;
     for seq in 0..BEFORE {
         durable
             .kafka
@@ -383,8 +366,7 @@ async fn commits_held_up_by_a_broker_outage_land_once_it_is_back_and_never_pass_
     let db = Db::open().await;
     let topic = common::unique("commit_outage");
     let group = "commit-outage";
-    durable.kafka.create_topic(&topic, 1).await;
-    durable.kafka.create_topic(&format!("{topic}.dlq"), 1).await;
+    durable.kafka.create_topic_with_dlq(&topic, 1).await;
     for seq in 0..RECORDS {
         durable.kafka.produce(&topic, Some(0), None, &msg(seq), &[]).await;
     }
@@ -483,7 +465,7 @@ async fn a_stored_offset_past_the_end_of_a_lost_log_is_reported() {
     let db = Db::open().await;
     let topic = common::unique("lost_log");
     let group = "lost-log";
-    create_topics(&kafka, &topic).await;
+    kafka.create_topic_with_dlq(&topic, 1).await;
     for seq in 0..10 {
         kafka.produce(&topic, Some(0), None, &msg(seq), &[]).await;
     }
@@ -517,7 +499,7 @@ async fn a_stored_offset_past_the_end_of_a_lost_log_is_reported() {
     );
     assert_eq!(calls.load(Ordering::SeqCst), 10);
     tokio::task::block_in_place(|| kafka.server.restart(Duration::from_millis(500)));
-    create_topics(&kafka, &topic).await;
+    kafka.create_topic_with_dlq(&topic, 1).await;
     let producer = fresh_producer(&kafka);
     for seq in 100..104 {
         produce(&producer, &topic, 0, seq).await;

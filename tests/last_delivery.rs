@@ -218,88 +218,28 @@ async fn assert_each_applied_once(ledger: &Ledger, ids: &[&str], stats: &RunStat
 // ---- NATS JetStream ----------------------------------------------------
 
 mod nats {
-    use idempotent_runtime::async_nats::jetstream::consumer::{AckPolicy, PullConsumer, pull};
-    use idempotent_runtime::async_nats::jetstream::{self, stream};
-    use idempotent_runtime::async_nats::{self, HeaderMap};
     use idempotent_runtime::nats::{JetStream, JetStreamConsumer};
 
     use super::*;
 
-    pub struct Fixture {
-        js: jetstream::Context,
-        stream: String,
-        dlq_stream: String,
-        subject: String,
-        dlq_subject: String,
-        pub consumer: PullConsumer,
-    }
+    pub struct Fixture(common::nats::Streams);
 
     impl Fixture {
         /// A stream, its dead-letter stream, and the durable consumer
         /// `worker` with `ack_wait` and `max_deliver`.
         pub async fn setup(name: &str, ack_wait: Duration, max_deliver: i64) -> Fixture {
-            let js = jetstream::new(
-                async_nats::connect("127.0.0.1:4222")
-                    .await
-                    .expect("NATS at 127.0.0.1:4222"),
-            );
-            let id = common::unique(name);
-            let stream_name = format!("LAST_{}", id.to_uppercase());
-            let subject = format!("last.{id}.in");
-            let dlq_subject = format!("last.{id}.dlq");
-            let dlq_stream = format!("{stream_name}_DLQ");
-            for (n, s) in [(&stream_name, &subject), (&dlq_stream, &dlq_subject)] {
-                js.create_stream(stream::Config {
-                    name: n.clone(),
-                    subjects: vec![s.clone()],
-                    ..Default::default()
-                })
-                .await
-                .unwrap();
-            }
-            let consumer = js
-                .get_stream(&stream_name)
-                .await
-                .unwrap()
-                .get_or_create_consumer(
-                    "worker",
-                    pull::Config {
-                        durable_name: Some("worker".into()),
-                        ack_policy: AckPolicy::Explicit,
-                        ack_wait,
-                        max_deliver,
-                        filter_subject: subject.clone(),
-                        ..Default::default()
-                    },
-                )
-                .await
-                .unwrap();
-            Fixture {
-                js,
-                stream: stream_name,
-                dlq_stream,
-                subject,
-                dlq_subject,
-                consumer,
-            }
+            Fixture(common::nats::Streams::setup("last", name, ack_wait, Some(max_deliver)).await)
         }
 
         pub fn builder(&self) -> ConsumerBuilder<JetStream> {
-            JetStreamConsumer::builder(self.js.clone(), self.consumer.clone())
-                .dead_letter_subject(&self.dlq_subject)
+            JetStreamConsumer::builder(self.0.js.clone(), self.0.consumer.clone())
+                .dead_letter_subject(&self.0.dlq_subject)
                 .fetch_expiry(ms(300))
                 .shutdown_timeout(Duration::from_secs(5))
         }
 
         pub async fn publish(&self, id: &str) {
-            let mut headers = HeaderMap::new();
-            headers.insert("Nats-Msg-Id", id);
-            self.js
-                .publish_with_headers(self.subject.clone(), headers, payment(id).into())
-                .await
-                .unwrap()
-                .await
-                .unwrap();
+            self.0.publish(payment(id), id).await;
         }
 
         /// Takes one delivery of the next message and never settles it (a
@@ -307,6 +247,7 @@ mod nats {
         pub async fn lose_one_delivery(&self) {
             use futures_util::StreamExt;
             let mut messages = self
+                .0
                 .consumer
                 .fetch()
                 .max_messages(1)
@@ -320,38 +261,21 @@ mod nats {
 
         /// The dead letters' headers.
         pub async fn dead_letters(&self) -> Vec<HashMap<String, String>> {
-            let mut stream = self.js.get_stream(&self.dlq_stream).await.unwrap();
-            let last = stream.info().await.unwrap().state.last_sequence;
-            let mut out = Vec::new();
-            for seq in 1..=last {
-                if let Ok(msg) = stream.get_raw_message(seq).await {
-                    out.push(
-                        msg.headers
-                            .iter()
-                            .map(|(k, v)| {
-                                (
-                                    k.to_string(),
-                                    v.first().map(|v| v.as_str().to_owned()).unwrap_or_default(),
-                                )
-                            })
-                            .collect(),
-                    );
-                }
-            }
-            out
+            self.0
+                .dead_letters()
+                .await
+                .into_iter()
+                .map(|(_, headers)| headers)
+                .collect()
         }
 
         /// (pending, waiting for an ack).
         pub async fn backlog(&self) -> (u64, usize) {
-            let stream = self.js.get_stream(&self.stream).await.unwrap();
-            let info = stream.consumer_info("worker").await.unwrap();
-            (info.num_pending, info.num_ack_pending)
+            self.0.backlog().await
         }
 
         pub async fn teardown(self) {
-            for name in [&self.stream, &self.dlq_stream] {
-                self.js.delete_stream(name).await.unwrap();
-            }
+            self.0.teardown().await;
         }
     }
 }

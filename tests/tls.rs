@@ -988,21 +988,53 @@ struct Note {
 }
 
 #[idempotent(key = "note.id", store = store)]
-async fn note_from_nats(
-    store: &idempotent_runtime::MemoryStore,
-    note: &Note,
-    runs: &AtomicU32,
-) -> Result<(), AppError> {
+async fn note_seen(store: &idempotent_runtime::MemoryStore, note: &Note, runs: &AtomicU32) -> Result<(), AppError> {
     runs.fetch_add(1, Ordering::SeqCst);
     Ok(())
+}
+
+/// Runs `consumer`, whose queue holds one note published twice, with the
+/// idempotent [`note_seen`] on a `MemoryStore` of its own until both
+/// deliveries are acked (15 s at most): none dead-lettered, the body ran
+/// once.
+async fn the_note_published_twice_runs_once<B: idempotent_runtime::broker::pipeline::Broker>(
+    consumer: idempotent_runtime::broker::Consumer<B>,
+) {
+    use idempotent_runtime::broker::CancellationToken;
+    use std::sync::Arc;
+
+    let stats = consumer.stats();
+    let store = idempotent_runtime::MemoryStore::new();
+    let runs = Arc::new(AtomicU32::new(0));
+    let shutdown = CancellationToken::new();
+    let handler_runs = Arc::clone(&runs);
+    let run = tokio::spawn(consumer.run(
+        move |note: Note| {
+            let (store, runs) = (store.clone(), Arc::clone(&handler_runs));
+            async move { note_seen(&store, &note, &runs).await }
+        },
+        shutdown.clone(),
+    ));
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while stats.snapshot().acked < 2 {
+        assert!(
+            Instant::now() < deadline,
+            "both deliveries acked within 15 s: {:?}",
+            stats.snapshot()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    shutdown.cancel();
+    let totals = run.await.unwrap().unwrap();
+    assert_eq!(totals.acked, 2, "{totals:?}");
+    assert_eq!(totals.dead_lettered, 0, "{totals:?}");
+    assert_eq!(runs.load(Ordering::SeqCst), 1, "the duplicate did not run the body");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nats_jetstream_consumer_over_verified_tls() {
     use idempotent_runtime::async_nats::jetstream::{self, consumer::pull, stream};
-    use idempotent_runtime::broker::CancellationToken;
     use idempotent_runtime::nats::JetStreamConsumer;
-    use std::sync::Arc;
 
     let pki = TestPki::new("idempotent tls test CA (nats)");
     let nats = PrivateNats::start(&pki);
@@ -1086,32 +1118,7 @@ async fn nats_jetstream_consumer_over_verified_tls() {
         .fetch_expiry(Duration::from_millis(200))
         .build()
         .unwrap();
-    let stats = consumer.stats();
-    let store = idempotent_runtime::MemoryStore::new();
-    let runs = Arc::new(AtomicU32::new(0));
-    let shutdown = CancellationToken::new();
-    let handler_runs = Arc::clone(&runs);
-    let run = tokio::spawn(consumer.run(
-        move |note: Note| {
-            let (store, runs) = (store.clone(), Arc::clone(&handler_runs));
-            async move { note_from_nats(&store, &note, &runs).await }
-        },
-        shutdown.clone(),
-    ));
-    let deadline = Instant::now() + Duration::from_secs(15);
-    while stats.snapshot().acked < 2 {
-        assert!(
-            Instant::now() < deadline,
-            "both deliveries acked within 15 s: {:?}",
-            stats.snapshot()
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    shutdown.cancel();
-    let totals = run.await.unwrap().unwrap();
-    assert_eq!(totals.acked, 2, "{totals:?}");
-    assert_eq!(totals.dead_lettered, 0, "{totals:?}");
-    assert_eq!(runs.load(Ordering::SeqCst), 1, "the duplicate did not run the body");
+    the_note_published_twice_runs_once(consumer).await;
 }
 
 // -------------------------------------------------------------------- RabbitMQ
@@ -1230,24 +1237,12 @@ impl Drop for PrivateRabbit {
     }
 }
 
-#[idempotent(key = "note.id", store = store)]
-async fn note_from_rabbitmq(
-    store: &idempotent_runtime::MemoryStore,
-    note: &Note,
-    runs: &AtomicU32,
-) -> Result<(), AppError> {
-    runs.fetch_add(1, Ordering::SeqCst);
-    Ok(())
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rabbitmq_consumer_over_verified_tls() {
-    use idempotent_runtime::broker::CancellationToken;
     use idempotent_runtime::lapin::BasicProperties;
     use idempotent_runtime::lapin::options::{BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions};
     use idempotent_runtime::lapin::types::FieldTable;
     use idempotent_runtime::rabbitmq::RabbitConsumer;
-    use std::sync::Arc;
 
     let pki = TestPki::new("idempotent tls test CA (rabbitmq)");
     let rabbit = PrivateRabbit::start(&pki);
@@ -1320,30 +1315,5 @@ async fn rabbitmq_consumer_over_verified_tls() {
         })
         .build()
         .unwrap();
-    let stats = consumer.stats();
-    let store = idempotent_runtime::MemoryStore::new();
-    let runs = Arc::new(AtomicU32::new(0));
-    let shutdown = CancellationToken::new();
-    let handler_runs = Arc::clone(&runs);
-    let run = tokio::spawn(consumer.run(
-        move |note: Note| {
-            let (store, runs) = (store.clone(), Arc::clone(&handler_runs));
-            async move { note_from_rabbitmq(&store, &note, &runs).await }
-        },
-        shutdown.clone(),
-    ));
-    let deadline = Instant::now() + Duration::from_secs(15);
-    while stats.snapshot().acked < 2 {
-        assert!(
-            Instant::now() < deadline,
-            "both deliveries acked within 15 s: {:?}",
-            stats.snapshot()
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    shutdown.cancel();
-    let totals = run.await.unwrap().unwrap();
-    assert_eq!(totals.acked, 2, "{totals:?}");
-    assert_eq!(totals.dead_lettered, 0, "{totals:?}");
-    assert_eq!(runs.load(Ordering::SeqCst), 1, "the duplicate did not run the body");
+    the_note_published_twice_runs_once(consumer).await;
 }

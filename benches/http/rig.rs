@@ -141,35 +141,9 @@ impl Db for Pg {
         Ok(())
     }
     async fn hand(&self, key: String, request: String) -> Result<Option<String>, sqlx::Error> {
-        let (t, h) = (&self.table, &self.hand);
-        let mut tx = self.pool.begin().await?;
-        let claim = format!("INSERT INTO {h} (key) VALUES ($1) ON CONFLICT DO NOTHING");
-        if sqlx::query(AssertSqlSafe(claim))
-            .bind(&key)
-            .execute(&mut *tx)
-            .await?
-            .rows_affected()
-            == 0
-        {
-            let kept = format!("SELECT answer FROM {h} WHERE key = $1");
-            return sqlx::query_scalar(AssertSqlSafe(kept))
-                .bind(&key)
-                .fetch_one(&mut *tx)
-                .await;
-        }
-        let insert = format!("INSERT INTO {t} (request) VALUES ($1)");
-        sqlx::query(AssertSqlSafe(insert))
-            .bind(request)
-            .execute(&mut *tx)
-            .await?;
-        let answer = format!("UPDATE {h} SET answer = $1 WHERE key = $2");
-        sqlx::query(AssertSqlSafe(answer))
-            .bind(CHARGED)
-            .bind(&key)
-            .execute(&mut *tx)
-            .await?;
-        tx.commit().await?;
-        Ok(None)
+        let tx = self.pool.begin().await?;
+        let tables = (self.table.as_str(), self.hand.as_str());
+        hand_tx(tx, ["$1", "$2"], tables, key, request, |done| done.rows_affected()).await
     }
     async fn rows(&self) -> i64 {
         let count = format!("SELECT count(*) FROM {}", self.table);
@@ -243,21 +217,9 @@ impl Db for Lite {
     async fn hand(&self, key: String, request: String) -> Result<Option<String>, sqlx::Error> {
         // `BEGIN IMMEDIATE`, as the store begins: a deferred transaction
         // that later writes can fail with SQLITE_BUSY under concurrency.
-        let mut tx = self.store.pool().begin_with("BEGIN IMMEDIATE").await?;
-        let claim = "INSERT INTO bench_http_hand (key) VALUES (?1) ON CONFLICT DO NOTHING";
-        if sqlx::query(claim).bind(&key).execute(&mut *tx).await?.rows_affected() == 0 {
-            let kept = "SELECT answer FROM bench_http_hand WHERE key = ?1";
-            return sqlx::query_scalar(kept).bind(&key).fetch_one(&mut *tx).await;
-        }
-        let insert = format!("INSERT INTO {} (request) VALUES (?1)", self.table);
-        sqlx::query(AssertSqlSafe(insert))
-            .bind(request)
-            .execute(&mut *tx)
-            .await?;
-        let answer = "UPDATE bench_http_hand SET answer = ?1 WHERE key = ?2";
-        sqlx::query(answer).bind(CHARGED).bind(&key).execute(&mut *tx).await?;
-        tx.commit().await?;
-        Ok(None)
+        let tx = self.store.pool().begin_with("BEGIN IMMEDIATE").await?;
+        let tables = (self.table.as_str(), "bench_http_hand");
+        hand_tx(tx, ["?1", "?2"], tables, key, request, |done| done.rows_affected()).await
     }
     async fn rows(&self) -> i64 {
         let count = format!("SELECT count(*) FROM {}", self.table);
@@ -271,6 +233,53 @@ impl Db for Lite {
 
 /// Every handler's answer.
 const CHARGED: &str = "charged";
+
+/// (h)'s statements in `tx`, on either database (`marks`: its first and
+/// second placeholders; `rows_affected`: what its statement result says):
+/// the key's row into `hand`, or the kept answer if it was there; the
+/// handler's insert into `table`; the answer; the commit.
+async fn hand_tx<DB>(
+    mut tx: sqlx::Transaction<'static, DB>,
+    [p1, p2]: [&str; 2],
+    (table, hand): (&str, &str),
+    key: String,
+    request: String,
+    rows_affected: fn(&DB::QueryResult) -> u64,
+) -> Result<Option<String>, sqlx::Error>
+where
+    DB: sqlx::Database,
+    DB::Arguments: sqlx::IntoArguments<DB>,
+    for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
+    for<'q> String: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
+    for<'q> &'q str: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
+    (Option<String>,): for<'r> sqlx::FromRow<'r, DB::Row>,
+{
+    let claim = format!("INSERT INTO {hand} (key) VALUES ({p1}) ON CONFLICT DO NOTHING");
+    let claimed = sqlx::query(AssertSqlSafe(claim))
+        .bind(key.as_str())
+        .execute(&mut *tx)
+        .await?;
+    if rows_affected(&claimed) == 0 {
+        let kept = format!("SELECT answer FROM {hand} WHERE key = {p1}");
+        return sqlx::query_scalar(AssertSqlSafe(kept))
+            .bind(key.as_str())
+            .fetch_one(&mut *tx)
+            .await;
+    }
+    let insert = format!("INSERT INTO {table} (request) VALUES ({p1})");
+    sqlx::query(AssertSqlSafe(insert))
+        .bind(request)
+        .execute(&mut *tx)
+        .await?;
+    let answer = format!("UPDATE {hand} SET answer = {p1} WHERE key = {p2}");
+    sqlx::query(AssertSqlSafe(answer))
+        .bind(CHARGED)
+        .bind(key.as_str())
+        .execute(&mut *tx)
+        .await?;
+    tx.commit().await?;
+    Ok(None)
+}
 
 async fn bare<D: Db>(State(db): State<Arc<D>>, body: Bytes) -> (StatusCode, &'static str) {
     match db.insert_bare(String::from_utf8_lossy(&body).into_owned()).await {

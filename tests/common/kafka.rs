@@ -5,6 +5,8 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
+use idempotent_runtime::broker::Backoff;
+use idempotent_runtime::kafka::{KafkaConsumer, KafkaConsumerBuilder};
 use idempotent_runtime::rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
 use idempotent_runtime::rdkafka::client::DefaultClientContext;
 use idempotent_runtime::rdkafka::consumer::{BaseConsumer, Consumer};
@@ -15,6 +17,29 @@ use idempotent_runtime::rdkafka::{ClientConfig, Message, Offset, TopicPartitionL
 use super::servers::ChildServer;
 
 const TIMEOUT: Duration = Duration::from_secs(10);
+
+/// How long a test's consumer waits after an outage (a store that failed,
+/// a key another consumer holds) before running the message again: 50 ms
+/// doubling up to 200 ms.
+pub const QUICK_OUTAGES: Backoff = Backoff::new(Duration::from_millis(50), Duration::from_millis(200));
+
+/// The tests' record: its message id is `p<partition>-<seq>`.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub struct Step {
+    pub message_id: String,
+    pub partition: i32,
+    pub seq: u32,
+}
+
+/// The JSON of the [`Step`] `seq` of `partition`.
+pub fn step(partition: i32, seq: u32) -> Vec<u8> {
+    serde_json::to_vec(&Step {
+        message_id: format!("p{partition}-{seq}"),
+        partition,
+        seq,
+    })
+    .unwrap()
+}
 
 /// A record read back: partition, offset, key, value, headers (as text).
 #[derive(Debug, Clone)]
@@ -90,8 +115,43 @@ impl Kafka {
         group_config(&self.bootstrap())
     }
 
+    /// A consumer of `topic` for `group` on this broker, quick for tests:
+    /// the client configuration of [`config`](Self::config), offsets
+    /// committed every 100 ms, retries after 20 ms then 40, 5 s for a
+    /// revoked partition's handlers and 5 s to shut down.
+    pub fn consumer(&self, topic: &str, group: &str) -> KafkaConsumerBuilder {
+        KafkaConsumer::builder(self.config(), topic, group)
+            .commit_interval(Duration::from_millis(100))
+            .retry_backoff(Backoff::new(Duration::from_millis(20), Duration::from_millis(40)))
+            .revoke_timeout(Duration::from_secs(5))
+            .shutdown_timeout(Duration::from_secs(5))
+    }
+
     pub async fn create_topic(&self, name: &str, partitions: i32) {
         create_topic(&self.bootstrap(), name, partitions).await;
+    }
+
+    /// Creates `name` with `partitions` partitions, and its dead-letter
+    /// topic `<name>.dlq` (one partition).
+    pub async fn create_topic_with_dlq(&self, name: &str, partitions: i32) {
+        self.create_topic(name, partitions).await;
+        self.create_topic(&format!("{name}.dlq"), 1).await;
+    }
+
+    /// A topic named `<prefix>_<unique>` with `partitions` partitions and
+    /// its dead-letter topic, holding the [`step`]s `0..per_partition` of
+    /// each partition (produced one at a time, in `seq` order, the
+    /// partitions interleaved). Returns its name.
+    pub async fn topic_of_steps(&self, prefix: &str, partitions: i32, per_partition: u32) -> String {
+        let topic = super::unique(prefix);
+        self.create_topic_with_dlq(&topic, partitions).await;
+        for seq in 0..per_partition {
+            for partition in 0..partitions {
+                self.produce(&topic, Some(partition), None, &step(partition, seq), &[])
+                    .await;
+            }
+        }
+        topic
     }
 
     /// Produces `values` at once (librdkafka batches them), each

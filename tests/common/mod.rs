@@ -3,7 +3,9 @@
 
 pub mod cluster;
 pub mod counters;
+pub mod http;
 pub mod kafka;
+pub mod nats;
 pub mod servers;
 
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -33,6 +35,25 @@ pub fn unique(prefix: &str) -> String {
         COUNTER.fetch_add(1, Ordering::Relaxed)
     )
 }
+
+/// Waits until `$cond` (an expression that may `.await`) holds, checking
+/// every 50 ms; fails the test once `$within` (a `Duration`) has passed.
+#[allow(unused_macros)]
+macro_rules! wait_for {
+    ($within:expr, $what:expr, $cond:expr) => {{
+        let deadline = tokio::time::Instant::now() + $within;
+        while !$cond {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "timed out waiting for {}",
+                $what
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+    }};
+}
+#[allow(unused_imports)]
+pub(crate) use wait_for;
 
 pub async fn pg_pool(max_connections: u32) -> PgPool {
     PgPoolOptions::new()
