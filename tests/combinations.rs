@@ -239,7 +239,11 @@
 //! shutdown timeout, 5 s for abandoned handlers, and 2 s of slack
 //! (`STOP_BOUND`). After the fixes, 6 replays of 1025 passed (lost 0,
 //! twice 0, 226 applied, 11 dead-lettered each; one of them lost its
-//! session to a settle timeout and reconnected).
+//! session to a settle timeout and reconnected). Then 6 configurations
+//! with `IDEMPOTENT_CHECKER_FORCE=cluster=only,failover=on` from seed 1000
+//! (1003, 1009, 1025, 1030 through HTTP, 1033, 1046; 1 296 messages, 6
+//! failovers, 3 on the Redis store, 2 on Redis Streams): none failed, lost
+//! 0, applied 0 twice, 0 reapplied.
 //!
 //! # The checks, after draining
 //!
