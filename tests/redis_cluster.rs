@@ -706,3 +706,279 @@ async fn the_outbox_publisher_spreads_streams_over_the_cluster_by_hash_tag() {
         assert_eq!(id, format!("m-{i}"));
     }
 }
+
+/// A claim and a completion that the cluster connection sends again
+/// (the README's "Retries and slot migrations"), forced: the slot's replica
+/// is stopped (SIGSTOP), so the `WAIT` after the write blocks, and the
+/// store's connection is killed (`CLIENT KILL`) while it does. The write
+/// was made, its reply is lost; the cluster connection reconnects and
+/// sends the write and its `WAIT` again. The claim finds its own lease,
+/// the completion its own marker, and the `WAIT` of the new connection
+/// covers neither (nothing was written on it): the store writes the value
+/// again and waits for that write. With the replica still stopped, that
+/// `WAIT` times out and both fail (`NotReplicated`) instead of counting a
+/// lease or a marker no replica has; once the replica is back, the message
+/// runs once and its replay is confirmed, with the marker on the replica.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retried_claim_and_completion_are_written_again_and_waited_for() {
+    let cluster = Arc::new(blocking(|| RedisCluster::start(3)).await);
+    let tag = common::unique("retried");
+    let slot = cluster.slot(&format!("{{{tag}}}"));
+    let (primary, replica) = (cluster.primary_of(slot).port, cluster.replica_of(slot).port);
+    // No response timeout of the client's own in the window: only the kill
+    // makes the connection send again.
+    let client = redis::cluster::ClusterClient::builder(cluster.urls())
+        .connection_timeout(Duration::from_millis(500))
+        .response_timeout(Duration::from_secs(10))
+        .retries(3)
+        .min_retry_wait(50)
+        .max_retry_wait(200)
+        .build()
+        .unwrap();
+    let store = RedisStore::cluster_builder(client.get_async_connection().await.unwrap())
+        .prefix(format!("{{{tag}}}:"))
+        .wait_for_replicas(1, Duration::from_millis(1500))
+        .build()
+        .unwrap();
+    let ledger = Arc::new(Ledger::default());
+    // The store's first-use checks, out of the way.
+    apply(&store, 100, &ledger).await.unwrap();
+
+    // Kills the store's connection once its `WAIT` blocks on `primary`.
+    let kill_the_waiting_connection = {
+        let cluster = Arc::clone(&cluster);
+        move || {
+            let cluster = Arc::clone(&cluster);
+            blocking(move || {
+                let id = cluster.client_running(primary, "wait", Duration::from_secs(5));
+                cluster.cli(primary, &["CLIENT", "KILL", "ID", &id]);
+            })
+        }
+    };
+
+    // A retried claim.
+    cluster.cli(primary, &["CONFIG", "RESETSTAT"]);
+    cluster.pause(replica);
+    let claim = {
+        let (store, ledger) = (store.clone(), Arc::clone(&ledger));
+        tokio::spawn(async move { apply(&store, 1, &ledger).await })
+    };
+    kill_the_waiting_connection().await;
+    let outcome = claim.await.unwrap();
+    cluster.resume(replica);
+    assert!(
+        cluster.calls(primary, "set") >= 2,
+        "the claim's SET was sent again on a new connection"
+    );
+    let err = outcome.expect_err("a retried claim no replica acknowledged is refused");
+    let AppError::Idem(Error::Store(source)) = &err else {
+        panic!("{err:?}");
+    };
+    assert_eq!(
+        source.downcast_ref::<NotReplicated>().expect("NotReplicated").what,
+        "claim",
+        "{err}"
+    );
+    assert_eq!(ledger.runs(1), 0, "a refused claim runs nothing");
+    blocking({
+        let cluster = Arc::clone(&cluster);
+        move || cluster.wait_for_replicas_of(primary)
+    })
+    .await;
+    apply(&store, 1, &ledger).await.unwrap();
+    apply(&store, 1, &ledger).await.unwrap();
+    assert_eq!(
+        ledger.runs(1),
+        1,
+        "once the replica is back: processed once, then replayed"
+    );
+
+    // A retried completion.
+    let (started, release) = (
+        Arc::new(tokio::sync::Notify::new()),
+        Arc::new(tokio::sync::Notify::new()),
+    );
+    let held = {
+        let (store, ledger, started, release) = (store.clone(), ledger.clone(), started.clone(), release.clone());
+        tokio::spawn(async move { apply_held(&store, 2, &ledger, &started, &release).await })
+    };
+    tokio::time::timeout(Duration::from_secs(10), started.notified())
+        .await
+        .expect("the held claim's body started");
+    cluster.cli(primary, &["CONFIG", "RESETSTAT"]);
+    cluster.pause(replica);
+    release.notify_one();
+    kill_the_waiting_connection().await;
+    let outcome = held.await.unwrap();
+    cluster.resume(replica);
+    assert!(
+        cluster.calls(primary, "set") >= 2,
+        "the completion's SET .. IFEQ was sent again on a new connection"
+    );
+    let err = outcome.expect_err("a retried completion no replica acknowledged fails");
+    let AppError::Idem(Error::Store(source)) = &err else {
+        panic!("{err:?}");
+    };
+    assert_eq!(
+        source.downcast_ref::<NotReplicated>().expect("NotReplicated").what,
+        "completion",
+        "{err}"
+    );
+    blocking({
+        let cluster = Arc::clone(&cluster);
+        move || cluster.wait_for_replicas_of(primary)
+    })
+    .await;
+    // The redelivery finds the marker the first attempt wrote: confirmed
+    // on the replica, replayed, not run again.
+    release.notify_one();
+    apply_held(&store, 2, &ledger, &started, &release).await.unwrap();
+    assert_eq!(ledger.runs(2), 1, "the body ran once");
+    let mut on_replica = redis::Client::open(format!("redis://127.0.0.1:{replica}/"))
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    let () = redis::cmd("READONLY").query_async(&mut on_replica).await.unwrap();
+    let marker: Option<Vec<u8>> = redis::cmd("GET")
+        .arg(store.redis_key("cluster", "2"))
+        .query_async(&mut on_replica)
+        .await
+        .unwrap();
+    assert_eq!(
+        marker.as_deref().and_then(|m| m.first()),
+        Some(&b'D'),
+        "the replica holds the completed marker"
+    );
+}
+
+/// A Redis Streams consumer asked to stop while the primary of its
+/// stream's slot does not answer (SIGSTOP: its connections stay open, the
+/// acknowledgements of a committed batch wait for replies that do not
+/// come, and the slot may fail over meanwhile) stops within its bound: the shutdown timeout,
+/// counted from the request, then the 5 s the abandoned handlers get. The
+/// consumer of the checker's seed 1025 did not: its batch settled 32
+/// entries one response timeout after another on a cluster connection that
+/// no longer answered, while the stop waited for a handler slot. Nothing is
+/// lost: a consumer started after the failover handles every message.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_consumer_stops_within_its_bound_while_its_primary_fails_over() {
+    use idempotent_runtime::broker::CancellationToken;
+    use idempotent_runtime::redis_streams::StreamConsumer;
+    #[derive(serde::Deserialize)]
+    struct Message {
+        id: u32,
+    }
+    const MESSAGES: u32 = 20;
+    const SHUTDOWN: Duration = Duration::from_secs(1);
+    let cluster = Arc::new(blocking(|| RedisCluster::start(3)).await);
+    let stream = format!("{{{}}}", common::unique("stopping"));
+    let slot = cluster.slot(&stream);
+    let primary = cluster.primary_of(slot).port;
+    let mut conn = cluster.connection().await;
+    for id in 0..MESSAGES {
+        let _: String = redis::cmd("XADD")
+            .arg(&stream)
+            .arg("*")
+            .arg("message_id")
+            .arg(format!("m-{id}"))
+            .arg("body")
+            .arg(format!("{{\"id\":{id}}}"))
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+    }
+    blocking({
+        let cluster = Arc::clone(&cluster);
+        move || cluster.wait_for_replicas_of(primary)
+    })
+    .await;
+
+    let handled: Arc<Mutex<HashMap<u32, u32>>> = Arc::default();
+    let consumer = |handled: Arc<Mutex<HashMap<u32, u32>>>,
+                    hold: Option<(Arc<tokio::sync::Notify>, Arc<tokio::sync::Notify>)>| {
+        let hold = Arc::new(Mutex::new(hold));
+        move |message: Message| {
+            let (handled, hold) = (Arc::clone(&handled), hold.lock().unwrap().take());
+            async move {
+                if let Some((started, go)) = hold {
+                    started.notify_one();
+                    go.notified().await;
+                }
+                *handled.lock().unwrap().entry(message.id).or_default() += 1;
+                Ok::<(), Error>(())
+            }
+        }
+    };
+    let (started, go) = (
+        Arc::new(tokio::sync::Notify::new()),
+        Arc::new(tokio::sync::Notify::new()),
+    );
+    let shutdown = CancellationToken::new();
+    let dir = tempfile::tempdir().unwrap();
+    let store = idempotent_runtime::SqliteStore::open(dir.path().join("markers.db"))
+        .await
+        .unwrap();
+    store.migrate().await.unwrap();
+    let run = tokio::spawn(
+        StreamConsumer::cluster_builder(cluster.client(), &stream, "workers")
+            .concurrency(1)
+            // A batch: its entries are settled one after another once it
+            // committed, as in the checker's seed.
+            .batch(store, 8)
+            .claim_idle(Duration::from_secs(1))
+            .block(Duration::from_millis(300))
+            .shutdown_timeout(SHUTDOWN)
+            .build()
+            .unwrap()
+            .run(
+                consumer(Arc::clone(&handled), Some((Arc::clone(&started), Arc::clone(&go)))),
+                shutdown.clone(),
+            ),
+    );
+    tokio::time::timeout(Duration::from_secs(10), started.notified())
+        .await
+        .expect("the first handler started");
+    cluster.pause(primary);
+    go.notify_one();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let asked = Instant::now();
+    shutdown.cancel();
+    let stopped = tokio::time::timeout(Duration::from_secs(60), run).await;
+    let took = asked.elapsed();
+    cluster.resume(primary);
+    assert!(stopped.is_ok(), "the consumer did not stop within 60 s");
+    let bound = SHUTDOWN + Duration::from_secs(5) + Duration::from_secs(1);
+    assert!(
+        took <= bound,
+        "the consumer stopped {took:?} after the request (bound {bound:?})"
+    );
+
+    // The paused node may have been failed over (paused longer than the
+    // node timeout) and come back as a replica; the entries whose
+    // acknowledgement was lost are reclaimed.
+    blocking({
+        let cluster = Arc::clone(&cluster);
+        move || cluster.wait_for_ok()
+    })
+    .await;
+    StreamConsumer::cluster_builder(cluster.client(), &stream, "workers")
+        .claim_idle(Duration::from_secs(1))
+        .block(Duration::from_millis(300))
+        .stop_when_idle(Duration::from_secs(3))
+        .build()
+        .unwrap()
+        .run(consumer(Arc::clone(&handled), None), CancellationToken::new())
+        .await
+        .unwrap();
+    let handled = handled.lock().unwrap().clone();
+    let missing: Vec<u32> = (0..MESSAGES).filter(|id| !handled.contains_key(id)).collect();
+    assert!(missing.is_empty(), "messages never handled: {missing:?}");
+    let pending: redis::streams::StreamPendingReply = redis::cmd("XPENDING")
+        .arg(&stream)
+        .arg("workers")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(pending.count(), 0, "nothing left pending");
+}

@@ -31,6 +31,10 @@ const MAX_BODY_BYTES: usize = 2048;
 const CANCEL_AFTER: Duration = Duration::from_millis(300);
 /// No handler call for this long, nothing left on the broker: drained.
 const QUIET: Duration = Duration::from_millis(1500);
+/// How long a consumer may take to stop: what the library promises (the
+/// consumers' shutdown timeout, 5 s, counted from the request, then 5 s for
+/// the handlers it abandons), and 2 s for a loaded machine.
+const STOP_BOUND: Duration = Duration::from_secs(12);
 /// A configuration that has not drained by then is reported stuck
 /// (`IDEMPOTENT_CHECKER_DEADLINE` seconds, default 90; twice that on Kafka,
 /// where each consumer start, stop and death is a rebalance of seconds and
@@ -639,8 +643,8 @@ async fn drive<B: Broker>(
                 let _ = task;
             }
             for (task, _) in instances.drain(..) {
-                if tokio::time::timeout(Duration::from_secs(10), task).await.is_err() {
-                    violations.push("a consumer did not stop within 10 s of its shutdown".into());
+                if tokio::time::timeout(STOP_BOUND, task).await.is_err() {
+                    violations.push(format!("a consumer did not stop within {STOP_BOUND:?} of its shutdown"));
                 }
             }
             tokio::time::sleep(super::brokers::REDELIVERY + Duration::from_millis(200)).await;

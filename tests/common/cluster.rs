@@ -352,6 +352,18 @@ rm -rf "$2""#;
         self.primary_of(slot).port
     }
 
+    /// Waits until every live node reports `cluster_state:ok` and sees no
+    /// node failed (after a node was paused, failed over or not).
+    pub fn wait_for_ok(&self) {
+        self.wait_until("the cluster is ok again", Duration::from_secs(60), |c| {
+            c.live_ports().iter().all(|&port| {
+                c.try_cli(port, &["CLUSTER", "INFO"])
+                    .is_some_and(|info| info.contains("cluster_state:ok"))
+                    && c.try_nodes(port).is_some_and(|nodes| nodes.iter().all(|n| !n.failed))
+            }) && c.replicas_in_sync()
+        });
+    }
+
     /// Starts the killed node on `port` again: it rejoins as a replica of
     /// the node promoted in its place and copies its data.
     pub fn restart(&self, port: u16) {
@@ -375,6 +387,104 @@ rm -rf "$2""#;
                         .is_some_and(|nodes| nodes.iter().all(|n| !n.failed))
             },
         );
+    }
+
+    /// Stops the node on `port` with SIGSTOP: its connections stay open and
+    /// it answers nothing (a replica stops acknowledging writes) until
+    /// [`resume`](Self::resume).
+    pub fn pause(&self, port: u16) {
+        self.signal(port, "-STOP");
+    }
+
+    /// Continues a node [`pause`](Self::pause)d.
+    pub fn resume(&self, port: u16) {
+        self.signal(port, "-CONT");
+    }
+
+    fn signal(&self, port: u16, signal: &str) {
+        let pid = {
+            let nodes = self.nodes.lock().unwrap();
+            let node = nodes.iter().find(|n| n.port == port).expect("a node of this cluster");
+            node.child.as_ref().expect("a running node").id()
+        };
+        let status = Command::new("kill")
+            .arg(signal)
+            .arg(pid.to_string())
+            .status()
+            .expect("run kill");
+        assert!(status.success(), "kill {signal} {pid} (node :{port}) failed");
+    }
+
+    /// The replica of the primary serving `slot`.
+    pub fn replica_of(&self, slot: u16) -> NodeInfo {
+        let primary = self.primary_of(slot);
+        self.nodes()
+            .into_iter()
+            .find(|n| !n.primary && n.primary_id.as_deref() == Some(primary.id.as_str()))
+            .unwrap_or_else(|| panic!("no replica of the primary of slot {slot}"))
+    }
+
+    /// Waits until every replica of the primary on `port` acknowledged all
+    /// its writes (`INFO replication`: each replica's `offset` at the
+    /// primary's `master_repl_offset`).
+    pub fn wait_for_replicas_of(&self, port: u16) {
+        self.wait_until("the replicas caught up", Duration::from_secs(30), |c| {
+            let Some(info) = c.try_cli(port, &["INFO", "replication"]) else {
+                return false;
+            };
+            let field = |line: &str, name: &str| {
+                line.split([',', ':'])
+                    .find_map(|part| part.strip_prefix(name)?.strip_prefix('=').map(str::to_owned))
+            };
+            let master = info
+                .lines()
+                .find_map(|l| l.trim().strip_prefix("master_repl_offset:").map(str::to_owned));
+            let replicas: Vec<&str> = info
+                .lines()
+                .filter(|l| l.starts_with("slave") && l.contains("ip="))
+                .collect();
+            master.is_some_and(|master| {
+                !replicas.is_empty()
+                    && replicas.iter().all(|l| {
+                        field(l, "state").as_deref() == Some("online")
+                            && field(l, "offset").as_deref() == Some(master.trim())
+                    })
+            })
+        });
+    }
+
+    /// The id of a client of the node on `port` whose current command is
+    /// `command` (a blocked `WAIT`, ...), waiting for one up to `timeout`.
+    pub fn client_running(&self, port: u16, command: &str, timeout: Duration) -> String {
+        let deadline = Instant::now() + timeout;
+        let wanted = format!("cmd={command}");
+        loop {
+            if let Some(list) = self.try_cli(port, &["CLIENT", "LIST"])
+                && let Some(id) = list.lines().find_map(|line| {
+                    let mut fields = line.split(' ');
+                    let id = fields.next()?.strip_prefix("id=")?;
+                    line.split(' ').any(|f| f == wanted).then(|| id.to_owned())
+                })
+            {
+                return id;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "no client of :{port} running {command} within {timeout:?}"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// The `calls` of `command` in `INFO commandstats` of the node on
+    /// `port` (0 when it was not called since the last `CONFIG RESETSTAT`).
+    pub fn calls(&self, port: u16, command: &str) -> u64 {
+        let stats = self.cli(port, &["INFO", "commandstats"]);
+        let prefix = format!("cmdstat_{command}:calls=");
+        stats
+            .lines()
+            .find_map(|l| l.trim().strip_prefix(&prefix)?.split(',').next()?.parse().ok())
+            .unwrap_or(0)
     }
 
     /// Starts moving `slot` to the primary on `to`: the slot is

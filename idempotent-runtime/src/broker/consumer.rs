@@ -111,8 +111,11 @@ impl<B, D, R> ConsumerBuilder<B, D, R> {
         self
     }
 
-    /// How long in-flight handlers get to finish once shutdown is requested;
-    /// after it they are abandoned unsettled (the broker redelivers them).
+    /// How long in-flight handlers get to finish once shutdown is requested
+    /// (counted from the request, also while a handler waits for a
+    /// connection that does not answer); after it they are abandoned
+    /// unsettled (the broker redelivers them), given 5 s more to hand their
+    /// messages back, and `run` returns.
     /// Default [`DEFAULT_SHUTDOWN_TIMEOUT`](super::DEFAULT_SHUTDOWN_TIMEOUT).
     pub fn shutdown_timeout(mut self, timeout: Duration) -> Self {
         self.options.shutdown_timeout = timeout;

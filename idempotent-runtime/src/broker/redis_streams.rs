@@ -69,7 +69,9 @@
 //!
 //! # Connection loss
 //!
-//! A lost connection is made again within the
+//! A lost connection (a read or a settlement that fails on it: broken, or
+//! no answer within its timeout, as a cluster connection may give while
+//! the stream's primary fails over) is made again within the
 //! [reconnection policy](ConsumerBuilder::reconnect), and the group created
 //! again if Redis lost it. Entries in flight on the lost connection are not
 //! settled on the new one; they stay pending, are reclaimed after
@@ -595,6 +597,9 @@ impl pipeline::Session for Session {
             if self.stopping {
                 return Next::End;
             }
+            if !self.shared.alive.load(Ordering::Relaxed) {
+                return Next::Lost("Redis: the connection settling the entries was lost".into());
+            }
             let reading = match &mut self.reading {
                 Some(reading) => reading,
                 None => {
@@ -708,7 +713,18 @@ impl Delivery {
             invocation = invocation.arg(arg);
         }
         let mut conn = self.shared.conn.clone();
-        let done: i64 = invocation.invoke(&mut conn).await.map_err(|err| classify(&err))?;
+        let done: i64 = invocation.invoke(&mut conn).await.map_err(|err| {
+            let settle = classify(&err);
+            if matches!(settle, Settle::Lost(_)) {
+                // The settle connection broke or stopped answering (a
+                // cluster connection can keep timing out on a slot whose
+                // primary failed over): the session is lost, so that its
+                // other entries are not settled one timeout at a time and
+                // the consumer connects again.
+                self.shared.alive.store(false, Ordering::Relaxed);
+            }
+            settle
+        })?;
         if done == 1 {
             Ok(())
         } else {

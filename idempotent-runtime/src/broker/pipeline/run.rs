@@ -68,6 +68,10 @@ where
     // The session that ended with the stop: closed after the drain, so the
     // handlers still running can settle on it.
     let mut stopped: Option<B::Session> = None;
+    // When the stop was asked: the shutdown timeout counts from there, also
+    // while the loop still waits for a handler slot (a delivery task stuck
+    // on an unanswered connection must not hold the stop).
+    let mut stop_asked: Option<Instant> = None;
 
     'connect: while !shutdown.is_cancelled() {
         let mut session = match broker.connect(&options).await {
@@ -131,15 +135,21 @@ where
             let next = tokio::select! {
                 biased;
                 _ = shutdown.cancelled(), if !stopping => {
+                    stop_asked.get_or_insert_with(Instant::now);
                     session.stop().await;
                     stopping = true;
                     continue;
                 }
                 _ = sleep_until(idle_at), if idle_at.is_some() => {
                     tracing::info!(target: TRACING_TARGET, source = %source, "idle: stopping");
+                    stop_asked.get_or_insert_with(Instant::now);
                     session.stop().await;
                     stopping = true;
                     continue;
+                }
+                _ = sleep_until(stop_asked.map(|at| at + options.shutdown_timeout)), if stopping => {
+                    stopped = Some(session);
+                    break 'connect;
                 }
                 Some(done) = tasks.join_next(), if !tasks.is_empty() => {
                     note_task(done);
@@ -199,7 +209,10 @@ where
     }
 
     tracing::info!(target: TRACING_TARGET, source = %source, in_flight = tasks.len(), "consumer stopping");
-    drain(&mut tasks, options.shutdown_timeout, &worker.abandon, &source).await;
+    let timeout = stop_asked.map_or(options.shutdown_timeout, |at| {
+        options.shutdown_timeout.saturating_sub(at.elapsed())
+    });
+    drain(&mut tasks, timeout, &worker.abandon, &source).await;
     if let Some(session) = stopped {
         session.close().await;
     }
