@@ -556,6 +556,13 @@ impl pipeline::Delivery for Delivery {
         self.msg.double_ack().await.map_err(lost)
     }
 
+    /// Each acknowledged as [`ack`](Self::ack) does (the server confirms
+    /// each), all in flight together: one round trip for the batch, not one
+    /// per message.
+    async fn ack_all<'a>(deliveries: &'a [&'a Self]) -> Vec<Result<(), Settle>> {
+        futures_util::future::join_all(deliveries.iter().map(|d| pipeline::Delivery::ack(*d))).await
+    }
+
     async fn retry(&self, _next_attempt: u32, delay: Duration, _shutdown: &CancellationToken) -> Result<(), Settle> {
         self.msg.ack_with(AckKind::Nak(Some(delay))).await.map_err(lost)
     }

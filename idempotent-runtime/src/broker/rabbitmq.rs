@@ -371,6 +371,7 @@ impl Broker for Rabbit {
                 publisher: ConfirmedPublisher::new(conn),
                 queue: ready.queue,
                 dead_letter: ready.dead_letter,
+                unsettled: Unsettled::default(),
             }),
             tag: consumer.tag(),
             consumer,
@@ -528,6 +529,57 @@ struct Shared {
     publisher: ConfirmedPublisher,
     queue: ShortString,
     dead_letter: DeadLetter,
+    /// The delivery tags of the channel no acknowledgement (or `nack`) of
+    /// ours has been sent for yet: an acknowledgement of several at once
+    /// ([`Delivery::ack_all`](pipeline::Delivery::ack_all)) covers only
+    /// tags of its own batch (see [`Unsettled`]).
+    unsettled: Unsettled,
+}
+
+/// The channel's delivery tags not settled yet, in order: a tag enters
+/// when its delivery is handed to the pipeline, and leaves once the frame
+/// that settles it has been sent (the acker's answer), so a `basic.ack`
+/// with `multiple` sent later cannot reach the broker before it.
+///
+/// `basic.ack` with `multiple` acknowledges every unacknowledged delivery
+/// of the channel up to its tag: it is sent only when every tag up to it
+/// still unsettled belongs to the batch being acknowledged. A tag the
+/// consumer never settles (a task aborted at shutdown) stays here, and no
+/// acknowledgement of several ever covers it.
+#[derive(Default)]
+struct Unsettled(std::sync::Mutex<std::collections::BTreeSet<u64>>);
+
+impl Unsettled {
+    fn insert(&self, tag: u64) {
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .insert(tag);
+    }
+
+    fn remove(&self, tags: impl IntoIterator<Item = u64>) {
+        let mut unsettled = self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        for tag in tags {
+            unsettled.remove(&tag);
+        }
+    }
+
+    /// The highest tag of `ours` (sorted) that one `basic.ack` with
+    /// `multiple` may acknowledge: every tag up to it not yet settled is in
+    /// `ours`; `None` when fewer than two would be covered.
+    fn covered_by(&self, ours: &[u64]) -> Option<u64> {
+        let unsettled = self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut upto = None;
+        let mut count = 0usize;
+        for tag in unsettled.iter() {
+            if ours.binary_search(tag).is_err() {
+                break;
+            }
+            upto = Some(*tag);
+            count += 1;
+        }
+        upto.filter(|_| count >= 2)
+    }
 }
 
 /// A connection consuming the queue.
@@ -542,7 +594,10 @@ impl pipeline::Session for Session {
 
     async fn next(&mut self, _room: usize) -> Next<Delivery> {
         match self.consumer.next().await {
-            Some(Ok(delivery)) => Next::Delivery(Delivery::new(Arc::clone(&self.shared), delivery)),
+            Some(Ok(delivery)) => {
+                self.shared.unsettled.insert(delivery.delivery_tag);
+                Next::Delivery(Delivery::new(Arc::clone(&self.shared), delivery))
+            }
             Some(Err(err)) => Next::Lost(err.to_string()),
             None if self.shared.channel.status().connected() => Next::End,
             None => Next::Lost("the channel closed".into()),
@@ -679,7 +734,9 @@ impl pipeline::Delivery for Delivery {
     }
 
     async fn ack(&self) -> Result<(), Settle> {
-        match self.delivery.acker.ack(BasicAckOptions::default()).await {
+        let acked = self.delivery.acker.ack(BasicAckOptions::default()).await;
+        self.shared.unsettled.remove([self.delivery.delivery_tag]);
+        match acked {
             Ok(true) => Ok(()),
             Ok(false) => Err(Settle::Lost(format!(
                 "the channel consuming `{}` closed before delivery {} was settled",
@@ -687,6 +744,67 @@ impl pipeline::Delivery for Delivery {
             ))),
             Err(err) => Err(lost_settle(err)),
         }
+    }
+
+    /// One `basic.ack` with `multiple` for the batch's lowest deliveries
+    /// when no other delivery of the channel below them is unsettled (see
+    /// [`Unsettled`]); the others acknowledged one by one, all in flight
+    /// together.
+    async fn ack_all<'a>(deliveries: &'a [&'a Self]) -> Vec<Result<(), Settle>> {
+        let together = match deliveries.first() {
+            Some(first) if deliveries.iter().all(|d| Arc::ptr_eq(&d.shared, &first.shared)) => {
+                let mut tags: Vec<u64> = deliveries.iter().map(|d| d.delivery.delivery_tag).collect();
+                tags.sort_unstable();
+                first.shared.unsettled.covered_by(&tags).and_then(|upto| {
+                    let last = deliveries.iter().find(|d| d.delivery.delivery_tag == upto)?;
+                    Some((upto, *last))
+                })
+            }
+            _ => None,
+        };
+        let Some((upto, last)) = together else {
+            return futures_util::future::join_all(deliveries.iter().map(|d| pipeline::Delivery::ack(*d))).await;
+        };
+        let multiple = async {
+            let acked = last.delivery.acker.ack(BasicAckOptions { multiple: true }).await;
+            let covered = deliveries
+                .iter()
+                .map(|d| d.delivery.delivery_tag)
+                .filter(|&tag| tag <= upto);
+            last.shared.unsettled.remove(covered);
+            match acked {
+                Ok(true) => Ok(()),
+                Ok(false) => Err(Settle::Lost(format!(
+                    "the channel consuming `{}` closed before deliveries up to {upto} were settled",
+                    last.shared.queue
+                ))),
+                Err(err) => Err(lost_settle(err)),
+            }
+        };
+        let alone = futures_util::future::join_all(
+            deliveries
+                .iter()
+                .filter(|d| d.delivery.delivery_tag > upto)
+                .map(|d| pipeline::Delivery::ack(*d)),
+        );
+        let (multiple, alone) = futures_util::future::join(multiple, alone).await;
+        let mut alone = alone.into_iter();
+        deliveries
+            .iter()
+            .map(|d| {
+                if d.delivery.delivery_tag <= upto {
+                    match &multiple {
+                        Ok(()) => Ok(()),
+                        Err(Settle::Lost(why)) => Err(Settle::Lost(why.clone())),
+                        Err(Settle::Refused(why)) => Err(Settle::Refused(why.clone())),
+                    }
+                } else {
+                    alone
+                        .next()
+                        .unwrap_or_else(|| Err(Settle::Lost("not acknowledged".into())))
+                }
+            })
+            .collect()
     }
 
     async fn retry(&self, next_attempt: u32, delay: Duration, shutdown: &CancellationToken) -> Result<(), Settle> {
@@ -728,7 +846,9 @@ impl pipeline::Delivery for Delivery {
             multiple: false,
             requeue: true,
         };
-        match self.delivery.acker.nack(options).await {
+        let released = self.delivery.acker.nack(options).await;
+        self.shared.unsettled.remove([self.delivery.delivery_tag]);
+        match released {
             Ok(true) => Ok(()),
             Ok(false) => Err(Settle::Lost("the channel closed".into())),
             Err(err) => Err(lost_settle(err)),

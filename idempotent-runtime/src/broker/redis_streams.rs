@@ -146,6 +146,28 @@ redis.call('XACK', KEYS[1], ARGV[1], ARGV[3])
 return 1",
 );
 
+/// [`ACK`] for several entries: acknowledges, in one `XACK`, those still
+/// pending for this consumer. KEYS: stream. ARGV: group, consumer, ids.
+/// Returns, per id in order, 1, or 0 when it is no longer this consumer's.
+static ACK_ALL: Lua = Lua::new(
+    r"local acked, out = {}, {}
+for i = 3, #ARGV do
+  local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
+  if #p == 0 or p[1][2] ~= ARGV[2] then
+    out[#out + 1] = 0
+  else
+    out[#out + 1] = 1
+    acked[#acked + 1] = ARGV[i]
+  end
+end
+if #acked > 0 then redis.call('XACK', KEYS[1], ARGV[1], unpack(acked)) end
+return out",
+);
+
+/// Entries acknowledged by one [`ACK_ALL`] at most (Lua's `unpack` takes a
+/// few thousand values).
+const ACK_ALL_CHUNK: usize = 512;
+
 /// Checks ownership, adds an entry to KEYS[2] (a retry copy or a dead
 /// letter), then acknowledges the original. KEYS: stream, target. ARGV:
 /// group, consumer, id, max length (0: none), then field/value pairs.
@@ -798,6 +820,50 @@ impl pipeline::Delivery for Delivery {
     async fn ack(&self) -> Result<(), Settle> {
         let stream = self.shared.ready.stream.clone();
         self.settle(&ACK, &[&stream], Vec::new()).await
+    }
+
+    /// One script for the batch ([`ACK_ALL`]): each entry's ownership
+    /// checked and those still this consumer's acknowledged in one `XACK`.
+    async fn ack_all<'a>(deliveries: &'a [&'a Self]) -> Vec<Result<(), Settle>> {
+        let mut results = Vec::with_capacity(deliveries.len());
+        for chunk in deliveries.chunks(ACK_ALL_CHUNK) {
+            let Some(first) = chunk.first() else { continue };
+            if !chunk.iter().all(|d| Arc::ptr_eq(&d.shared, &first.shared)) {
+                for delivery in chunk {
+                    results.push(pipeline::Delivery::ack(*delivery).await);
+                }
+                continue;
+            }
+            let ready = &first.shared.ready;
+            let mut invocation = ACK_ALL.key(&ready.stream).arg(&ready.group).arg(&ready.consumer);
+            for delivery in chunk {
+                invocation = invocation.arg(&delivery.id);
+            }
+            let mut conn = first.shared.conn.clone();
+            match invocation.invoke::<Vec<i64>>(&mut conn).await {
+                Ok(done) => {
+                    for (index, delivery) in chunk.iter().enumerate() {
+                        results.push(match done.get(index) {
+                            Some(1) => Ok(()),
+                            _ => Err(Settle::Lost(format!(
+                                "entry {} is no longer pending for consumer `{}`: another consumer took it over",
+                                delivery.id, ready.consumer
+                            ))),
+                        });
+                    }
+                }
+                Err(err) => {
+                    let why = classify(&err);
+                    for _ in chunk {
+                        results.push(Err(match &why {
+                            Settle::Lost(why) => Settle::Lost(why.clone()),
+                            Settle::Refused(why) => Settle::Refused(why.clone()),
+                        }));
+                    }
+                }
+            }
+        }
+        results
     }
 
     async fn retry(&self, next_attempt: u32, delay: Duration, shutdown: &CancellationToken) -> Result<(), Settle> {

@@ -13,6 +13,7 @@ use super::worker::Worker;
 use crate::broker::options::{BatchMode, ConsumerOptions};
 use crate::broker::stats::Recorder;
 use crate::broker::{Called, Decoder, Handler, RetryPolicy, TRACING_TARGET};
+use crate::signal::Noted;
 
 /// Gathers a batch: `first`, then what the session has ready, up to the
 /// batch's size, waiting at most its `max_wait`. Also returns what ended
@@ -45,16 +46,17 @@ pub(super) async fn gather<S: Session>(
 /// [`ConsumerBuilder::batch`](super::ConsumerBuilder::batch)): the handlers
 /// run together in the [`Batch`](crate::batch::Batch)
 /// ([`run_all`](crate::batch::Batch::run_all)); after the commit each
-/// delivery is settled on its handler's outcome, as alone. A batch that cannot begin or commit ran for nothing (its
-/// transaction rolled back): its deliveries then run again, one per
-/// transaction.
+/// delivery is settled on its handler's outcome, as alone, those whose
+/// handler returned `Ok` acknowledged together ([`Delivery::ack_all`]).
+/// A batch that cannot begin or commit ran for nothing (its transaction
+/// rolled back): its deliveries then run again, one per transaction.
 ///
 /// Every delivery of the batch is kept alive (its
 /// [`progress`](Delivery::progress) sent at its heartbeat) from the moment
 /// it is gathered until its settlement begins, whatever runs meanwhile: the
 /// other members' handlers after its own returned, the commit, the
-/// settlement of the members before it (a retry's backoff, outage retries,
-/// a dead letter's publish). A delivery the broker took for stuck would be
+/// settlement of the members settled alone before it (the poison and last
+/// deliveries). A delivery the broker took for stuck would be
 /// redelivered, possibly on its last allowed delivery, while the batch
 /// commits its effect.
 pub(super) async fn process_batch<Dl, M, A, D, R, H>(worker: Arc<Worker<D, R, H>>, deliveries: Vec<Dl>)
@@ -169,10 +171,7 @@ where
         Ok(()) => {
             worker.recorder.batch(size);
             tracing::debug!(target: TRACING_TARGET, deliveries = size, fresh, "batch committed");
-            for ((index, delivery), span, outcome) in ran {
-                kept.take(index).await;
-                worker.handle_from(delivery, Some(outcome)).instrument(span).await;
-            }
+            settle_committed(worker, ran, kept).await;
         }
         Err(error) => {
             worker.recorder.batch_aborted();
@@ -188,6 +187,44 @@ where
             }
         }
     }
+}
+
+/// Settles the members of a committed batch, each on its handler's
+/// outcome, as alone: those that returned `Ok` are acknowledged together
+/// (in as few broker calls as the broker allows: [`Delivery::ack_all`]),
+/// the others (retried, dead-lettered, run again after an outage) each
+/// settled on its own, all at once, so that one's backoff does not hold
+/// the others back. Each leaves the batch's keep-alive when its
+/// settlement begins.
+async fn settle_committed<Dl, M, A, D, R, H>(
+    worker: &Worker<D, R, H>,
+    ran: Vec<((usize, &Dl), Span, (Called<H::Error>, Noted))>,
+    kept: &Kept,
+) where
+    Dl: Delivery,
+    D: Decoder<M>,
+    R: RetryPolicy<H::Error>,
+    H: Handler<M, A>,
+{
+    let mut acks = Vec::with_capacity(ran.len());
+    let mut others = Vec::new();
+    let mut taken = Vec::with_capacity(ran.len());
+    for ((index, delivery), span, (called, noted)) in ran {
+        match called {
+            Called::Ok => {
+                taken.push(index);
+                acks.push((delivery, span, noted));
+            }
+            called => others.push(((index, delivery), span, (called, noted))),
+        }
+    }
+    kept.take_all(&taken).await;
+    let settled_alone =
+        futures_util::future::join_all(others.into_iter().map(|((index, delivery), span, outcome)| async move {
+            kept.take(index).await;
+            worker.handle_from(delivery, Some(outcome)).instrument(span).await;
+        }));
+    futures_util::future::join(worker.ack_committed(acks), settled_alone).await;
 }
 
 /// Begins a batch: on the offsets' store with offsets in the database
@@ -245,6 +282,19 @@ impl Kept {
     async fn take(&self, index: usize) {
         if let Some(kept) = self.0.lock().await.get_mut(index) {
             *kept = false;
+        }
+    }
+
+    /// [`take`](Self::take)s the deliveries `indexes`, at once.
+    async fn take_all(&self, indexes: &[usize]) {
+        if indexes.is_empty() {
+            return;
+        }
+        let mut kept = self.0.lock().await;
+        for &index in indexes {
+            if let Some(kept) = kept.get_mut(index) {
+                *kept = false;
+            }
         }
     }
 }

@@ -382,7 +382,52 @@ impl<D, R, H> Worker<D, R, H> {
             self.recorder.note_processed();
         }
         let acked = on_own_connection(delivery, || delivery.ack()).await;
-        match acked {
+        self.acked(acked);
+    }
+
+    /// Acknowledges the members of a committed batch whose handler returned
+    /// `Ok` (what [`handle_from`](Self::handle_from) does for each), in as
+    /// few broker calls as the broker allows ([`Delivery::ack_all`]); each
+    /// member's outcome is recorded in its own span. A member whose
+    /// connection is no longer the live one is not acknowledged (the broker
+    /// redelivers it, and its committed marker answers it).
+    #[cfg(feature = "sqlx")]
+    pub(super) async fn ack_committed<Dl: Delivery>(&self, members: Vec<(&Dl, Span, Noted)>) {
+        let mut current = Vec::with_capacity(members.len());
+        let mut spans = Vec::with_capacity(members.len());
+        for (delivery, span, noted) in members {
+            if let Some(outcome) = noted.outcome {
+                span.record("idempotency.outcome", outcome.as_str());
+            }
+            // As `handle_from`: evidence that the consumer's dependencies
+            // are up, unless every call only replayed.
+            if noted.outcome != Some(Idempotency::Duplicate) {
+                self.recorder.note_processed();
+            }
+            if delivery.is_current() {
+                current.push(delivery);
+                spans.push(span);
+            } else {
+                let _entered = span.enter();
+                self.acked(Err(Settle::Lost("the connection it came on was lost".into())));
+            }
+        }
+        if current.is_empty() {
+            return;
+        }
+        let mut acked = Dl::ack_all(&current).await.into_iter();
+        for span in spans {
+            let _entered = span.enter();
+            let result = acked
+                .next()
+                .unwrap_or_else(|| Err(Settle::Lost("the broker did not settle it".into())));
+            self.acked(result);
+        }
+    }
+
+    /// Records an acknowledgement's result, in the delivery's span.
+    fn acked(&self, result: Result<(), Settle>) {
+        match result {
             Ok(()) => {
                 self.recorder.outcome(Outcome::Processed);
                 tracing::debug!(target: TRACING_TARGET, "processed and acknowledged");

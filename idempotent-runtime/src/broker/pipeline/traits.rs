@@ -205,6 +205,29 @@ pub trait Delivery: Send + Sync + 'static {
     /// Done: remove it from the broker.
     fn ack(&self) -> impl Future<Output = Result<(), Settle>> + Send;
 
+    /// Done, for several deliveries of one batch whose transaction has
+    /// committed: removes them from the broker, in as few calls as the
+    /// broker allows. One result per delivery, in order (a missing one
+    /// counts as [`Settle::Lost`]). Called only with deliveries that are
+    /// [`current`](Self::is_current).
+    ///
+    /// By default each is [`ack`](Self::ack)ed, one after another. A broker
+    /// that can settle several at once (one call, or calls in flight
+    /// together) overrides it: an acknowledgement must still never cover
+    /// a delivery that is not in `deliveries`.
+    fn ack_all<'a>(deliveries: &'a [&'a Self]) -> impl Future<Output = Vec<Result<(), Settle>>> + Send + 'a
+    where
+        Self: Sized,
+    {
+        async move {
+            let mut acked = Vec::with_capacity(deliveries.len());
+            for delivery in deliveries {
+                acked.push(delivery.ack().await);
+            }
+            acked
+        }
+    }
+
     /// Have it delivered again as attempt `next_attempt` after `delay`.
     fn retry(
         &self,
