@@ -183,6 +183,14 @@
 //! consuming and did not drain in 180 s, as 7 of 40 did in marker mode
 //! (Tansu's rebalance hang, above; not confirmed from their logs, which
 //! that run did not keep); a replay of 1009 drained in 23 s.
+//! Kafka's order by key within a partition (`Order::Key`), from a stream
+//! of its own: half the Kafka configurations without the offsets in the
+//! database (the builder refuses the two together) order by key, in-process
+//! and child consumers alike; the records' key is the message id, so the
+//! ids of one partition run concurrently and a duplicate waits for its
+//! original. The summary line says `key order`;
+//! `IDEMPOTENT_CHECKER_FORCE=kafka_order=key` (`partition`) sets the coin.
+//! Not yet run at length with this axis (added 2026-12-04).
 //! Redis Cluster (issue 30), from a stream of its own and for seeds from
 //! `config::CLUSTER_FROM` (40) up: half the configurations on the Redis
 //! store or the Redis Streams broker run them on a Redis Cluster
@@ -577,6 +585,10 @@ fn force(cfg: &mut Config) {
             // keeps them (`Config::offsets_in_db`), or never.
             ("kafka_offsets", "on") => cfg.kafka_offsets = true,
             ("kafka_offsets", "off") => cfg.kafka_offsets = false,
+            // Kafka's order by key within a partition, where the
+            // configuration can (`Config::key_order`), or never.
+            ("kafka_order", "key") => cfg.kafka_key_order = true,
+            ("kafka_order", "partition") => cfg.kafka_key_order = false,
             ("outbox", "off") => cfg.outbox = config::OutboxMode::Off,
             ("batch", "off") => cfg.batch = None,
             ("cache", "off") => cfg.cached = false,

@@ -18,9 +18,9 @@ use std::time::Duration;
 
 use common::kafka::{Kafka, Step, step};
 use idempotent_runtime::broker::{
-    CancellationToken, DeliveryInfo, HEADER_ATTEMPTS, HEADER_KIND, HEADER_REASON, HEADER_SOURCE,
+    Backoff, CancellationToken, DeliveryInfo, HEADER_ATTEMPTS, HEADER_KIND, HEADER_REASON, HEADER_SOURCE,
 };
-use idempotent_runtime::kafka::{HEADER_OFFSET, HEADER_PARTITION, HEADER_TOPIC, KafkaConsumerBuilder};
+use idempotent_runtime::kafka::{HEADER_OFFSET, HEADER_PARTITION, HEADER_TOPIC, KafkaConsumer, KafkaConsumerBuilder};
 use idempotent_runtime::outbox::{KafkaPublisher, Outbox, Outgoing, Relay};
 use idempotent_runtime::sqlx::{self, PgConnection};
 use idempotent_runtime::{MemoryStore, PgStore, idempotent};

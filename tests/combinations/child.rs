@@ -277,7 +277,7 @@ pub async fn child_main(spec: ChildSpec) {
             consume(builder, &st, &spec).await
         }
         BrokerKind::Kafka => {
-            let builder = run::with_offsets(run::with_batch(source.kafka(), &batch, cfg.batch), &opened.offsets)
+            let builder = run::with_offsets(run::with_batch(source.kafka(), &batch, cfg.batch), &opened.offsets, cfg)
                 .concurrency(cfg.concurrency)
                 .max_attempts(cfg.max_attempts);
             consume(builder, &st, &spec).await

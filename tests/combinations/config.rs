@@ -346,6 +346,12 @@ pub struct Config {
     /// draws are what they were before it.
     #[serde(default)]
     pub kafka_offsets: bool,
+    /// The Kafka consumers order records by key within a partition
+    /// (`order(Order::Key)`), where [`key_order`](Config::key_order) says
+    /// the configuration can (not with the offsets in the database): drawn
+    /// from a stream of its own (`KAFKA_ORDER_STREAM`).
+    #[serde(default)]
+    pub kafka_key_order: bool,
     /// The Redis store (its effects hash too) and the Redis Streams broker
     /// run on a Redis Cluster (3 primaries with a replica each, shared by
     /// the checker run; `common::cluster`).
@@ -359,6 +365,8 @@ pub struct Config {
 
 /// The stream the offsets-in-the-database coin is drawn from (`seed ^` it).
 pub const KAFKA_OFFSETS_STREAM: u64 = 0x0ff5_e7db;
+/// The stream of the Kafka consumers' order (`Config::kafka_key_order`).
+pub const KAFKA_ORDER_STREAM: u64 = 0x0de7_4e1b;
 
 impl Config {
     /// The configuration and schedule of `seed`, leaving out the fault kinds
@@ -603,6 +611,7 @@ impl Config {
             max_attempts,
             schedule,
             kafka_offsets: Rng::new(seed ^ KAFKA_OFFSETS_STREAM).percent(50),
+            kafka_key_order: Rng::new(seed ^ KAFKA_ORDER_STREAM).percent(50),
             cluster,
             wait_replicas,
         }
@@ -616,6 +625,13 @@ impl Config {
         self.kafka_offsets
             && self.broker == BrokerKind::Kafka
             && matches!(self.store, StoreKind::Pg | StoreKind::MariaDb | StoreKind::Sqlite)
+    }
+
+    /// The Kafka consumers order records by key within a partition: drawn
+    /// (`kafka_key_order`), on Kafka, without the offsets in the database
+    /// (the builder refuses the two together).
+    pub fn key_order(&self) -> bool {
+        self.kafka_key_order && self.broker == BrokerKind::Kafka && !self.offsets_in_db()
     }
 
     /// The broker runs on a private server, restarted during the run.
@@ -687,5 +703,6 @@ impl Config {
             if self.db_restart() { ", db restart" } else { "" },
             if self.failover() { ", failover" } else { "" },
         ) + if self.offsets_in_db() { ", offsets in db" } else { "" }
+            + if self.key_order() { ", key order" } else { "" }
     }
 }

@@ -247,11 +247,18 @@ pub fn with_batch<B>(
 }
 
 /// `builder` keeping its offsets in `target`'s store (offsets in the
-/// database: `Opened::offsets`, set where `Config::offsets_in_db`).
+/// database: `Opened::offsets`, set where `Config::offsets_in_db`), and
+/// ordering by key within a partition where `Config::key_order`.
 pub fn with_offsets(
     builder: ConsumerBuilder<idempotent_runtime::kafka::Kafka>,
     target: &Option<BatchTarget>,
+    cfg: &Config,
 ) -> ConsumerBuilder<idempotent_runtime::kafka::Kafka> {
+    let builder = if cfg.key_order() {
+        builder.order(idempotent_runtime::kafka::Order::Key)
+    } else {
+        builder
+    };
     match target {
         Some(BatchTarget::Pg(s)) => builder.offsets_in(s.clone()),
         Some(BatchTarget::My(s)) => builder.offsets_in(s.clone()),
@@ -1066,7 +1073,7 @@ pub async fn run(cfg: &Config, sabotage: Option<Sabotage>) -> Report {
         }
         BrokerKind::Kafka => {
             let make = || {
-                with_offsets(with_batch(source.kafka(), &batch, cfg.batch), &opened.offsets)
+                with_offsets(with_batch(source.kafka(), &batch, cfg.batch), &opened.offsets, cfg)
                     .concurrency(cfg.concurrency)
                     .max_attempts(cfg.max_attempts)
             };

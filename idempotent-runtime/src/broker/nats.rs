@@ -556,7 +556,7 @@ impl pipeline::Delivery for Delivery {
         self.msg.double_ack().await.map_err(lost)
     }
 
-    /// Each acknowledged as [`ack`](Self::ack) does (the server confirms
+    /// Each acknowledged as `ack` does (the server confirms
     /// each), all in flight together: one round trip for the batch, not one
     /// per message.
     async fn ack_all<'a>(deliveries: &'a [&'a Self]) -> Vec<Result<(), Settle>> {

@@ -748,7 +748,7 @@ impl pipeline::Delivery for Delivery {
 
     /// One `basic.ack` with `multiple` for the batch's lowest deliveries
     /// when no other delivery of the channel below them is unsettled (see
-    /// [`Unsettled`]); the others acknowledged one by one, all in flight
+    /// `Unsettled`); the others acknowledged one by one, all in flight
     /// together.
     async fn ack_all<'a>(deliveries: &'a [&'a Self]) -> Vec<Result<(), Settle>> {
         let together = match deliveries.first() {

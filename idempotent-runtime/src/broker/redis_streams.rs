@@ -822,7 +822,7 @@ impl pipeline::Delivery for Delivery {
         self.settle(&ACK, &[&stream], Vec::new()).await
     }
 
-    /// One script for the batch ([`ACK_ALL`]): each entry's ownership
+    /// One script for the batch (`ACK_ALL`): each entry's ownership
     /// checked and those still this consumer's acknowledged in one `XACK`.
     async fn ack_all<'a>(deliveries: &'a [&'a Self]) -> Vec<Result<(), Settle>> {
         let mut results = Vec::with_capacity(deliveries.len());
@@ -854,6 +854,11 @@ impl pipeline::Delivery for Delivery {
                 }
                 Err(err) => {
                     let why = classify(&err);
+                    if matches!(why, Settle::Lost(_)) {
+                        // As in `settle`: the session is lost, so that its
+                        // other entries do not wait out one timeout each.
+                        first.shared.alive.store(false, Ordering::Relaxed);
+                    }
                     for _ in chunk {
                         results.push(Err(match &why {
                             Settle::Lost(why) => Settle::Lost(why.clone()),

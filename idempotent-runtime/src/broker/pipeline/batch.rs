@@ -189,6 +189,10 @@ where
     }
 }
 
+/// A member of a batch whose handler ran: its index in the batch, its
+/// delivery, its span and its handler's outcome.
+type Ran<'a, Dl, E> = ((usize, &'a Dl), Span, (Called<E>, Noted));
+
 /// Settles the members of a committed batch, each on its handler's
 /// outcome, as alone: those that returned `Ok` are acknowledged together
 /// (in as few broker calls as the broker allows: [`Delivery::ack_all`]),
@@ -196,11 +200,8 @@ where
 /// settled on its own, all at once, so that one's backoff does not hold
 /// the others back. Each leaves the batch's keep-alive when its
 /// settlement begins.
-async fn settle_committed<Dl, M, A, D, R, H>(
-    worker: &Worker<D, R, H>,
-    ran: Vec<((usize, &Dl), Span, (Called<H::Error>, Noted))>,
-    kept: &Kept,
-) where
+async fn settle_committed<Dl, M, A, D, R, H>(worker: &Worker<D, R, H>, ran: Vec<Ran<'_, Dl, H::Error>>, kept: &Kept)
+where
     Dl: Delivery,
     D: Decoder<M>,
     R: RetryPolicy<H::Error>,
