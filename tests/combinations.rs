@@ -197,7 +197,12 @@
 //! 1005, each with 2 consumer aborts) stopped consuming and were not
 //! drained in 180 s (157 and 224 records left), while seed 1001 with
 //! `kafka_order=partition` drained in 12 s: key order stalls after a member
-//! leaves the group. Not diagnosed yet (issue 28).
+//! leaves the group. A logged replay of 1001 with key order: both
+//! members' partitions revoked, then for 30 s and more no assignment for
+//! the members that joined, the shape of Tansu's rebalance hang (above),
+//! met here more often; whether the consumer's longer revocations (more
+//! records in flight) bring it on, or Tansu alone, is not known yet
+//! (issue 28).
 //! Redis Cluster (issue 30), from a stream of its own and for seeds from
 //! `config::CLUSTER_FROM` (40) up: half the configurations on the Redis
 //! store or the Redis Streams broker run them on a Redis Cluster
