@@ -70,7 +70,9 @@ where
     let mut stopped: Option<B::Session> = None;
     // When the stop was asked: the shutdown timeout counts from there, also
     // while the loop still waits for a handler slot (a delivery task stuck
-    // on an unanswered connection must not hold the stop).
+    // on an unanswered connection must not hold the stop). With a slot
+    // free, the loop goes on reading the session to its end (what it
+    // fetched is released there, not dropped).
     let mut stop_asked: Option<Instant> = None;
 
     'connect: while !shutdown.is_cancelled() {
@@ -147,7 +149,7 @@ where
                     stopping = true;
                     continue;
                 }
-                _ = sleep_until(stop_asked.map(|at| at + options.shutdown_timeout)), if stopping => {
+                _ = sleep_until(stop_asked.map(|at| at + options.shutdown_timeout)), if stopping && room == 0 => {
                     stopped = Some(session);
                     break 'connect;
                 }
