@@ -8,12 +8,14 @@
 //! marker, and nothing is committed to Kafka (`kafka_commits(false)`): the
 //! database alone says where each partition resumes. The payments published
 //! twice (one in four, keyed by message id, so both copies land in one
-//! partition) are skipped by their markers. When consumer 1 dies (its task
-//! aborted inside its 5th payment's handler, before the consumer commits
-//! that payment's transaction: it is rolled back; the handler waits until
-//! the two others received a payment, so that consumer 1 leaves the group
-//! once their joins completed, not in the middle of that rebalance, which
-//! the test broker would leave hanging), the group gives its
+//! partition) are skipped by their markers. The three consumers start
+//! together. When consumer 1 dies (its task aborted inside its 5th
+//! payment's handler, before the consumer commits that payment's
+//! transaction: it is rolled back; before that payment's transaction writes
+//! anything, the handler waits until the two others received a payment, so
+//! that consumer 1 leaves the group once their joins completed, not in the
+//! middle of that rebalance, which the test broker would leave hanging),
+//! the group gives its
 //! partitions to the two others, which start at the stored offsets: what
 //! consumer 1 committed is not delivered again, and its payment cut short
 //! is charged by its next owner, once.
@@ -75,7 +77,9 @@ impl KafkaDemo {
             .set("fetch.wait.max.ms", "100");
         // `IDEMPOTENT_EXAMPLE_LOG=cgrp`: librdkafka's consumer-group log too.
         if std::env::var("IDEMPOTENT_EXAMPLE_LOG").is_ok_and(|v| v == "cgrp") {
-            config.set("debug", "cgrp");
+            config
+                .set("debug", "cgrp")
+                .set_log_level(idempotent_runtime::rdkafka::config::RDKafkaLogLevel::Debug);
         }
         config
     }

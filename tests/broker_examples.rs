@@ -92,8 +92,16 @@ fn redis_streams_payments_example_applies_each_payment_once() {
 /// its leave in the middle of their joins left that rebalance hanging on
 /// Tansu (`tansu_leaves_a_rebalance_hanging_when_a_member_leaves_during_it`
 /// in tests/kafka.rs): the two others got no partition for 30 s or more.
-/// Consumer 1 now dies once the two others received a payment; 8 runs in a
-/// row passed in 14 to 19 s each.
+/// Consumer 1 then died once the two others received a payment, waiting
+/// for it inside its 5th payment's transaction; 8 runs in a row passed in
+/// 14 to 19 s each. On an idle machine (2026-12-05) it stalled in 3 runs
+/// of 6, and in CI: the wait held that payment's marker row locked, its
+/// redelivery to the member given its partition waited on the lock, and
+/// the third member, given only drained partitions, never received, so
+/// nothing armed the kill (thread dumps: every thread idle; librdkafka's
+/// log: the group stable). The three consumers now start together and
+/// consumer 1 waits before that transaction writes anything: 12 runs in a
+/// row passed in 8 to 13 s.
 #[test]
 fn kafka_payments_example_applies_each_payment_once() {
     let tansu = common::servers::ChildServer::tansu();

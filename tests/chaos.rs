@@ -15,9 +15,10 @@
 //! On Kafka (a private Tansu broker, memory storage: it is not restarted)
 //! the members of one consumer group over a topic of 4 partitions are
 //! SIGKILLed and started again, and a member joins and leaves (SIGTERM: a
-//! clean leave), each a rebalance; `kafka_soak` is its long form
+//! clean leave), each a rebalance, with the default partition order and
+//! with order by key; `kafka_soak` is its long form
 //! (`IDEMPOTENT_KAFKA_SOAK=1`, `IDEMPOTENT_SOAK_MESSAGES` messages, default
-//! 20 000).
+//! 20 000; `IDEMPOTENT_SOAK_KAFKA_ORDER=key` for order by key).
 //!
 //! The fast runs are part of the default test command. The soak runs with
 //! `IDEMPOTENT_SOAK=1 cargo test --test chaos soak -- --nocapture` and prints
@@ -85,6 +86,10 @@ struct Plan {
     /// The first delivery of each message whose id ends so crashes its
     /// process after the commit, before the ack (once per message).
     forced_crash_suffix: &'static str,
+    /// Kafka: the members order by key within a partition (`Order::Key`;
+    /// the record key is the message id, so the ids of a partition run
+    /// concurrently and a duplicate waits for its original).
+    kafka_key_order: bool,
 }
 
 #[derive(Debug, Default)]
@@ -658,6 +663,10 @@ async fn run(plan: Plan) -> Figures {
             ),
             ("IDEMPOTENT_PG_URL".into(), database.url()),
             ("IDEMPOTENT_CHAOS_CRASH_SUFFIX".into(), plan.forced_crash_suffix.into()),
+            (
+                "IDEMPOTENT_CHAOS_KAFKA_ORDER".into(),
+                if plan.kafka_key_order { "key" } else { "partition" }.into(),
+            ),
         ],
         children: Vec::new(),
         restarts: 0,
@@ -891,6 +900,7 @@ fn fast(broker: BrokerKind) -> Plan {
         batch: None,
         member_changes: 0,
         forced_crash_suffix: "07",
+        kafka_key_order: false,
     }
 }
 
@@ -917,6 +927,7 @@ fn kafka(messages: usize) -> Plan {
         batch: None,
         member_changes: 2 * (messages / 6000).max(1),
         forced_crash_suffix: "0007",
+        kafka_key_order: false,
     }
 }
 
@@ -964,8 +975,30 @@ async fn kafka_group_members_apply_each_message_once_through_sigkills_and_rebala
     );
 }
 
+/// The same on members that order by key within a partition
+/// (`Order::Key`): the records of a partition run concurrently (each
+/// message id is its own key), a duplicate waits for its original, and the
+/// committed offset stays at the lowest unfinished record while later ones
+/// finish, so a SIGKILL or a rebalance hands those later records to the
+/// next owner again (the marker skips them).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kafka_key_order_members_apply_each_message_once_through_sigkills_and_rebalances() {
+    let figures = run(Plan {
+        kafka_key_order: true,
+        ..kafka(1200)
+    })
+    .await;
+    report("key order", &figures);
+    check(&figures);
+    assert!(
+        figures.joins == 1 && figures.leaves == 1 && figures.handovers > 0,
+        "a member joined and left, and partitions moved: {figures:?}"
+    );
+}
+
 /// The long form on Kafka: `IDEMPOTENT_KAFKA_SOAK=1`, `IDEMPOTENT_SOAK_MESSAGES`
-/// messages (default 20 000).
+/// messages (default 20 000); `IDEMPOTENT_SOAK_KAFKA_ORDER=key` orders by
+/// key within a partition.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kafka_soak() {
     if std::env::var("IDEMPOTENT_KAFKA_SOAK").as_deref() != Ok("1") {
@@ -976,8 +1009,13 @@ async fn kafka_soak() {
         .ok()
         .and_then(|n| n.parse().ok())
         .unwrap_or(20_000);
-    let figures = run(kafka(messages)).await;
-    report("soak", &figures);
+    let kafka_key_order = std::env::var("IDEMPOTENT_SOAK_KAFKA_ORDER").as_deref() == Ok("key");
+    let figures = run(Plan {
+        kafka_key_order,
+        ..kafka(messages)
+    })
+    .await;
+    report(if kafka_key_order { "soak, key order" } else { "soak" }, &figures);
     check(&figures);
 }
 
@@ -1012,6 +1050,7 @@ async fn soak() {
         batch: std::env::var("IDEMPOTENT_SOAK_BATCH").ok().and_then(|n| n.parse().ok()),
         member_changes: 0,
         forced_crash_suffix: "07",
+        kafka_key_order: false,
     })
     .await;
     report("soak", &figures);

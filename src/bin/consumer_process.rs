@@ -27,7 +27,9 @@
 //! whose id ends with `IDEMPOTENT_CHAOS_CRASH_SUFFIX` (default `07` when
 //! `crash_percent` is not 0) aborts
 //! the process after its commit (once per message: Kafka keeps no delivery
-//! count, so the log says whether it crashed before).
+//! count, so the log says whether it crashed before). On Kafka,
+//! `IDEMPOTENT_CHAOS_KAFKA_ORDER=key` orders by key within a partition
+//! (`Order::Key`) instead of by partition.
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -35,7 +37,7 @@ use std::sync::Arc;
 
 use idempotent_runtime::async_nats::{self, jetstream};
 use idempotent_runtime::broker::{Backoff, DeliveryInfo, Reconnect, shutdown_on_signal};
-use idempotent_runtime::kafka::KafkaConsumer;
+use idempotent_runtime::kafka::{KafkaConsumer, Order};
 use idempotent_runtime::nats::JetStreamConsumer;
 use idempotent_runtime::rabbitmq::RabbitConsumer;
 use idempotent_runtime::sqlx::{self, AssertSqlSafe, PgConnection, PgPool};
@@ -306,7 +308,11 @@ async fn chaos(args: &[&str]) -> Result<(), Box<dyn std::error::Error + Send + S
                 .retry_backoff(retry)
                 .reconnect(fast_reconnect)
                 .commit_interval(Duration::from_millis(200))
-                .revoke_timeout(Duration::from_secs(3));
+                .revoke_timeout(Duration::from_secs(3))
+                .order(match std::env::var("IDEMPOTENT_CHAOS_KAFKA_ORDER").as_deref() {
+                    Ok("key") => Order::Key,
+                    _ => Order::Partition,
+                });
             let builder = match batch {
                 Some(n) => builder.batch(batches, n).batch_wait(Duration::from_millis(2)),
                 None => builder,

@@ -242,15 +242,7 @@ impl Source {
                 let subject = format!("{name}.in");
                 let dlq_subject = format!("{name}.dlq");
                 let dlq_stream = format!("{stream_name}_DLQ");
-                for (n, s) in [(&stream_name, &subject), (&dlq_stream, &dlq_subject)] {
-                    js.create_stream(stream::Config {
-                        name: n.clone(),
-                        subjects: vec![s.clone()],
-                        ..Default::default()
-                    })
-                    .await
-                    .unwrap();
-                }
+                common::nats::create_streams(&js, [(&stream_name, &subject), (&dlq_stream, &dlq_subject)]).await;
                 let consumer = js
                     .get_stream(&stream_name)
                     .await

@@ -284,7 +284,8 @@ impl Kafka {
 
 /// The client configuration of the consumers under test at `bootstrap`:
 /// the group settings tuned so that joins and rebalances take seconds, not
-/// tens of seconds.
+/// tens of seconds. `IDEMPOTENT_KAFKA_DEBUG` (e.g. `cgrp`) sets librdkafka's
+/// `debug` contexts, logged as `tracing` debug events.
 pub fn group_config(bootstrap: &str) -> ClientConfig {
     let mut config = base_config(bootstrap);
     config
@@ -293,6 +294,9 @@ pub fn group_config(bootstrap: &str) -> ClientConfig {
         .set("max.poll.interval.ms", "20000")
         .set("topic.metadata.refresh.interval.ms", "1000")
         .set("fetch.wait.max.ms", "100");
+    if let Ok(contexts) = std::env::var("IDEMPOTENT_KAFKA_DEBUG") {
+        config.set("debug", contexts);
+    }
     config
 }
 

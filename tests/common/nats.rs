@@ -23,6 +23,20 @@ pub struct Streams {
     pub consumer: PullConsumer,
 }
 
+/// Creates each `(name, subject)` stream, with the server's defaults (a
+/// stream and its dead-letter stream).
+pub async fn create_streams(js: &jetstream::Context, streams: [(&String, &String); 2]) {
+    for (name, subject) in streams {
+        js.create_stream(stream::Config {
+            name: name.clone(),
+            subjects: vec![subject.clone()],
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    }
+}
+
 impl Streams {
     /// With `id` = `unique(name)`: the stream `<PREFIX>_<ID>` on the
     /// subject `<prefix>.<id>.in`, the stream `<PREFIX>_<ID>_DLQ` on
@@ -35,15 +49,7 @@ impl Streams {
         let subject = format!("{prefix}.{id}.in");
         let dlq_subject = format!("{prefix}.{id}.dlq");
         let dlq_stream = format!("{stream_name}_DLQ");
-        for (n, s) in [(&stream_name, &subject), (&dlq_stream, &dlq_subject)] {
-            js.create_stream(stream::Config {
-                name: n.clone(),
-                subjects: vec![s.clone()],
-                ..Default::default()
-            })
-            .await
-            .unwrap();
-        }
+        create_streams(&js, [(&stream_name, &subject), (&dlq_stream, &dlq_subject)]).await;
         let mut config = pull::Config {
             durable_name: Some("worker".into()),
             ack_policy: AckPolicy::Explicit,

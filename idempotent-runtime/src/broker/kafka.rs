@@ -759,6 +759,24 @@ struct Part {
 type Lane = Option<Vec<u8>>;
 
 impl Part {
+    /// A partition just assigned (assignment `epoch`), with nothing
+    /// fetched; `expect_from`: its offset stored in the database, if any.
+    fn new(epoch: u64, expect_from: Option<i64>) -> Part {
+        Part {
+            epoch,
+            queue: VecDeque::new(),
+            waiting: Vec::new(),
+            running: BTreeSet::new(),
+            lanes: HashSet::new(),
+            revoking: false,
+            last_finished: None,
+            committed: None,
+            paused: false,
+            expect_from,
+            held: false,
+        }
+    }
+
     /// Its offset to commit, once a record of it finished: its lowest
     /// offset not finished (buffered, running or handed back), or past its
     /// last finished record when none is left. Records fetched later have
@@ -925,22 +943,7 @@ impl ConsumerContext for Context {
                 state.epochs += 1;
                 let epoch = state.epochs;
                 let expect_from = state.starts.remove(&partition);
-                state.parts.insert(
-                    partition,
-                    Part {
-                        epoch,
-                        queue: VecDeque::new(),
-                        waiting: Vec::new(),
-                        running: BTreeSet::new(),
-                        lanes: HashSet::new(),
-                        revoking: false,
-                        last_finished: None,
-                        committed: None,
-                        paused: false,
-                        expect_from,
-                        held: false,
-                    },
-                );
+                state.parts.insert(partition, Part::new(epoch, expect_from));
                 assigned.push(partition);
             }
             state.joined = true;
@@ -1654,7 +1657,7 @@ impl pipeline::Delivery for Delivery {
 
 #[cfg(test)]
 mod tests {
-    use super::{BTreeSet, HashSet, Part, Record, VecDeque, Waiting};
+    use super::{Part, Record, Waiting};
 
     fn record(offset: i64) -> Record {
         Record {
@@ -1666,19 +1669,7 @@ mod tests {
     }
 
     fn part() -> Part {
-        Part {
-            epoch: 1,
-            queue: VecDeque::new(),
-            waiting: Vec::new(),
-            running: BTreeSet::new(),
-            lanes: HashSet::new(),
-            revoking: false,
-            last_finished: None,
-            committed: None,
-            paused: false,
-            expect_from: None,
-            held: false,
-        }
+        Part::new(1, None)
     }
 
     #[test]
