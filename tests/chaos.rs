@@ -109,6 +109,11 @@ struct Figures {
     /// Kafka: times a partition's records went from one process to another
     /// (in the delivery log's order): the rebalances' visible effect.
     handovers: usize,
+    /// Kafka: effects inserted before the effect of an earlier record of
+    /// their partition (by the first offset of each message): none under
+    /// partition order, where a record starts only after the previous one
+    /// committed; some under key order, where a partition's keys overlap.
+    out_of_order: usize,
     crashes_after_commit: i64,
     crashes_mid_batch: i64,
     injected_failures: i64,
@@ -144,6 +149,8 @@ enum Broker {
         /// The partition of each message id (every copy of a message is
         /// keyed by its id: one partition).
         partition_of: HashMap<String, i32>,
+        /// The offset of each message id's first copy.
+        first_offset: HashMap<String, i64>,
         /// Each partition's end (the offset after its last record).
         ends: HashMap<i32, i64>,
     },
@@ -212,6 +219,7 @@ impl Broker {
                     kafka,
                     topic: name.to_owned(),
                     partition_of: HashMap::new(),
+                    first_offset: HashMap::new(),
                     ends: HashMap::new(),
                 }
             }
@@ -302,6 +310,7 @@ impl Broker {
                 kafka,
                 topic,
                 partition_of,
+                first_offset,
                 ends,
             } => {
                 let (kafka, topic) = (&*kafka, topic.as_str());
@@ -315,6 +324,8 @@ impl Broker {
                         }
                     });
                     for (id, (partition, offset)) in futures_util::future::join_all(sends).await {
+                        let first = first_offset.entry(id.clone()).or_insert(offset);
+                        *first = (*first).min(offset);
                         partition_of.insert(id, partition);
                         let end = ends.entry(partition).or_default();
                         *end = (*end).max(offset + 1);
@@ -570,6 +581,36 @@ async fn applied_ids(pool: &PgPool, payments: &str) -> Option<HashSet<String>> {
 /// Kafka: how many times a partition's deliveries went from one process to
 /// another, in the delivery log's order (each delivery logs its process's
 /// id).
+/// Kafka: effects inserted (in `payments`' sequence) after the effect of a
+/// later record of their partition, each message at its first copy's offset
+/// (a dead-lettered message's effect, if any, came from a later copy: left
+/// out).
+async fn out_of_order(
+    pool: &PgPool,
+    payments: &str,
+    partition_of: &HashMap<String, i32>,
+    first_offset: &HashMap<String, i64>,
+    dead: &HashSet<String>,
+) -> usize {
+    let ids: Vec<String> = sqlx::query_scalar(AssertSqlSafe(format!("SELECT message_id FROM {payments} ORDER BY seq")))
+        .fetch_all(pool)
+        .await
+        .unwrap();
+    let mut highest: HashMap<i32, i64> = HashMap::new();
+    let mut late = 0;
+    for id in ids.iter().filter(|id| !dead.contains(*id)) {
+        let (Some(partition), Some(offset)) = (partition_of.get(id), first_offset.get(id)) else {
+            continue;
+        };
+        let high = highest.entry(*partition).or_insert(*offset);
+        if *offset < *high {
+            late += 1;
+        }
+        *high = (*high).max(*offset);
+    }
+    late
+}
+
 async fn handovers(pool: &PgPool, log: &str, partition_of: &HashMap<String, i32>) -> usize {
     let rows: Vec<(String, String)> = sqlx::query_as(AssertSqlSafe(format!(
         "SELECT message_id, event FROM {log} WHERE event LIKE 'delivery%' ORDER BY seq"
@@ -613,7 +654,9 @@ async fn run(plan: Plan) -> Figures {
         .await
         .unwrap();
     for ddl in [
-        format!("CREATE TABLE {payments} (message_id TEXT NOT NULL, amount BIGINT NOT NULL, pid BIGINT NOT NULL)"),
+        format!(
+            "CREATE TABLE {payments} (seq BIGSERIAL, message_id TEXT NOT NULL, amount BIGINT NOT NULL, pid BIGINT NOT NULL)"
+        ),
         format!("CREATE TABLE {log} (seq BIGSERIAL, message_id TEXT NOT NULL, event TEXT NOT NULL)"),
     ] {
         sqlx::query(AssertSqlSafe(ddl)).execute(&pool).await.unwrap();
@@ -800,9 +843,16 @@ async fn run(plan: Plan) -> Figures {
     for id in &always_fail {
         assert!(!effects.contains_key(id), "{id} always fails: it has no effect");
     }
-    let handovers = match &broker {
-        Broker::Kafka { partition_of, .. } => handovers(&pool, log, partition_of).await,
-        _ => 0,
+    let (handovers, out_of_order) = match &broker {
+        Broker::Kafka {
+            partition_of,
+            first_offset,
+            ..
+        } => (
+            handovers(&pool, log, partition_of).await,
+            out_of_order(&pool, payments, partition_of, first_offset, &dead).await,
+        ),
+        _ => (0, 0),
     };
     Figures {
         broker: plan.broker.name(),
@@ -817,6 +867,7 @@ async fn run(plan: Plan) -> Figures {
         joins: consumers.joins,
         leaves: consumers.leaves,
         handovers,
+        out_of_order,
         crashes_after_commit: events("crash").await,
         crashes_mid_batch: events("mid-batch crash").await,
         injected_failures: events("failure").await,
@@ -836,7 +887,7 @@ fn report(name: &str, f: &Figures) {
     let text = format!(
         "chaos {name} ({}): {:.1?}\n  messages {} (published {} with duplicates)\n  deliveries to handlers {} \
          (logged best effort)\n  SIGKILLs {}, aborts after commit before ack {}, mid-batch aborts {}\n  members joined {}, left {}, \
-         partition handovers {}\n  broker restarts {}, \
+         partition handovers {}, effects out of offset order {}\n  broker restarts {}, \
          database connection kills {} ({} connections), database restarts {}\n  injected handler failures {}\n  \
          effects {} (= messages {} - dead-lettered only {}); dead-lettered {}\n  lost {}, applied twice {}\n",
         f.broker,
@@ -850,6 +901,7 @@ fn report(name: &str, f: &Figures) {
         f.joins,
         f.leaves,
         f.handovers,
+        f.out_of_order,
         f.broker_restarts,
         f.connection_kills,
         f.connections_killed,
@@ -908,7 +960,7 @@ fn fast(broker: BrokerKind) -> Plan {
 /// SIGKILLed and started again, a member joining and leaving; each kill
 /// stalls its partitions for the group's session timeout (6 s), so the
 /// crashes after commit are fewer than on the other brokers (the first
-/// delivery of every thousandth message). The broker is not restarted
+/// commit of every thousandth message). The broker is not restarted
 /// (Tansu's memory storage would lose everything).
 fn kafka(messages: usize) -> Plan {
     Plan {
@@ -926,7 +978,7 @@ fn kafka(messages: usize) -> Plan {
         deadline: Duration::from_secs(300 + messages as u64 / 15),
         batch: None,
         member_changes: 2 * (messages / 6000).max(1),
-        forced_crash_suffix: "0007",
+        forced_crash_suffix: "007",
         kafka_key_order: false,
     }
 }
@@ -973,6 +1025,10 @@ async fn kafka_group_members_apply_each_message_once_through_sigkills_and_rebala
         figures.joins == 1 && figures.leaves == 1 && figures.handovers > 0,
         "a member joined and left, and partitions moved: {figures:?}"
     );
+    assert_eq!(
+        figures.out_of_order, 0,
+        "each partition's effects in offset order: {figures:?}"
+    );
 }
 
 /// The same on members that order by key within a partition
@@ -993,6 +1049,10 @@ async fn kafka_key_order_members_apply_each_message_once_through_sigkills_and_re
     assert!(
         figures.joins == 1 && figures.leaves == 1 && figures.handovers > 0,
         "a member joined and left, and partitions moved: {figures:?}"
+    );
+    assert!(
+        figures.out_of_order > 0,
+        "a partition's keys ran concurrently: some effects out of offset order: {figures:?}"
     );
 }
 
@@ -1017,6 +1077,11 @@ async fn kafka_soak() {
     .await;
     report(if kafka_key_order { "soak, key order" } else { "soak" }, &figures);
     check(&figures);
+    assert_eq!(
+        figures.out_of_order == 0,
+        !kafka_key_order,
+        "effects in offset order under partition order, some out of it under key order: {figures:?}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
