@@ -32,6 +32,7 @@
 //!                           --out=FILE.md --svg=FILE.svg
 //! cargo bench --bench e2e -- --processes=4     # 4 competing consumer processes, drain rates summed (no steady runs)
 //! cargo bench --bench e2e -- --no-drain --steady-rate=300 --variants=a,b,c32,c32w5   # latency at a rate of your choice
+//! IDEMPOTENT_BENCH_LOG=debug cargo bench --bench e2e -- ...   # the library's (and clients') events on stderr
 //! ```
 //!
 //! Needs the services of `.ci/run` (PostgreSQL, RabbitMQ, NATS JetStream,
@@ -195,6 +196,17 @@ async fn main() -> Result<(), BoxError> {
     if std::env::args().any(|a| a == "--child") {
         // A consumer process of `--processes` (see benches/e2e/procs.rs).
         return procs::child().await;
+    }
+    // `IDEMPOTENT_BENCH_LOG=debug` (or info, trace): the library's events
+    // on standard error.
+    if let Ok(level) = std::env::var("IDEMPOTENT_BENCH_LOG") {
+        let level: tracing::Level = level
+            .parse()
+            .map_err(|_| format!("IDEMPOTENT_BENCH_LOG={level}: not a level"))?;
+        tracing_subscriber::fmt()
+            .with_max_level(level)
+            .with_writer(std::io::stderr)
+            .init();
     }
     let args = args()?;
     let started = Instant::now();

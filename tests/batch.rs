@@ -776,3 +776,86 @@ pg_batch_claim_tests! {
     PG_SERIALIZABLE => batch_unit_duplicates_take_no_lock_serializable_default,
         batch_claims_take_over_expired_markers_once_serializable_default;
 }
+
+/// Counts, in its own transaction (the batch's), the sequential scans of
+/// the marker table so far.
+#[idempotent(key = "msg.id", store = &svc.0, scope = "batch.plan.probe")]
+async fn seq_scans_so_far(svc: &PgSvc, msg: &Msg, tx: &mut sqlx::PgConnection) -> Result<i64, AppError> {
+    let _ = msg;
+    let scans: i64 = sqlx::query_scalar("SELECT seq_scan FROM pg_stat_xact_user_tables WHERE relid = to_regclass($1)")
+        .bind(svc.0.table().to_string())
+        .fetch_one(&mut *tx)
+        .await?;
+    Ok(scans)
+}
+
+/// A batch looks its keys up in the marker table's primary key, however
+/// the table has grown since its statements were prepared: PostgreSQL
+/// plans a prepared statement once for good after five runs, and a plan
+/// made while the table was small hashed the whole table for every batch
+/// (measured: 80 ms a batch at 200 000 markers, the end-to-end benchmark's
+/// batches falling to a third of a consumer without idempotency). Both of
+/// the batch's statements run here: the claim, and the read of the
+/// duplicates' stored results.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_probes_its_keys_whatever_the_table_grew_to_since_its_statements_were_planned() {
+    // One connection: every batch runs the same prepared statements.
+    let pool = common::pg_pool(1).await;
+    let (markers, effects) = (common::unique("batch_plan_m"), common::unique("batch_plan_e"));
+    let store = idempotent_runtime::PgStore::builder(pool.clone())
+        .table(&markers)
+        .build()
+        .unwrap();
+    store.migrate().await.unwrap();
+    let ddl = format!("CREATE TABLE {effects} (message_id TEXT NOT NULL, amount BIGINT NOT NULL)");
+    sqlx::query(sqlx::AssertSqlSafe(ddl)).execute(&pool).await.unwrap();
+    let svc: PgSvc = std::sync::Arc::new((store.clone(), effects.clone(), AtomicU64::new(0)));
+
+    // Batches of 32: 16 new keys whose duplicates read nothing back (the
+    // claim's guard looks each up), 16 duplicates whose stored results are
+    // read (from the second batch on).
+    let run = |round: usize, probe: Option<Msg>| {
+        let svc = std::sync::Arc::clone(&svc);
+        let store = store.clone();
+        async move {
+            let units: Vec<Msg> = (0..16).map(|i| msg(&format!("u{round}-{i}"), 1)).collect();
+            let values: Vec<Msg> = (0..16).map(|i| msg(&format!("v{i}"), i)).collect();
+            let mut calls: Vec<_> = units
+                .iter()
+                .map(|m| pay_unit(&svc, m).map(|r| r.map(|()| -1)).boxed())
+                .collect();
+            calls.extend(values.iter().map(|m| pay_value(&svc, m).boxed()));
+            calls.extend(probe.iter().map(|m| seq_scans_so_far(&svc, m).boxed()));
+            let batch = store.begin_batch().await.unwrap();
+            let outcomes = batch.run_all(calls).await;
+            batch.commit().await.unwrap();
+            let results: Vec<i64> = outcomes.into_iter().map(Result::unwrap).collect();
+            assert_eq!(results[16..32], (0..16).collect::<Vec<i64>>());
+            results.get(32).copied()
+        }
+    };
+    for round in 0..8 {
+        run(round, None).await;
+    }
+    let fill = format!(
+        "INSERT INTO {markers} (scope, message_id, expires_at) \
+         SELECT 'batch.plan.fill', 'f' || g, now() + interval '1 hour' FROM generate_series(1, 20000) g"
+    );
+    sqlx::query(sqlx::AssertSqlSafe(fill)).execute(&pool).await.unwrap();
+    // The connection's counts so far go to the server's totals: the
+    // transaction's own view then counts only the batch's scans.
+    sqlx::query("SELECT pg_stat_force_next_flush()")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let scans = run(8, Some(msg("probe", 0))).await;
+    assert_eq!(
+        scans,
+        Some(0),
+        "the batch's claim and read scanned the whole marker table instead of probing its primary key"
+    );
+    assert_eq!(svc.2.load(Ordering::SeqCst), 16 * 9 + 16, "each body ran once");
+    for table in [markers.as_str(), effects.as_str()] {
+        common::drop_pg_table(&pool, table).await;
+    }
+}

@@ -504,3 +504,114 @@ async fn messages_arriving_during_shutdown_are_handled_without_spending_a_delive
     assert!(attempts.lock().unwrap().iter().all(|&a| a == 1), "{attempts:?}");
     fx.cleanup().await;
 }
+
+/// A TCP proxy in front of the NATS server that swallows the first `drop`
+/// pull requests (`PUB`s to `$JS.API.CONSUMER.MSG.NEXT.*`) its clients send,
+/// as nats-server before 2.9.15 could lose one without a `408`; everything
+/// else passes both ways unchanged. Returns its address and the number of
+/// pull requests that went through.
+async fn pull_swallowing_proxy(drop: usize) -> (String, Arc<AtomicUsize>) {
+    use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap().to_string();
+    let (to_drop, passed) = (Arc::new(AtomicUsize::new(drop)), Arc::new(AtomicUsize::new(0)));
+    let counted = Arc::clone(&passed);
+    tokio::spawn(async move {
+        while let Ok((client, _)) = listener.accept().await {
+            let server = tokio::net::TcpStream::connect(NATS_URL).await.unwrap();
+            let (client_read, mut client_write) = client.into_split();
+            let (server_read, mut server_write) = server.into_split();
+            tokio::spawn(async move {
+                let mut server_read = server_read;
+                let _ = tokio::io::copy(&mut server_read, &mut client_write).await;
+            });
+            let (to_drop, passed) = (Arc::clone(&to_drop), Arc::clone(&counted));
+            tokio::spawn(async move {
+                let mut reader = BufReader::new(client_read);
+                let mut line = String::new();
+                loop {
+                    line.clear();
+                    if reader.read_line(&mut line).await.unwrap_or(0) == 0 {
+                        return;
+                    }
+                    let mut frame = line.clone().into_bytes();
+                    let words: Vec<&str> = line.split_whitespace().collect();
+                    let is_pub = matches!(words.first(), Some(&"PUB") | Some(&"HPUB"));
+                    if is_pub {
+                        // The payload (and its CRLF) follows the line.
+                        let size: usize = words.last().and_then(|w| w.parse().ok()).unwrap_or(0);
+                        let mut payload = vec![0; size + 2];
+                        if reader.read_exact(&mut payload).await.is_err() {
+                            return;
+                        }
+                        frame.extend_from_slice(&payload);
+                        if words
+                            .get(1)
+                            .is_some_and(|s| s.starts_with("$JS.API.CONSUMER.MSG.NEXT."))
+                        {
+                            let swallowed = to_drop
+                                .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+                                .is_ok();
+                            if swallowed {
+                                continue;
+                            }
+                            passed.fetch_add(1, Ordering::SeqCst);
+                        }
+                    }
+                    if server_write.write_all(&frame).await.is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    (address, passed)
+}
+
+/// A pull request that the server never ends (no message, no `408`) is
+/// given up soon after its expiry and pulled again, not after async-nats's
+/// own five seconds more: a message waiting meanwhile is handled well
+/// before then, on its first delivery.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pull_request_lost_at_the_server_is_pulled_again_soon_after_its_expiry() {
+    let fx = Fixture::new("lost_pull").await;
+    fx.consumer(Duration::from_secs(30), 5).await;
+    fx.publish_payment("lost-1", 5).await;
+    let (proxy, pulls) = pull_swallowing_proxy(1).await;
+    let js = jetstream::new(async_nats::connect(proxy.as_str()).await.unwrap());
+    let consumer = js
+        .get_stream(&fx.stream)
+        .await
+        .unwrap()
+        .get_consumer::<pull::Config>("worker")
+        .await
+        .unwrap();
+    let consumer = JetStreamConsumer::builder(js, consumer)
+        .dead_letter_subject(&fx.dlq_subject)
+        .fetch_expiry(Duration::from_millis(300))
+        .build()
+        .unwrap();
+    let stats = consumer.stats();
+    let attempts = Arc::new(Mutex::new(Vec::new()));
+    let (shutdown, seen) = (CancellationToken::new(), Arc::clone(&attempts));
+    let started = tokio::time::Instant::now();
+    let run = tokio::spawn(consumer.run_with_info(
+        move |payment: Payment, info: DeliveryInfo| {
+            seen.lock().unwrap().push((payment.message_id, info.attempt));
+            async { Ok::<(), String>(()) }
+        },
+        shutdown.clone(),
+    ));
+    wait_until("the message", || stats.snapshot().acked == 1).await;
+    let waited = started.elapsed();
+    shutdown.cancel();
+    run.await.unwrap().unwrap();
+    assert!(
+        waited < Duration::from_secs(3),
+        "handled {waited:?} after the start: the lost pull request was waited for until async-nats gave it up"
+    );
+    assert!(pulls.load(Ordering::SeqCst) >= 1, "a second pull request went out");
+    assert_eq!(*attempts.lock().unwrap(), vec![("lost-1".to_owned(), 1)]);
+    assert_eq!(fx.backlog().await, (0, 0));
+    fx.cleanup().await;
+}

@@ -321,10 +321,14 @@ impl<D, R, H> Worker<D, R, H> {
             attempt: meta.attempt,
             redelivered: meta.redelivered,
         };
-        crate::broker::call(
-            crate::signal::checking(check_only, self.handler.call(message, info)),
-            &self.recorder,
-        )
+        // On the heap, once: the handler's future is large (a store's
+        // claim, its queries), and the futures around it (the outcome's
+        // watch, the catch of a panic, the shutdown's select, the task, a
+        // batch's members) each held it again by value, moved and copied
+        // it: 120-130 kB per delivery, past the allocator's mmap threshold
+        // (`docs/performance.md`, end to end, "Batches").
+        let handler = Box::pin(self.handler.call(message, info));
+        crate::broker::call(crate::signal::checking(check_only, handler), &self.recorder)
     }
 
     /// The handler's call on a delivery handled alone: [`call`](Self::call);
