@@ -374,7 +374,11 @@ async fn pg_setup() -> (idempotent_runtime::PgStore, idempotent_runtime::PgStore
 /// The stores on a pool whose sessions default to the isolation `setting`
 /// (`common::settings::PG_*`).
 async fn pg_setup_with(setting: u8) -> (idempotent_runtime::PgStore, idempotent_runtime::PgStore, String, ()) {
-    let pool = common::pg_pool_with(8, setting).await;
+    pg_setup_on(common::pg_pool_with(8, setting).await).await
+}
+
+/// The stores and the effect table on `pool`.
+async fn pg_setup_on(pool: sqlx::PgPool) -> (idempotent_runtime::PgStore, idempotent_runtime::PgStore, String, ()) {
     let (markers, other, effects) = (
         common::unique("batch_m"),
         common::unique("batch_o"),
@@ -800,15 +804,8 @@ async fn seq_scans_so_far(svc: &PgSvc, msg: &Msg, tx: &mut sqlx::PgConnection) -
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_batch_probes_its_keys_whatever_the_table_grew_to_since_its_statements_were_planned() {
     // One connection: every batch runs the same prepared statements.
-    let pool = common::pg_pool(1).await;
-    let (markers, effects) = (common::unique("batch_plan_m"), common::unique("batch_plan_e"));
-    let store = idempotent_runtime::PgStore::builder(pool.clone())
-        .table(&markers)
-        .build()
-        .unwrap();
-    store.migrate().await.unwrap();
-    let ddl = format!("CREATE TABLE {effects} (message_id TEXT NOT NULL, amount BIGINT NOT NULL)");
-    sqlx::query(sqlx::AssertSqlSafe(ddl)).execute(&pool).await.unwrap();
+    let (store, other, effects, ()) = pg_setup_on(common::pg_pool(1).await).await;
+    let (pool, markers) = (store.pool().clone(), store.table().to_string());
     let svc: PgSvc = std::sync::Arc::new((store.clone(), effects.clone(), AtomicU64::new(0)));
 
     // Batches of 32: 16 new keys whose duplicates read nothing back (the
@@ -855,7 +852,5 @@ async fn a_batch_probes_its_keys_whatever_the_table_grew_to_since_its_statements
         "the batch's claim and read scanned the whole marker table instead of probing its primary key"
     );
     assert_eq!(svc.2.load(Ordering::SeqCst), 16 * 9 + 16, "each body ran once");
-    for table in [markers.as_str(), effects.as_str()] {
-        common::drop_pg_table(&pool, table).await;
-    }
+    pg_teardown(&store, &other, &effects, ()).await;
 }
