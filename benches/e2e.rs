@@ -33,6 +33,7 @@
 //! cargo bench --bench e2e -- --processes=4     # 4 competing consumer processes, drain rates summed (no steady runs)
 //! cargo bench --bench e2e -- --no-drain --steady-rate=300 --variants=a,b,c32,c32w5   # latency at a rate of your choice
 //! IDEMPOTENT_BENCH_LOG=debug cargo bench --bench e2e -- ...   # the library's (and clients') events on stderr
+//! IDEMPOTENT_BENCH_KAFKA_ORDER=key cargo bench --bench e2e -- --brokers=kafka --variants=a,b,c32,o32   # Kafka in key order
 //! ```
 //!
 //! Needs the services of `.ci/run` (PostgreSQL, RabbitMQ, NATS JetStream,

@@ -277,13 +277,23 @@ impl Queue {
                     next,
                     ..
                 } => {
-                    let sends: Vec<_> = window
+                    // Each record's position as its key: with the key order
+                    // (`IDEMPOTENT_BENCH_KAFKA_ORDER=key`) every record is a
+                    // key of its own.
+                    let numbered: Vec<(usize, String, &Vec<u8>)> = window
                         .iter()
                         .map(|body| {
-                            let partition = next.fetch_add(1, Ordering::Relaxed) % *partitions;
+                            let n = next.fetch_add(1, Ordering::Relaxed);
+                            (n % *partitions, n.to_string(), body)
+                        })
+                        .collect();
+                    let sends: Vec<_> = numbered
+                        .iter()
+                        .map(|(partition, key, body)| {
                             let record: FutureRecord<'_, str, [u8]> = FutureRecord::to(topic)
+                                .key(key.as_str())
                                 .payload(body.as_slice())
-                                .partition(i32::try_from(partition).unwrap_or(0));
+                                .partition(i32::try_from(*partition).unwrap_or(0));
                             producer.send(record, Duration::from_secs(10))
                         })
                         .collect();

@@ -503,6 +503,9 @@ pub fn start_on(
         Kind::RedisStreams => start(env, queue.streams().ok_or("not Redis Streams")?, variant, slots),
         Kind::Kafka => {
             let mut builder = queue.kafka().ok_or("not Kafka")?;
+            if std::env::var("IDEMPOTENT_BENCH_KAFKA_ORDER").as_deref() == Ok("key") {
+                builder = builder.order(idempotent_runtime::kafka::Order::Key);
+            }
             if variant.offsets() {
                 builder = builder.offsets_in(env.store.clone());
             }
