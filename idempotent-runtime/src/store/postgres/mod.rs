@@ -106,9 +106,12 @@ const TAKE_OVER: &str = "ON CONFLICT (scope, message_id) DO UPDATE \
 const PROBE_EACH_KEY: &str = "OFFSET 0";
 
 /// The guard of the claims that take no lock on a duplicate: no live
-/// marker for (`scope`, `key`) in the table `t` (`l`).
-fn no_live_marker(t: &str, scope: &str, key: &str) -> String {
-    format!("NOT EXISTS (SELECT FROM {t} l WHERE l.scope = {scope} AND l.message_id = {key} AND l.expires_at > now())")
+/// marker for (`scope`, `key`) in the table `t` (`l`); `tail` ends the
+/// lookup ([`PROBE_EACH_KEY`] in a batch's statement).
+fn no_live_marker(t: &str, scope: &str, key: &str, tail: &str) -> String {
+    format!(
+        "NOT EXISTS (SELECT FROM {t} l WHERE l.scope = {scope} AND l.message_id = {key} AND l.expires_at > now(){tail})"
+    )
 }
 
 /// A PostgreSQL store: the marker is inserted in the same transaction as the
@@ -276,7 +279,7 @@ impl PgStore {
                  SELECT $1, $2, now(), now() + $3 * interval '1 millisecond', $4 \
                  WHERE {AT_READ_COMMITTED} AND {} \
                  {TAKE_OVER} RETURNING true",
-                no_live_marker(&t, "$1", "$2")
+                no_live_marker(&t, "$1", "$2", "")
             )
             .into(),
             marker: MarkerSql::new(&t, |n| format!("${n}")),
@@ -292,11 +295,10 @@ impl PgStore {
                  SELECT u.scope, u.message_id, now(), now() + u.ttl * interval '1 millisecond', u.fingerprint \
                  FROM unnest($1::text[], $2::text[], $3::bigint[], $4::text[], $5::bool[]) \
                      AS u(scope, message_id, ttl, fingerprint, reads) \
-                 WHERE u.reads OR NOT EXISTS (SELECT FROM {t} l \
-                     WHERE l.scope = u.scope AND l.message_id = u.message_id AND l.expires_at > now() \
-                     {PROBE_EACH_KEY}) \
+                 WHERE u.reads OR {} \
                  ORDER BY u.scope, u.message_id \
-                 {TAKE_OVER} RETURNING m.scope, m.message_id"
+                 {TAKE_OVER} RETURNING m.scope, m.message_id",
+                no_live_marker(&t, "u.scope", "u.message_id", &format!(" {PROBE_EACH_KEY}"))
             )
             .into(),
             bulk_read: format!(
