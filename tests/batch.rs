@@ -854,3 +854,152 @@ async fn a_batch_probes_its_keys_whatever_the_table_grew_to_since_its_statements
     assert_eq!(svc.2.load(Ordering::SeqCst), 16 * 9 + 16, "each body ran once");
     pg_teardown(&store, &other, &effects, ()).await;
 }
+
+// ---- a batch whose transaction InnoDB rolled back (issue #43, hole 1) ----
+
+/// A batch member's handler becomes a deadlock victim and swallows the
+/// error (a best-effort statistics update), returning `Ok`: InnoDB rolled
+/// the whole batch's transaction back (every member's marker and effect)
+/// and the session went on in autocommit. The batch must not report a
+/// commit: `commit` is `Err(BatchAborted)` with nothing of any member
+/// committed, and the members then run alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mysql_a_batch_whose_transaction_a_deadlock_rolled_back_reports_no_commit() {
+    struct Svc {
+        store: idempotent_runtime::MySqlStore,
+        effects: String,
+        stats: String,
+        go: tokio::sync::Notify,
+        swallowed: std::sync::Mutex<Vec<String>>,
+    }
+    impl Svc {
+        #[idempotent(key = "msg.id", store = self.store, scope = "batch.deadlock")]
+        async fn pay(&self, msg: &Msg, fight: bool, tx: &mut sqlx::MySqlConnection) -> Result<(), AppError> {
+            sqlx::query(sqlx::AssertSqlSafe(format!(
+                "INSERT INTO {} (message_id, amount) VALUES (?, ?)",
+                self.effects
+            )))
+            .bind(&msg.id)
+            .bind(msg.amount)
+            .execute(&mut *tx)
+            .await?;
+            if !fight {
+                return Ok(());
+            }
+            let bump = format!("UPDATE {} SET n = n + 1 WHERE id = ?", self.stats);
+            let first = sqlx::query(sqlx::AssertSqlSafe(bump.clone()))
+                .bind(1)
+                .execute(&mut *tx)
+                .await;
+            self.go.notify_one();
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            let second = sqlx::query(sqlx::AssertSqlSafe(bump)).bind(2).execute(&mut *tx).await;
+            // Best effort: the statistics' errors are not the message's.
+            for outcome in [first, second] {
+                if let Err(error) = outcome {
+                    self.swallowed.lock().unwrap().push(error.to_string());
+                }
+            }
+            Ok(())
+        }
+    }
+    let (store, other, effects, keep) = mysql_setup().await;
+    let (stats, filler) = (common::unique("batch_s"), common::unique("batch_f"));
+    for ddl in [
+        format!("CREATE TABLE {stats} (id INT PRIMARY KEY, n BIGINT NOT NULL) ENGINE=InnoDB"),
+        format!("INSERT INTO {stats} VALUES (1, 0), (2, 0)"),
+        format!("CREATE TABLE {filler} (id INT PRIMARY KEY, v BIGINT NOT NULL) ENGINE=InnoDB"),
+        format!("INSERT INTO {filler} SELECT seq, 0 FROM seq_1_to_500"),
+    ] {
+        sqlx::query(sqlx::AssertSqlSafe(ddl))
+            .execute(store.pool())
+            .await
+            .unwrap();
+    }
+    let svc = std::sync::Arc::new(Svc {
+        store,
+        effects,
+        stats: stats.clone(),
+        go: tokio::sync::Notify::new(),
+        swallowed: std::sync::Mutex::default(),
+    });
+    // The opponent: heavier than the batch (InnoDB rolls the lighter back),
+    // holding the second statistics row, then asking for the first.
+    let mut opponent = svc.store.pool().begin().await.unwrap();
+    for sql in [
+        format!("UPDATE {filler} SET v = v + 1"),
+        format!("UPDATE {stats} SET n = n + 1 WHERE id = 2"),
+    ] {
+        sqlx::query(sqlx::AssertSqlSafe(sql))
+            .execute(&mut *opponent)
+            .await
+            .unwrap();
+    }
+    let opponent = {
+        let (svc, first) = (
+            std::sync::Arc::clone(&svc),
+            format!("UPDATE {stats} SET n = n + 1 WHERE id = 1"),
+        );
+        tokio::spawn(async move {
+            svc.go.notified().await;
+            sqlx::query(sqlx::AssertSqlSafe(first))
+                .execute(&mut *opponent)
+                .await
+                .unwrap();
+            opponent.rollback().await.unwrap();
+        })
+    };
+
+    let (innocent, victim, after) = (common::unique("in"), common::unique("vi"), common::unique("af"));
+    let batch = svc.store.begin_batch().await.unwrap();
+    let first = batch.run(svc.pay(&msg(&innocent, 1), false)).await;
+    let second = batch.run(svc.pay(&msg(&victim, 2), true)).await;
+    let third = batch.run(svc.pay(&msg(&after, 3), false)).await;
+    opponent.await.unwrap();
+    let swallowed = svc.swallowed.lock().unwrap().clone();
+    assert!(
+        swallowed.len() == 1 && swallowed[0].contains("1213"),
+        "the batch was the deadlock's victim: {swallowed:?}"
+    );
+    assert!(first.is_ok(), "{first:?}");
+    assert!(second.is_ok(), "the handler swallowed the deadlock: {second:?}");
+    assert!(
+        third.is_err(),
+        "a member after the rollback does not run in autocommit: {third:?}"
+    );
+    let committed = batch.commit().await;
+    assert!(matches!(committed, Err(Error::BatchAborted)), "{committed:?}");
+    let count = |sql: String| async {
+        let n: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(sql))
+            .fetch_one(svc.store.pool())
+            .await
+            .unwrap();
+        n
+    };
+    let table = svc.store.table().to_string();
+    for id in [&innocent, &victim, &after] {
+        let effects = count(format!(
+            "SELECT COUNT(*) FROM {} WHERE message_id = '{id}'",
+            svc.effects
+        ))
+        .await;
+        assert_eq!(effects, 0, "{id}: no effect");
+        let markers = count(format!("SELECT COUNT(*) FROM {table} WHERE message_id = '{id}'")).await;
+        assert_eq!(markers, 0, "{id}: no marker");
+    }
+    // The rerun, one per transaction.
+    for (id, amount) in [(&innocent, 1), (&victim, 2), (&after, 3)] {
+        svc.pay(&msg(id, amount), false).await.unwrap();
+        let effects = count(format!(
+            "SELECT COUNT(*) FROM {} WHERE message_id = '{id}'",
+            svc.effects
+        ))
+        .await;
+        assert_eq!(effects, 1, "{id}");
+    }
+    let svc = std::sync::Arc::into_inner(svc).unwrap();
+    for table in [stats, filler] {
+        common::drop_mysql_table(svc.store.pool(), &table).await;
+    }
+    mysql_teardown(&svc.store, &other, &svc.effects, keep).await;
+}

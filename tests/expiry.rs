@@ -308,3 +308,191 @@ mysql_take_over_tests! {
     MY_SERIALIZABLE => mysql_serializable_session_expired_marker_is_taken_over_once,
         mysql_serializable_session_batch_claims_take_over_expired_markers_once;
 }
+
+// ---- a marker lives its whole ttl from its commit (issue #43, hole 7) ----
+//
+// Expiry is computed by the database clock when the claim is made, which
+// can be long before the claim is seen: a claim that waited on a key held
+// by a claim that then rolled back (PostgreSQL's `now()` is the
+// transaction's start, MariaDB's `UTC_TIMESTAMP(3)` the statement's), or a
+// batch member whose batch commits later. The marker must still live its
+// whole ttl once committed.
+
+/// How long the marker of `key` has left, in milliseconds, by the
+/// database clock: one query per backend.
+type Remaining = Box<dyn Fn(String) -> std::pin::Pin<Box<dyn std::future::Future<Output = i64> + Send>> + Send + Sync>;
+
+/// The ttl of these tests, and how long the first claim holds the key.
+const SHORT_TTL: Duration = Duration::from_secs(3);
+const HOLD: Duration = Duration::from_secs(2);
+
+/// Claims `key` with [`SHORT_TTL`]; completes a fresh claim at once.
+async fn claim_and_complete<S: Store>(store: &S, key: &str) -> bool {
+    let req = Request::new("expiry.wait", key).unwrap().with_ttl(SHORT_TTL);
+    match store.claim(&req).await.unwrap() {
+        Claim::Fresh(guard) => {
+            guard.complete(None).await.unwrap();
+            true
+        }
+        Claim::Done(_) => false,
+    }
+}
+
+/// A claim waits [`HOLD`] on a claim of the same key that then rolls back:
+/// once committed its marker still has (nearly) its whole ttl, and a
+/// redelivery [`HOLD`] later is a duplicate.
+async fn a_claim_that_waited_gets_its_whole_ttl<S: Store + Clone + Send + Sync + 'static>(
+    store: S,
+    remaining: Remaining,
+) {
+    let key = common::unique("waited");
+    let req = Request::new("expiry.wait", &key).unwrap().with_ttl(SHORT_TTL);
+    let Claim::Fresh(first) = store.claim(&req).await.unwrap() else {
+        panic!("a new key is fresh");
+    };
+    let waiting = {
+        let (store, key) = (store.clone(), key.clone());
+        tokio::spawn(async move { claim_and_complete(&store, &key).await })
+    };
+    tokio::time::sleep(HOLD).await;
+    assert!(!waiting.is_finished(), "the second claim waits for the first");
+    first.abort().await;
+    assert!(
+        waiting.await.unwrap(),
+        "the first rolled back: the second claim is fresh"
+    );
+    let left = remaining(key.clone()).await;
+    assert!(
+        left > SHORT_TTL.as_millis() as i64 - 500,
+        "the marker lives its whole ttl from its commit: {left} ms left of {SHORT_TTL:?}"
+    );
+    tokio::time::sleep(HOLD).await;
+    assert!(
+        !claim_and_complete(&store, &key).await,
+        "{HOLD:?} after the commit, within the ttl, the redelivery is a duplicate"
+    );
+}
+
+/// A batch member claimed [`HOLD`] before its batch commits (and, on
+/// PostgreSQL, one claimed after that long in the batch's transaction):
+/// once committed their markers have (nearly) their whole ttl.
+async fn a_batch_member_gets_its_whole_ttl_from_the_commit<S>(store: S, remaining: Remaining)
+where
+    S: Store + idempotent_runtime::batch::BatchStore + Clone + Send + Sync + 'static,
+{
+    let (early, late) = (common::unique("early"), common::unique("late"));
+    let batch = store.begin_batch().await.unwrap();
+    assert!(batch.run(claim_and_complete(&store, &early)).await);
+    tokio::time::sleep(HOLD).await;
+    assert!(batch.run(claim_and_complete(&store, &late)).await);
+    batch.commit().await.unwrap();
+    for key in [early, late] {
+        let left = remaining(key.clone()).await;
+        assert!(
+            left > SHORT_TTL.as_millis() as i64 - 500,
+            "{key}: the marker lives its whole ttl from the batch's commit: {left} ms left of {SHORT_TTL:?}"
+        );
+    }
+}
+
+fn pg_remaining(store: &PgStore) -> Remaining {
+    let (pool, table) = (store.pool().clone(), store.table().quoted('"'));
+    Box::new(move |key| {
+        let (pool, table) = (pool.clone(), table.clone());
+        Box::pin(async move {
+            let sql = format!(
+                "SELECT (extract(epoch FROM expires_at - clock_timestamp()) * 1000)::bigint FROM {table} \
+                 WHERE message_id = $1"
+            );
+            sqlx::query_scalar(AssertSqlSafe(sql))
+                .bind(key)
+                .fetch_one(&pool)
+                .await
+                .unwrap()
+        })
+    })
+}
+
+fn mysql_remaining(store: &idempotent_runtime::MySqlStore) -> Remaining {
+    let (pool, table) = (store.pool().clone(), store.table().quoted('`'));
+    Box::new(move |key| {
+        let (pool, table) = (pool.clone(), table.clone());
+        Box::pin(async move {
+            let sql = format!(
+                "SELECT CAST(TIMESTAMPDIFF(MICROSECOND, UTC_TIMESTAMP(3), expires_at) / 1000 AS SIGNED) FROM {table} \
+                 WHERE message_id = ?"
+            );
+            sqlx::query_scalar(AssertSqlSafe(sql))
+                .bind(key)
+                .fetch_one(&pool)
+                .await
+                .unwrap()
+        })
+    })
+}
+
+fn sqlite_remaining(store: &idempotent_runtime::SqliteStore) -> Remaining {
+    let (pool, table) = (store.pool().clone(), store.table().quoted('"'));
+    Box::new(move |key| {
+        let (pool, table) = (pool.clone(), table.clone());
+        Box::pin(async move {
+            let sql = format!(
+                "SELECT expires_at - CAST((julianday('now') - 2440587.5) * 86400000.0 AS INTEGER) FROM {table} \
+                 WHERE message_id = ?1"
+            );
+            sqlx::query_scalar(AssertSqlSafe(sql))
+                .bind(key)
+                .fetch_one(&pool)
+                .await
+                .unwrap()
+        })
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_claim_that_waited_gets_its_whole_ttl() {
+    let (store, table) = fresh_store(1000).await;
+    a_claim_that_waited_gets_its_whole_ttl(store.clone(), pg_remaining(&store)).await;
+    common::drop_pg_table(store.pool(), &table).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_batch_member_gets_its_whole_ttl_from_the_commit() {
+    let (store, table) = fresh_store(1000).await;
+    a_batch_member_gets_its_whole_ttl_from_the_commit(store.clone(), pg_remaining(&store)).await;
+    common::drop_pg_table(store.pool(), &table).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mysql_a_claim_that_waited_gets_its_whole_ttl() {
+    let (store, table) = mysql_store(common::settings::MY_SERVER_DEFAULT).await;
+    a_claim_that_waited_gets_its_whole_ttl(store.clone(), mysql_remaining(&store)).await;
+    common::drop_mysql_table(store.pool(), &table).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mysql_a_batch_member_gets_its_whole_ttl_from_the_commit() {
+    let (store, table) = mysql_store(common::settings::MY_SERVER_DEFAULT).await;
+    a_batch_member_gets_its_whole_ttl_from_the_commit(store.clone(), mysql_remaining(&store)).await;
+    common::drop_mysql_table(store.pool(), &table).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_a_claim_that_waited_gets_its_whole_ttl() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = idempotent_runtime::SqliteStore::open(dir.path().join("m.db"))
+        .await
+        .unwrap();
+    store.migrate().await.unwrap();
+    a_claim_that_waited_gets_its_whole_ttl(store.clone(), sqlite_remaining(&store)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_a_batch_member_gets_its_whole_ttl_from_the_commit() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = idempotent_runtime::SqliteStore::open(dir.path().join("m.db"))
+        .await
+        .unwrap();
+    store.migrate().await.unwrap();
+    a_batch_member_gets_its_whole_ttl_from_the_commit(store.clone(), sqlite_remaining(&store)).await;
+}

@@ -738,3 +738,385 @@ async fn mysql_without_a_log_flush_at_each_commit_is_reported() {
     assert_eq!(out.matches("innodb_flush_log_at_trx_commit=2").count(), 1, "{out}");
     common::drop_mysql_table(&pool, &table).await;
 }
+
+// ---- a transaction that ended under the handler (issue #43, hole 1) -------
+//
+// A call reports a commit only if the transaction that commits is the one
+// holding its claim. InnoDB rolls a deadlock victim's whole transaction back
+// and the session goes on in autocommit; a handler may end the transaction
+// itself (`ROLLBACK`). A handler that returns `Ok` over either must get
+// `Error::TransactionAborted`, with nothing committed: no effect, no marker,
+// no outgoing message, and the redelivery runs the body.
+
+/// A deadlock made on purpose between the handler and an opponent holding
+/// the second statistics row (and many more, so that InnoDB picks the
+/// handler, the lighter transaction, as its victim).
+#[derive(Default)]
+struct Fight {
+    /// The handler holds the first statistics row: the opponent asks for it.
+    go: Notify,
+    /// What the handler's best-effort statements failed with.
+    swallowed: std::sync::Mutex<Vec<String>>,
+}
+
+/// MariaDB with a payment table, statistics rows, the opponent's filler rows
+/// and an outbox table.
+struct MyFight {
+    store: idempotent_runtime::MySqlStore,
+    payments: String,
+    stats: String,
+    filler: String,
+    outbox: String,
+}
+
+impl MyFight {
+    async fn setup() -> Self {
+        let pool = common::mysql_pool(8).await;
+        let (markers, payments, stats, filler, outbox) = (
+            common::unique("markers"),
+            common::unique("payments"),
+            common::unique("stats"),
+            common::unique("filler"),
+            common::unique("outbox"),
+        );
+        let store = idempotent_runtime::MySqlStore::builder(pool.clone())
+            .table(&markers)
+            .outbox_table(&outbox)
+            .build()
+            .unwrap();
+        store.migrate().await.unwrap();
+        for ddl in [
+            format!("CREATE TABLE `{payments}` (id BIGINT AUTO_INCREMENT PRIMARY KEY, message_id VARBINARY(255))"),
+            format!("CREATE TABLE `{stats}` (id INT PRIMARY KEY, n BIGINT NOT NULL) ENGINE=InnoDB"),
+            format!("INSERT INTO `{stats}` VALUES (1, 0), (2, 0)"),
+            format!("CREATE TABLE `{filler}` (id INT PRIMARY KEY, v BIGINT NOT NULL) ENGINE=InnoDB"),
+            format!("INSERT INTO `{filler}` SELECT seq, 0 FROM seq_1_to_500"),
+        ] {
+            sqlx::query(AssertSqlSafe(ddl)).execute(&pool).await.unwrap();
+        }
+        MyFight {
+            store,
+            payments,
+            stats,
+            filler,
+            outbox,
+        }
+    }
+
+    /// Pays, stages an outgoing message when `stage`, then bumps two
+    /// statistics rows, best effort: their errors are ignored, as many
+    /// services do. With a `fight`, waits between the two for the opponent
+    /// to ask for the first row, so that the second one deadlocks.
+    #[idempotent(key = "msg.message_id", store = self.store)]
+    async fn pay(
+        &self,
+        msg: &Payment,
+        fight: Option<&Fight>,
+        stage: bool,
+        tx: &mut sqlx::MySqlConnection,
+        outbox: &mut idempotent_runtime::outbox::Outbox,
+    ) -> Result<(), AppError> {
+        sqlx::query(AssertSqlSafe(format!(
+            "INSERT INTO `{}` (message_id) VALUES (?)",
+            self.payments
+        )))
+        .bind(&msg.message_id)
+        .execute(&mut *tx)
+        .await?;
+        if stage {
+            outbox.publish(idempotent_runtime::outbox::Outgoing::new(
+                "payments",
+                msg.message_id.clone().into_bytes(),
+            ));
+        }
+        let bump = format!("UPDATE `{}` SET n = n + 1 WHERE id = ?", self.stats);
+        let first = sqlx::query(AssertSqlSafe(bump.clone())).bind(1).execute(&mut *tx).await;
+        if let Some(fight) = fight {
+            fight.go.notify_one();
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+        let second = sqlx::query(AssertSqlSafe(bump)).bind(2).execute(&mut *tx).await;
+        for outcome in [first, second] {
+            if let (Err(error), Some(fight)) = (outcome, fight) {
+                fight.swallowed.lock().unwrap().push(error.to_string());
+            }
+        }
+        Ok(())
+    }
+
+    /// The opponent: a transaction of its own that writes the filler rows
+    /// and the second statistics row, then (once told) asks for the first.
+    async fn opponent(&self, fight: Arc<Fight>) -> tokio::task::JoinHandle<()> {
+        let mut tx = self.store.pool().begin().await.unwrap();
+        for sql in [
+            format!("UPDATE `{}` SET v = v + 1", self.filler),
+            format!("UPDATE `{}` SET n = n + 1 WHERE id = 2", self.stats),
+        ] {
+            sqlx::query(AssertSqlSafe(sql)).execute(&mut *tx).await.unwrap();
+        }
+        let first = format!("UPDATE `{}` SET n = n + 1 WHERE id = 1", self.stats);
+        tokio::spawn(async move {
+            fight.go.notified().await;
+            // Waits for the handler's lock, until InnoDB rolls the handler back.
+            sqlx::query(AssertSqlSafe(first)).execute(&mut *tx).await.unwrap();
+            tx.rollback().await.unwrap();
+        })
+    }
+
+    async fn count(&self, table: &str, column: &str, id: &str) -> i64 {
+        sqlx::query_scalar(AssertSqlSafe(format!(
+            "SELECT count(*) FROM `{table}` WHERE {column} = ?"
+        )))
+        .bind(id)
+        .fetch_one(self.store.pool())
+        .await
+        .unwrap()
+    }
+
+    async fn teardown(self) {
+        let markers = self.store.table().to_string();
+        for table in [&markers, &self.payments, &self.stats, &self.filler, &self.outbox] {
+            common::drop_mysql_table(self.store.pool(), table).await;
+        }
+    }
+}
+
+/// The deadlock, with or without an outgoing message staged after it.
+async fn a_mysql_deadlock_victim_is_reported_not_committed(stage: bool) {
+    let b = MyFight::setup().await;
+    let id = common::unique("victim");
+    let msg = Payment::new(&id, 1);
+    let fight = Arc::new(Fight::default());
+    let opponent = b.opponent(Arc::clone(&fight)).await;
+
+    let outcome = b.pay(&msg, Some(&fight), stage).await;
+    opponent.await.unwrap();
+    let swallowed = fight.swallowed.lock().unwrap().clone();
+    assert!(
+        swallowed.len() == 1 && swallowed[0].contains("1213"),
+        "the handler was the deadlock's victim: {swallowed:?}"
+    );
+    assert!(
+        matches!(outcome, Err(AppError::Idem(Error::TransactionAborted))),
+        "InnoDB rolled the claim's transaction back: not a commit: {outcome:?}"
+    );
+    assert_eq!(b.count(&b.payments, "message_id", &id).await, 0, "no effect");
+    let markers = b.store.table().to_string();
+    assert_eq!(b.count(&markers, "message_id", &id).await, 0, "no marker");
+    assert_eq!(
+        b.count(&b.outbox, "destination", "payments").await,
+        0,
+        "no outgoing message"
+    );
+
+    // The redelivery processes it.
+    b.pay(&msg, None, stage).await.unwrap();
+    assert_eq!(b.count(&b.payments, "message_id", &id).await, 1);
+    assert_eq!(b.count(&markers, "message_id", &id).await, 1);
+    assert_eq!(b.count(&b.outbox, "destination", "payments").await, i64::from(stage));
+    b.teardown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_mysql_deadlock_victim_whose_handler_returns_ok_is_reported_not_committed() {
+    a_mysql_deadlock_victim_is_reported_not_committed(false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_mysql_deadlock_victim_stages_no_outgoing_message() {
+    a_mysql_deadlock_victim_is_reported_not_committed(true).await;
+}
+
+/// A handler that ends the claim's transaction itself (`ROLLBACK`) and
+/// returns `Ok`, on `$conn` with `$insert` (the payment) and outbox table
+/// `{outbox}`.
+macro_rules! ended_by_the_handler {
+    ($name:ident, $store:ty, $conn:ty, $insert:literal, $setup:expr) => {
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn $name() {
+            struct Svc {
+                store: $store,
+                payments: String,
+            }
+            impl Svc {
+                #[idempotent(key = "msg.message_id", store = self.store)]
+                async fn pay(
+                    &self,
+                    msg: &Payment,
+                    end: bool,
+                    tx: &mut $conn,
+                    outbox: &mut idempotent_runtime::outbox::Outbox,
+                ) -> Result<(), AppError> {
+                    sqlx::query(AssertSqlSafe(format!($insert, self.payments)))
+                        .bind(&msg.message_id)
+                        .execute(&mut *tx)
+                        .await?;
+                    outbox.publish(idempotent_runtime::outbox::Outgoing::new(
+                        "payments",
+                        msg.message_id.clone().into_bytes(),
+                    ));
+                    if end {
+                        sqlx::query("ROLLBACK").execute(&mut *tx).await?;
+                    }
+                    Ok(())
+                }
+            }
+            let (store, payments, outbox, cleanup) = $setup.await;
+            let svc = Svc { store, payments };
+            let count = |sql: String| {
+                let pool = svc.store.pool().clone();
+                async move {
+                    let n: i64 = sqlx::query_scalar(AssertSqlSafe(sql))
+                        .fetch_one(&pool)
+                        .await
+                        .unwrap();
+                    n
+                }
+            };
+            let markers = svc.store.table().to_string();
+            let id = common::unique("ended");
+            let msg = Payment::new(&id, 1);
+            let effects = format!("SELECT count(*) FROM {} WHERE message_id = '{id}'", svc.payments);
+            let marked = format!("SELECT count(*) FROM {markers} WHERE message_id = '{id}'");
+            let staged = format!("SELECT count(*) FROM {outbox}");
+            for round in 0..3 {
+                let outcome = svc.pay(&msg, true).await;
+                assert!(
+                    matches!(outcome, Err(AppError::Idem(Error::TransactionAborted))),
+                    "round {round}: the handler rolled the claim back: {outcome:?}"
+                );
+            }
+            assert_eq!(count(effects.clone()).await, 0, "no effect");
+            assert_eq!(count(marked.clone()).await, 0, "no marker");
+            assert_eq!(count(staged.clone()).await, 0, "no outgoing message");
+            // The redelivery processes it, on the same pool's connections.
+            for _ in 0..3 {
+                svc.pay(&msg, false).await.unwrap();
+            }
+            assert_eq!(count(effects).await, 1);
+            assert_eq!(count(marked).await, 1);
+            assert_eq!(count(staged).await, 1);
+            cleanup(svc.store.clone()).await;
+        }
+    };
+}
+
+type Cleanup<S> = fn(S) -> std::pin::Pin<Box<dyn Future<Output = ()> + Send>>;
+
+async fn sqlite_with_outbox() -> (
+    idempotent_runtime::SqliteStore,
+    String,
+    String,
+    Cleanup<idempotent_runtime::SqliteStore>,
+) {
+    let dir = tempfile::tempdir().unwrap().keep();
+    let store = idempotent_runtime::SqliteStore::open(dir.join("markers.db"))
+        .await
+        .unwrap();
+    store.migrate().await.unwrap();
+    sqlx::query("CREATE TABLE payments (id INTEGER PRIMARY KEY, message_id TEXT)")
+        .execute(store.pool())
+        .await
+        .unwrap();
+    let outbox = idempotent_runtime::store::DEFAULT_OUTBOX_TABLE.to_owned();
+    let cleanup: Cleanup<idempotent_runtime::SqliteStore> = |store| {
+        Box::pin(async move {
+            let file = store.pool().connect_options().get_filename().to_path_buf();
+            store.pool().close().await;
+            if let Some(dir) = file.parent() {
+                let _ = std::fs::remove_dir_all(dir);
+            }
+        })
+    };
+    (store, "payments".to_owned(), outbox, cleanup)
+}
+
+async fn pg_with_outbox() -> (
+    idempotent_runtime::PgStore,
+    String,
+    String,
+    Cleanup<idempotent_runtime::PgStore>,
+) {
+    let pool = common::pg_pool(4).await;
+    let base = common::unique("ended");
+    let (markers, payments, outbox) = (format!("m_{base}"), format!("p_{base}"), format!("o_{base}"));
+    let store = idempotent_runtime::PgStore::builder(pool.clone())
+        .table(&markers)
+        .outbox_table(&outbox)
+        .build()
+        .unwrap();
+    store.migrate().await.unwrap();
+    sqlx::query(AssertSqlSafe(format!(
+        "CREATE TABLE {payments} (id BIGSERIAL PRIMARY KEY, message_id TEXT)"
+    )))
+    .execute(&pool)
+    .await
+    .unwrap();
+    let cleanup: Cleanup<idempotent_runtime::PgStore> = |store| {
+        Box::pin(async move {
+            let markers = store.table().to_string();
+            let payments = markers.replacen("m_", "p_", 1);
+            let outbox = markers.replacen("m_", "o_", 1);
+            for table in [markers, payments, outbox] {
+                common::drop_pg_table(store.pool(), &table).await;
+            }
+        })
+    };
+    (store, payments, outbox, cleanup)
+}
+
+async fn mysql_with_outbox() -> (
+    idempotent_runtime::MySqlStore,
+    String,
+    String,
+    Cleanup<idempotent_runtime::MySqlStore>,
+) {
+    let pool = common::mysql_pool(4).await;
+    let base = common::unique("ended");
+    let (markers, payments, outbox) = (format!("m_{base}"), format!("p_{base}"), format!("o_{base}"));
+    let store = idempotent_runtime::MySqlStore::builder(pool.clone())
+        .table(&markers)
+        .outbox_table(&outbox)
+        .build()
+        .unwrap();
+    store.migrate().await.unwrap();
+    sqlx::query(AssertSqlSafe(format!(
+        "CREATE TABLE {payments} (id BIGINT AUTO_INCREMENT PRIMARY KEY, message_id VARCHAR(255))"
+    )))
+    .execute(&pool)
+    .await
+    .unwrap();
+    let cleanup: Cleanup<idempotent_runtime::MySqlStore> = |store| {
+        Box::pin(async move {
+            let markers = store.table().to_string();
+            let payments = markers.replacen("m_", "p_", 1);
+            let outbox = markers.replacen("m_", "o_", 1);
+            for table in [markers, payments, outbox] {
+                common::drop_mysql_table(store.pool(), &table).await;
+            }
+        })
+    };
+    (store, payments, outbox, cleanup)
+}
+
+ended_by_the_handler!(
+    sqlite_a_handler_that_rolls_the_claim_back_itself_is_reported_not_committed,
+    idempotent_runtime::SqliteStore,
+    sqlx::SqliteConnection,
+    "INSERT INTO {} (message_id) VALUES (?1)",
+    sqlite_with_outbox()
+);
+ended_by_the_handler!(
+    postgres_a_handler_that_rolls_the_claim_back_itself_is_reported_not_committed,
+    idempotent_runtime::PgStore,
+    sqlx::PgConnection,
+    "INSERT INTO {} (message_id) VALUES ($1)",
+    pg_with_outbox()
+);
+ended_by_the_handler!(
+    mysql_a_handler_that_rolls_the_claim_back_itself_is_reported_not_committed,
+    idempotent_runtime::MySqlStore,
+    sqlx::MySqlConnection,
+    "INSERT INTO {} (message_id) VALUES (?)",
+    mysql_with_outbox()
+);

@@ -55,7 +55,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore, oneshot};
 
 use crate::Error;
-use crate::store::sql::SqlBackend;
+use crate::store::sql::{Expiring, SqlBackend};
 use crate::store::tx::Tx;
 
 tokio::task_local! {
@@ -72,8 +72,21 @@ pub(crate) const ROLLBACK_TO_SAVEPOINT: &str = "ROLLBACK TO SAVEPOINT idempotent
 
 type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
 
-/// Commits (`true`) or rolls back the boxed transaction of a batch.
-type Finish = fn(Box<dyn Any + Send>, bool) -> BoxFuture<Result<(), Error>>;
+/// What [`Finish`] does with a batch's transaction.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Ending {
+    /// Commits a transaction that holds claims or offsets, after the
+    /// completion proof ([`crate::store::sql::commit_claims`]).
+    CommitClaims,
+    /// Commits a transaction that holds nothing fresh (its claims were all
+    /// duplicates).
+    Commit,
+    RollBack,
+}
+
+/// Ends the boxed transaction of a batch (the completed members' markers,
+/// for their expiry, with a commit of claims).
+type Finish = fn(Box<dyn Any + Send>, Ending, Vec<Expiring>) -> BoxFuture<Result<(), Error>>;
 
 /// A claim waiting in a batch for the one statement that claims them all.
 ///
@@ -145,6 +158,11 @@ pub(crate) struct Shared {
     tx: Mutex<Option<Box<dyn Any + Send>>>,
     aborted: AtomicBool,
     fresh: AtomicUsize,
+    /// Something the commit must prove it still holds was written: a fresh
+    /// claim, a Kafka consumer's offsets.
+    holds: AtomicBool,
+    /// The completed members' markers: their expiry counts from the commit.
+    expiring: Mutex<Vec<Expiring>>,
     /// Run after a successful commit (outbox wakers, user callbacks).
     after_commit: Mutex<Vec<Box<dyn FnOnce() + Send>>>,
     /// Who may use the transaction: one permit.
@@ -221,6 +239,15 @@ impl Shared {
     /// Whether fresh claims take a savepoint for their body.
     pub(crate) fn savepoints(&self) -> bool {
         self.savepoints.load(Ordering::Relaxed)
+    }
+
+    /// A completed member's marker, whose expiry the commit sets again when
+    /// the batch took long ([`crate::store::sql::commit_claims`]).
+    pub(crate) fn expiring(&self, marker: Expiring) {
+        self.expiring
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .push(marker);
     }
 
     /// Runs `f` once the batch has committed.
@@ -435,6 +462,7 @@ pub(crate) struct Joined {
 impl Joined {
     pub(crate) fn new(shared: Arc<Shared>, undo: Arc<str>, turn: Turn, ticket: Option<FreshTicket>) -> Self {
         shared.fresh.fetch_add(1, Ordering::Relaxed);
+        shared.holds.store(true, Ordering::Relaxed);
         Joined {
             shared,
             undo,
@@ -479,13 +507,21 @@ impl std::fmt::Debug for Batch {
     }
 }
 
-/// Commits (`true`, durably: [`SqlBackend::commit`]) or rolls back a boxed
-/// transaction of `DB`.
-fn finish<DB: SqlBackend>(tx: Box<dyn Any + Send>, commit: bool) -> BoxFuture<Result<(), Error>> {
+/// Ends a boxed transaction of `DB` as `ending` says: a commit of claims
+/// after the completion proof, a durable commit ([`SqlBackend::commit`]),
+/// or a rollback.
+fn finish<DB: SqlBackend>(
+    tx: Box<dyn Any + Send>,
+    ending: Ending,
+    expiring: Vec<Expiring>,
+) -> BoxFuture<Result<(), Error>> {
     Box::pin(async move {
         match tx.downcast::<Tx<DB>>() {
-            Ok(tx) if commit => tx.commit().await,
-            Ok(tx) => Ok(tx.rollback().await?),
+            Ok(tx) => match ending {
+                Ending::CommitClaims => crate::store::sql::commit_claims(*tx, expiring).await,
+                Ending::Commit => tx.commit().await,
+                Ending::RollBack => Ok(tx.rollback().await?),
+            },
             Err(_) => Err(sqlx::Error::Protocol("the batch's transaction has another type".into()).into()),
         }
     })
@@ -508,6 +544,8 @@ impl Batch {
                 tx: Mutex::new(Some(Box::new(tx))),
                 aborted: AtomicBool::new(false),
                 fresh: AtomicUsize::new(0),
+                holds: AtomicBool::new(false),
+                expiring: Mutex::new(Vec::new()),
                 after_commit: Mutex::new(Vec::new()),
                 turn: Arc::new(Semaphore::new(1)),
                 holder: AtomicU64::new(0),
@@ -647,6 +685,7 @@ impl Batch {
     /// `None` when it is not one of `DB` or a claim still holds it.
     #[cfg(feature = "kafka")]
     pub(crate) fn take_transaction<DB: SqlBackend>(&self) -> Option<Tx<DB>> {
+        self.shared.holds.store(true, Ordering::Relaxed);
         self.shared.take::<DB>()
     }
 
@@ -703,16 +742,26 @@ impl Batch {
             return Err(Error::BatchAborted);
         };
         if self.shared.is_aborted() {
-            if let Err(error) = (self.finish)(tx, false).await {
+            if let Err(error) = (self.finish)(tx, Ending::RollBack, Vec::new()).await {
                 tracing::debug!(target: "idempotent", %error, "rollback of an aborted batch failed");
             }
             return Err(Error::BatchAborted);
         }
-        match (self.finish)(tx, true).await {
+        // The completion proof when the batch holds claims or offsets
+        // (PostgreSQL's proof needs something written to recognise the
+        // transaction; a batch of duplicates commits nothing of its own).
+        let ending = if self.shared.holds.load(Ordering::Relaxed) {
+            Ending::CommitClaims
+        } else {
+            Ending::Commit
+        };
+        let expiring = std::mem::take(&mut *self.shared.expiring.lock().unwrap_or_else(PoisonError::into_inner));
+        match (self.finish)(tx, ending, expiring).await {
             Ok(()) => {}
-            // A member returned `Ok` over a statement that failed: the
-            // batch's transaction was aborted, and its `COMMIT` would have
-            // rolled everything back.
+            // A member returned `Ok` over a statement that failed, or the
+            // server rolled the batch's transaction back under a member
+            // (an InnoDB deadlock victim): its `COMMIT` would have
+            // committed nothing, or only what ran after in autocommit.
             Err(Error::TransactionAborted) => {
                 tracing::debug!(target: "idempotent", "a statement failed in the batch: batch rolled back");
                 return Err(Error::BatchAborted);
@@ -729,7 +778,7 @@ impl Batch {
     /// Rolls the whole batch back.
     pub async fn rollback(self) {
         if let Some(tx) = self.shared.take_any()
-            && let Err(error) = (self.finish)(tx, false).await
+            && let Err(error) = (self.finish)(tx, Ending::RollBack, Vec::new()).await
         {
             tracing::debug!(target: "idempotent", %error, "rollback of a batch failed");
         }

@@ -94,16 +94,23 @@ pub enum Error {
     )]
     BatchAborted,
 
-    /// The handler returned `Ok`, but a statement of its body had failed
-    /// and left the database transaction unusable (on PostgreSQL a failed
-    /// statement aborts the whole transaction, and `COMMIT` then quietly
-    /// rolls it back). Nothing was committed: neither the effect nor the
-    /// marker. Return the statement's error from the handler, or run a
-    /// statement that may fail under a savepoint of its own
-    /// (`tx.begin()`), so that its failure leaves the transaction usable.
+    /// The handler returned `Ok`, but its claim's transaction no longer
+    /// held the claim: a statement of its body had failed and left the
+    /// transaction unusable (on PostgreSQL a failed statement aborts the
+    /// whole transaction, and `COMMIT` then quietly rolls it back), the
+    /// database had ended the transaction under the handler (InnoDB rolls
+    /// a deadlock victim back whole and goes on in autocommit; SQLite rolls
+    /// back after some errors), or the handler ended it itself (`COMMIT`,
+    /// `ROLLBACK`). Every SQL store checks it before writing anything of its
+    /// own after the body and before `COMMIT`. Nothing was committed:
+    /// neither the effect nor the marker. Return the statement's error from
+    /// the handler, or run a statement that may fail under a savepoint of
+    /// its own (`tx.begin()`), so that its failure leaves the transaction
+    /// usable.
     #[error(
-        "the handler returned Ok, but a statement of its body failed and left the transaction aborted: nothing \
-         was committed (return the statement's error, or run a statement that may fail under a savepoint)"
+        "the handler returned Ok, but its transaction no longer held the claim (a statement of its body failed \
+         and aborted it, or the database or the handler ended it): nothing was committed (return the \
+         statement's error, or run a statement that may fail under a savepoint)"
     )]
     TransactionAborted,
 

@@ -14,12 +14,32 @@ use crate::outbox::StagedRow;
 /// A database the sqlx stores run on: how it writes a result into a marker
 /// inside the open transaction. Each backend's SQL stays in its own file.
 pub trait SqlBackend: sqlx::Database {
+    /// Whether a failed statement can end the transaction and leave the
+    /// session in autocommit, where the statements that follow succeed and
+    /// commit one by one (MySQL/MariaDB: InnoDB rolls a deadlock victim's
+    /// whole transaction back; SQLite rolls back after some I/O errors and
+    /// `SQLITE_FULL`). A batch member's completion then makes the
+    /// completion proof before the next member uses the transaction.
+    /// PostgreSQL aborts the transaction instead: every statement that
+    /// follows fails until it ends, so the batch's commit proof suffices.
+    const FAILURE_ENDS_SILENTLY: bool;
+
     /// Runs `sql` (the backend's "store the result" statement) with
     /// `(result, scope, key)`.
     fn write_result<'a>(
         conn: &'a mut Self::Connection,
         sql: Arc<str>,
         result: String,
+        scope: &'a str,
+        key: &'a str,
+    ) -> impl Future<Output = Result<(), sqlx::Error>> + Send + 'a;
+
+    /// Runs `sql` (the backend's "expire `ttl` from now" statement, on the
+    /// database clock) with `(ttl in ms, scope, key)`.
+    fn refresh_expiry<'a>(
+        conn: &'a mut Self::Connection,
+        sql: Arc<str>,
+        ttl_millis: i64,
         scope: &'a str,
         key: &'a str,
     ) -> impl Future<Output = Result<(), sqlx::Error>> + Send + 'a;
@@ -58,11 +78,30 @@ pub trait SqlBackend: sqlx::Database {
         rows: Vec<StagedRow>,
     ) -> impl Future<Output = Result<(), sqlx::Error>> + Send + 'a;
 
-    /// Commits a claim's transaction (alone or a batch's), durably: after it
-    /// returns `Ok` the message may be acknowledged.
-    /// [`Error::TransactionAborted`] when a statement of the body had
-    /// aborted the transaction (nothing was committed).
+    /// Commits a transaction that holds no claim (a relay's round, a batch
+    /// that claimed nothing fresh), durably. A transaction holding claims
+    /// commits through [`crate::store::sql::commit_claims`] instead, which
+    /// first proves that it is still the claims' transaction
+    /// ([`holds_transaction`](Self::holds_transaction)).
+    /// [`Error::TransactionAborted`] when a statement had aborted it.
     fn commit(tx: Transaction<'static, Self>) -> impl Future<Output = Result<(), Error>> + Send + 'static;
+
+    /// The completion proof's question, in the backend's dialect (see
+    /// [`crate::store::sql::prove_claims_held`]): whether the session is
+    /// still inside the transaction the store began, holding what was
+    /// written in it. `false` when the transaction ended under the handler:
+    /// rolled back by the server (InnoDB rolls a deadlock victim's whole
+    /// transaction back and the session goes on in autocommit; SQLite rolls
+    /// back on some I/O and `SQLITE_FULL` errors), aborted by a failed
+    /// statement (PostgreSQL), or ended by the handler's own `ROLLBACK` or
+    /// `COMMIT`. Run before every statement of the store's own after the
+    /// body (outgoing messages, the result, `COMMIT`), which would otherwise
+    /// commit on their own in autocommit. On PostgreSQL it also turns
+    /// `synchronous_commit` back on for the transaction when the session
+    /// has it `off`, so that the `COMMIT` after it is durable.
+    fn holds_transaction<'a>(
+        conn: &'a mut Self::Connection,
+    ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send + 'a;
 
     /// Moves a Kafka partition's stored offset to `next` in the open
     /// transaction, if it is at most `first` (the offset of the partition's
@@ -92,9 +131,9 @@ pub trait SqlBackend: sqlx::Database {
     fn retire(conn: &mut Self::Connection) -> impl Future<Output = ()> + Send + '_;
 }
 
-/// [`SqlBackend::commit`] where a failed statement leaves the transaction
-/// usable (MySQL/MariaDB, SQLite roll back the statement alone), so
-/// `COMMIT` commits whatever the body did and reports any failure.
+/// [`SqlBackend::commit`] on MySQL/MariaDB and SQLite: `COMMIT`, which
+/// reports any failure. (A transaction the server rolled back under the
+/// handler is caught before, by the completion proof.)
 #[cfg(any(feature = "mysql", feature = "sqlite"))]
 pub(crate) async fn plain_commit<DB: sqlx::Database>(tx: Transaction<'static, DB>) -> Result<(), Error> {
     Ok(tx.commit().await?)
@@ -103,8 +142,10 @@ pub(crate) async fn plain_commit<DB: sqlx::Database>(tx: Transaction<'static, DB
 /// Implements [`SqlBackend`] for a sqlx database: the statement is the
 /// backend's own (built in its file), the binding the same for all.
 macro_rules! sql_backend {
-    ($db:ty, $conn:ty, $stage:path, $commit:path, $retire:path) => {
+    ($db:ty, $conn:ty, $silent:expr, $stage:path, $commit:path, $holds:path, $retire:path) => {
         impl $crate::store::backend::SqlBackend for $db {
+            const FAILURE_ENDS_SILENTLY: bool = $silent;
+
             async fn write_result<'a>(
                 conn: &'a mut $conn,
                 sql: ::std::sync::Arc<str>,
@@ -114,6 +155,22 @@ macro_rules! sql_backend {
             ) -> Result<(), sqlx::Error> {
                 sqlx::query(sqlx::AssertSqlSafe(sql))
                     .bind(result)
+                    .bind(scope)
+                    .bind(key)
+                    .execute(conn)
+                    .await?;
+                Ok(())
+            }
+
+            async fn refresh_expiry<'a>(
+                conn: &'a mut $conn,
+                sql: ::std::sync::Arc<str>,
+                ttl_millis: i64,
+                scope: &'a str,
+                key: &'a str,
+            ) -> Result<(), sqlx::Error> {
+                sqlx::query(sqlx::AssertSqlSafe(sql))
+                    .bind(ttl_millis)
                     .bind(scope)
                     .bind(key)
                     .execute(conn)
@@ -177,6 +234,12 @@ macro_rules! sql_backend {
                 tx: sqlx::Transaction<'static, $db>,
             ) -> impl ::std::future::Future<Output = Result<(), $crate::Error>> + Send + 'static {
                 $commit(tx)
+            }
+
+            fn holds_transaction<'a>(
+                conn: &'a mut $conn,
+            ) -> impl ::std::future::Future<Output = Result<bool, sqlx::Error>> + Send + 'a {
+                $holds(conn)
             }
 
             #[cfg(feature = "kafka")]

@@ -25,10 +25,93 @@ pub const DEFAULT_OUTBOX_RETENTION: std::time::Duration = std::time::Duration::f
 /// Markers deleted per statement by `purge_expired`, unless configured.
 pub const DEFAULT_PURGE_BATCH: u32 = 1_000;
 
+/// The completion proof, the one check every SQL backend, every claim and
+/// every path (a single call, a batch member and the batch's commit, the
+/// HTTP layer's transaction, outgoing messages staged, Kafka offsets in the
+/// database) makes before a statement of its own after the handler's body:
+/// that the session is still inside the transaction holding the claim
+/// ([`SqlBackend::holds_transaction`], the backend's dialect).
+/// [`Error::TransactionAborted`] when it is not: the server rolled it back
+/// under the handler (an InnoDB deadlock victim, whose session goes on in
+/// autocommit), a statement aborted it (PostgreSQL), or the handler ended
+/// it itself. Nothing may then be written or committed: in autocommit each
+/// statement would commit on its own, and `COMMIT` would succeed on
+/// nothing.
+pub(crate) async fn prove_claims_held<DB: SqlBackend>(tx: &mut Tx<DB>) -> Result<(), Error> {
+    if DB::holds_transaction(tx).await? {
+        Ok(())
+    } else {
+        Err(Error::TransactionAborted)
+    }
+}
+
+/// Commits a transaction holding claims (a single claim's, a batch's):
+/// the completion proof ([`prove_claims_held`]), then `COMMIT`. When the
+/// proof fails the transaction is rolled back (which also brings sqlx's
+/// record of the session back in step with the server) and
+/// [`Error::TransactionAborted`] is returned: nothing was committed.
+pub(crate) async fn commit_claims<DB: SqlBackend>(mut tx: Tx<DB>, expiring: Vec<Expiring>) -> Result<(), Error> {
+    if let Err(error) = prove_claims_held(&mut tx).await {
+        abandon(tx).await;
+        return Err(error);
+    }
+    for marker in expiring {
+        if expiry_is_stale(tx.began(), marker.ttl_millis) {
+            let refreshed =
+                DB::refresh_expiry(&mut tx, marker.sql, marker.ttl_millis, &marker.scope, &marker.key).await;
+            if let Err(error) = refreshed {
+                abandon(tx).await;
+                return Err(error.into());
+            }
+        }
+    }
+    Ok(tx.commit_plain().await?)
+}
+
+/// A marker whose expiry may have to be set again before its commit: a
+/// batch member's, whose batch commits after it completed.
+pub(crate) struct Expiring {
+    /// The backend's [`MarkerSql::refresh_expiry`].
+    sql: Arc<str>,
+    ttl_millis: i64,
+    scope: String,
+    key: String,
+}
+
+/// Whether a marker claimed in a transaction begun at `began`, with a ttl
+/// of `ttl_millis`, must have its expiry set again before its commit. The
+/// claim computed it by the database clock when its statement ran (on
+/// PostgreSQL at the transaction's start), which can be well before the
+/// commit makes the marker visible: after a wait on a key held by a claim
+/// that then rolled back, a long body, or a batch's other members. A marker
+/// lives its whole ttl from its commit, to within a thousandth of it (at
+/// least 10 ms): only a claim older than that pays for the `UPDATE`.
+fn expiry_is_stale(began: std::time::Instant, ttl_millis: i64) -> bool {
+    let slack = std::time::Duration::from_millis(u64::try_from(ttl_millis / 1000).unwrap_or(0).max(10));
+    began.elapsed() > slack
+}
+
+/// Rolls back a transaction the completion proof refused.
+async fn abandon<DB: SqlBackend>(tx: Tx<DB>) {
+    if let Err(error) = tx.rollback().await {
+        tracing::debug!(target: "idempotent", %error, "rollback after a failed completion proof failed");
+    }
+}
+
 /// The claim of a transactional store: the transaction that inserted the
 /// marker. The handler's body runs on it; dropping it rolls back.
 pub struct SqlGuard<DB: SqlBackend> {
     tx: Tx<DB>,
+    /// The completion proof ran since the body ended (before staging
+    /// outgoing messages): only the store's own statements followed it.
+    proven: bool,
+    /// Sets the marker's expiry again from the database's clock at the
+    /// completion, when the one the claim computed is stale
+    /// ([`expiry_is_stale`]); `None` where it cannot move (a partitioned
+    /// table's row).
+    refresh_expiry: Option<Arc<str>>,
+    /// The claim's ttl, in milliseconds.
+    ttl_millis: i64,
     write_result_sql: Arc<str>,
     outbox: Arc<OutboxTable>,
     /// Outgoing messages were written: wake the relay after the commit.
@@ -221,6 +304,9 @@ impl<DB: SqlBackend> SqlGuard<DB> {
     ) -> Self {
         SqlGuard {
             tx,
+            proven: false,
+            refresh_expiry: None,
+            ttl_millis: req.ttl_millis(),
             write_result_sql,
             outbox,
             staged: false,
@@ -243,14 +329,25 @@ pub(crate) struct MarkerSql {
     /// Deletes a marker claimed in a batch whose body failed, by `(scope,
     /// key)`.
     pub(crate) undo: Arc<str>,
+    /// Sets the expiry again, `ttl` from the database clock's now, by
+    /// `(ttl in ms, scope, key)` (see [`expiry_is_stale`]).
+    pub(crate) refresh_expiry: Arc<str>,
 }
 
 impl MarkerSql {
     /// The statements on the marker table `t` (quoted), with the backend's
-    /// placeholder for parameter `n` (1-based): `$n`, `?n` or `?`.
-    pub(crate) fn new(t: &str, param: impl Fn(u8) -> String) -> Self {
+    /// placeholder for parameter `n` (1-based): `$n`, `?n` or `?`, and its
+    /// expression of "a ttl of (the given placeholder) ms from now" on the
+    /// database clock at the statement's run (not at its transaction's
+    /// start).
+    pub(crate) fn new(t: &str, param: impl Fn(u8) -> String, expiry: impl Fn(&str) -> String) -> Self {
         let (p1, p2, p3) = (param(1), param(2), param(3));
         MarkerSql {
+            refresh_expiry: format!(
+                "UPDATE {t} SET expires_at = {} WHERE scope = {p2} AND message_id = {p3}",
+                expiry(&p1)
+            )
+            .into(),
             read: format!("SELECT fingerprint, result FROM {t} WHERE scope = {p1} AND message_id = {p2}").into(),
             write_result: format!("UPDATE {t} SET result = {p1} WHERE scope = {p2} AND message_id = {p3}").into(),
             undo: format!("DELETE FROM {t} WHERE scope = {p1} AND message_id = {p2}").into(),
@@ -287,17 +384,6 @@ pub(crate) trait ClaimSql: Sync {
         Self::Db::read_marker(conn, Arc::clone(&self.marker_sql().read), req.scope(), req.key())
     }
 
-    /// A fresh claim's statements: the marker's undo (by scope and key),
-    /// the result's write, and the outbox table.
-    fn guard_parts(&self) -> (Arc<str>, Arc<str>, Arc<OutboxTable>) {
-        let marker = self.marker_sql();
-        (
-            Arc::clone(&marker.undo),
-            Arc::clone(&marker.write_result),
-            Arc::clone(self.outbox_table()),
-        )
-    }
-
     /// The guard of a claim made fresh on its own transaction `tx` (the
     /// SQLite writer's turn `writer` held with it).
     fn fresh_guard(
@@ -306,14 +392,16 @@ pub(crate) trait ClaimSql: Sync {
         req: &crate::store::Request<'_>,
         writer: Option<tokio::sync::OwnedSemaphorePermit>,
     ) -> crate::store::Claim<SqlGuard<Self::Db>> {
-        let write_result = Arc::clone(&self.marker_sql().write_result);
-        crate::store::Claim::Fresh(SqlGuard::new(
+        let marker = self.marker_sql();
+        let mut guard = SqlGuard::new(
             tx,
-            write_result,
+            Arc::clone(&marker.write_result),
             Arc::clone(self.outbox_table()),
             req,
             writer,
-        ))
+        );
+        guard.refresh_expiry = Some(Arc::clone(&marker.refresh_expiry));
+        crate::store::Claim::Fresh(guard)
     }
 }
 
@@ -356,8 +444,9 @@ pub(crate) async fn claim_in_batch<S: ClaimSql>(
 ) -> Result<crate::store::Claim<SqlGuard<S::Db>>, Error> {
     let claimed = store.claim_statement(&mut batch.tx, req).await;
     if batch.check(claimed)? {
-        let (undo, write_result, outbox) = store.guard_parts();
-        let guard = batch.fresh(undo, write_result, outbox, req).await?;
+        let guard = batch
+            .fresh(store.marker_sql(), Arc::clone(store.outbox_table()), req)
+            .await?;
         return Ok(crate::store::Claim::Fresh(guard));
     }
     if !req.needs_read() {
@@ -429,8 +518,7 @@ impl<DB: SqlBackend> BatchClaim<DB> {
     /// the batch has them).
     pub(crate) async fn fresh(
         mut self,
-        undo: Arc<str>,
-        write_result_sql: Arc<str>,
+        marker: &MarkerSql,
         outbox: Arc<OutboxTable>,
         req: &crate::store::Request<'_>,
     ) -> Result<SqlGuard<DB>, Error> {
@@ -439,8 +527,10 @@ impl<DB: SqlBackend> BatchClaim<DB> {
         {
             return Err(self.batch.fail(self.tx, error));
         }
+        let undo = Arc::clone(&marker.undo);
         let joined = Joined::new(Arc::clone(&self.batch), undo, self.turn, self.ticket);
-        let mut guard = SqlGuard::new(self.tx, write_result_sql, outbox, req, None);
+        let mut guard = SqlGuard::new(self.tx, Arc::clone(&marker.write_result), outbox, req, None);
+        guard.refresh_expiry = Some(Arc::clone(&marker.refresh_expiry));
         guard.batch = Some(joined);
         Ok(guard)
     }
@@ -476,8 +566,35 @@ impl<DB: SqlBackend> SqlGuard<DB> {
 impl<DB: SqlBackend> Guard for SqlGuard<DB> {
     async fn complete(mut self, result: Option<String>) -> Result<(), Error> {
         if let Some(joined) = self.batch.take() {
-            let written = self.write_result(result).await;
             let batch = Arc::clone(&joined.shared);
+            // Where a failed statement may have left the session in
+            // autocommit, before the next member's statements (on
+            // PostgreSQL they would fail: the batch's commit proves it).
+            if DB::FAILURE_ENDS_SILENTLY && !self.proven {
+                match DB::holds_transaction(&mut self.tx).await {
+                    Ok(true) => {}
+                    Ok(false) => {
+                        // The batch's transaction ended under this body: every
+                        // member's claim is gone, and what follows would run
+                        // in autocommit. The batch is aborted (its `commit`
+                        // reports it, and no member is acknowledged).
+                        tracing::debug!(
+                            target: "idempotent",
+                            "the batch's transaction ended under a handler: batch aborted"
+                        );
+                        batch.abort();
+                        batch.give_back(self.tx);
+                        joined.disarm();
+                        return Ok(());
+                    }
+                    Err(error) => {
+                        let error = batch.fail(self.tx, error);
+                        joined.disarm();
+                        return Err(error);
+                    }
+                }
+            }
+            let written = self.write_result(result).await;
             if let Err(error) = written {
                 let error = batch.fail(self.tx, error);
                 joined.disarm();
@@ -487,13 +604,33 @@ impl<DB: SqlBackend> Guard for SqlGuard<DB> {
                 let waker = Arc::clone(&self.outbox.waker);
                 batch.after_commit(Box::new(move || waker.notify_one()));
             }
+            if let Some(sql) = self.refresh_expiry.take() {
+                // Its expiry counts from the batch's commit.
+                batch.expiring(Expiring {
+                    sql,
+                    ttl_millis: self.ttl_millis,
+                    scope: std::mem::take(&mut self.scope),
+                    key: std::mem::take(&mut self.key),
+                });
+            }
             // Committed (and the message acknowledged) with the batch.
             batch.give_back(self.tx);
             joined.disarm();
             return Ok(());
         }
+        if !self.proven
+            && let Err(error) = prove_claims_held(&mut self.tx).await
+        {
+            abandon(self.tx).await;
+            return Err(error);
+        }
+        if let Some(sql) = self.refresh_expiry.take()
+            && expiry_is_stale(self.tx.began(), self.ttl_millis)
+        {
+            DB::refresh_expiry(&mut self.tx, sql, self.ttl_millis, &self.scope, &self.key).await?;
+        }
         self.write_result(result).await?;
-        self.tx.commit().await?;
+        self.tx.commit_plain().await?;
         if self.staged {
             self.outbox.waker.notify_one();
         }
@@ -547,6 +684,11 @@ impl<DB: SqlBackend> TransactionGuard for SqlGuard<DB> {
             return Ok(());
         }
         let rows = outbox.into_rows(&self.scope, &self.key)?;
+        // Outside the claim's transaction the rows would commit on their
+        // own, for an effect that did not: the proof first (the caller
+        // then aborts the claim).
+        prove_claims_held(&mut self.tx).await?;
+        self.proven = true;
         DB::stage_outbox(&mut self.tx, &self.outbox.quoted, rows).await?;
         self.staged = true;
         Ok(())

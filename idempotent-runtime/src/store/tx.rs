@@ -48,6 +48,9 @@ pub(crate) struct Tx<DB: SqlBackend> {
     /// `None` only once [`Tx::finish`] took it (which consumes the `Tx`).
     tx: Option<Transaction<'static, DB>>,
     pool: Pool<DB>,
+    /// When `BEGIN` was sent: no clock reading of the database in this
+    /// transaction (a claim's expiry) is older.
+    began: std::time::Instant,
 }
 
 impl<DB: SqlBackend> Tx<DB> {
@@ -57,11 +60,18 @@ impl<DB: SqlBackend> Tx<DB> {
     /// which sqlx releases cleanly.
     pub(crate) async fn begin(pool: &Pool<DB>, begin: &'static str) -> Result<Self, sqlx::Error> {
         let owned = pool.clone();
+        let began = std::time::Instant::now();
         let tx = detached_value(async move { owned.begin_with(begin).await }).await?;
         Ok(Tx {
             tx: Some(tx),
             pool: pool.clone(),
+            began,
         })
+    }
+
+    /// When `BEGIN` was sent (before any clock reading of the transaction).
+    pub(crate) fn began(&self) -> std::time::Instant {
+        self.began
     }
 
     /// The transaction, for a statement that ends it. Cancelling the caller
@@ -87,9 +97,10 @@ impl<DB: SqlBackend> Tx<DB> {
         detached(tx.rollback()).await
     }
 
-    /// Commits as sqlx does (no durability check: for the stores' own
-    /// maintenance), to the end even if the caller is cancelled.
-    #[cfg(feature = "mysql")]
+    /// Commits as sqlx does (no check of its own: for the stores' own
+    /// maintenance, and for a claim's transaction once the completion proof
+    /// ran in it, [`crate::store::sql::commit_claims`]), to the end even if
+    /// the caller is cancelled.
     pub(crate) async fn commit_plain(self) -> Result<(), sqlx::Error> {
         let tx = self.finish()?;
         detached(tx.commit()).await

@@ -90,6 +90,8 @@ const MAX_LOCK_WAIT_TIMEOUTS: u32 = 2;
 /// The longest marker lifetime stored: about 1000 years, so the expiry stays
 /// inside `DATETIME`'s range whatever ttl is asked for.
 const MAX_TTL_MICROS: i64 = 1000 * 366 * 24 * 3600 * 1_000_000;
+/// [`MAX_TTL_MICROS`] in milliseconds.
+const MAX_TTL_MILLIS: i64 = MAX_TTL_MICROS / 1000;
 
 /// `last_insert_id` of the claim statement: what happened to the marker.
 const CLAIM_INSERTED: u64 = 0;
@@ -104,7 +106,15 @@ const CLAIM_EXPIRED: u64 = 2;
 /// the result) or rolls back (then it runs the body itself). Deadlocks and
 /// lock wait timeouts that InnoDB reports while claiming are retried a
 /// bounded number of times. Expiry is computed by the database clock, in
-/// UTC.
+/// UTC, and set again at the commit when the claim waited or ran long, so
+/// that a marker lives its whole ttl once committed.
+///
+/// InnoDB resolves a deadlock by rolling its victim's whole transaction
+/// back (marker and effect), and the session goes on in autocommit. A
+/// handler that ignores such a failed statement and returns `Ok` gets
+/// [`Error::TransactionAborted`]: before writing anything of its own after
+/// the body, the store checks that the session is still in the claim's
+/// transaction, and commits nothing otherwise (the message runs again).
 ///
 /// Keys and scopes are stored as `VARBINARY`: two keys are the same marker
 /// only when their bytes are equal (case, accents and trailing spaces
@@ -187,7 +197,13 @@ impl MySqlStore {
                  expires_at = UTC_TIMESTAMP(3) + INTERVAL ? MICROSECOND WHERE scope = ? AND message_id = ?"
             )
             .into(),
-            marker: MarkerSql::new(&t, |_| "?".to_owned()),
+            marker: MarkerSql::new(
+                &t,
+                |_| "?".to_owned(),
+                // `UTC_TIMESTAMP(3)` is the statement's start: after any wait
+                // of the claim's.
+                |ttl| format!("UTC_TIMESTAMP(3) + INTERVAL (LEAST({ttl}, {MAX_TTL_MILLIS}) * 1000) MICROSECOND"),
+            ),
             purge: format!("DELETE FROM {t} WHERE {expired} LIMIT ?").into(),
             ddl: ddl(include_str!("../../../sql/mysql.sql"), &table, '`'),
             purge_batch: u64::from(purge_batch),
@@ -536,10 +552,53 @@ impl crate::store::StagesOutbox for MySqlStore {}
 sql_backend!(
     MySql,
     sqlx::MySqlConnection,
+    true,
     stage_outbox,
     crate::store::sql::plain_commit,
+    holds_transaction,
     retire
 );
+
+/// Whether the session is in a transaction, on MariaDB.
+const IN_TRANSACTION: &str = "SELECT CAST(@@in_transaction AS SIGNED)";
+
+/// The same question on MySQL, which has no `@@in_transaction`: refused
+/// inside a transaction ([`ER_CANT_CHANGE_TX_CHARACTERISTICS`]); outside
+/// one it only sets the next transaction's level to the one every claim
+/// begins with.
+const SET_NEXT_TRANSACTION: &str = "SET TRANSACTION ISOLATION LEVEL READ COMMITTED";
+
+/// `ER_UNKNOWN_SYSTEM_VARIABLE`.
+const ER_UNKNOWN_SYSTEM_VARIABLE: u16 = 1193;
+/// `ER_CANT_CHANGE_TX_CHARACTERISTICS`.
+const ER_CANT_CHANGE_TX_CHARACTERISTICS: u16 = 1568;
+
+/// A server answered that it has no `@@in_transaction` (MySQL): the proof
+/// asks with [`SET_NEXT_TRANSACTION`] from then on.
+static NO_IN_TRANSACTION: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// [`SqlBackend::holds_transaction`](crate::store::sql::SqlBackend::holds_transaction)
+/// on MySQL/MariaDB: whether the session is still in a transaction. InnoDB
+/// rolls a deadlock victim's whole transaction back (marker, effect,
+/// everything) and the session goes on in autocommit, where every statement
+/// commits on its own and `COMMIT` succeeds on nothing.
+async fn holds_transaction(conn: &mut sqlx::MySqlConnection) -> Result<bool, sqlx::Error> {
+    use std::sync::atomic::Ordering;
+    if !NO_IN_TRANSACTION.load(Ordering::Relaxed) {
+        match sqlx::query_scalar::<_, i64>(IN_TRANSACTION).fetch_one(&mut *conn).await {
+            Ok(open) => return Ok(open != 0),
+            Err(error) if error_number(&error) == Some(ER_UNKNOWN_SYSTEM_VARIABLE) => {
+                NO_IN_TRANSACTION.store(true, Ordering::Relaxed);
+            }
+            Err(error) => return Err(error),
+        }
+    }
+    match sqlx::raw_sql(SET_NEXT_TRANSACTION).execute(conn).await {
+        Ok(_) => Ok(false),
+        Err(error) if error_number(&error) == Some(ER_CANT_CHANGE_TX_CHARACTERISTICS) => Ok(true),
+        Err(error) => Err(error),
+    }
+}
 
 /// [`SqlBackend::retire`](crate::store::sql::SqlBackend::retire) on
 /// MySQL/MariaDB: the session kills itself (`KILL` of its own id, which any

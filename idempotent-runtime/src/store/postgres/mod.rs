@@ -85,6 +85,33 @@ async fn commit(mut tx: sqlx::Transaction<'static, Postgres>) -> Result<(), Erro
     }
 }
 
+/// The completion proof's question on PostgreSQL
+/// ([`SqlBackend::holds_transaction`](crate::store::sql::SqlBackend::holds_transaction)),
+/// one prepared statement, run before the store's own statements after the
+/// body and before the claim's `COMMIT`:
+///
+/// 1. Whether the transaction holds what was written in it: a claim's
+///    transaction has an id from its marker's insert on, and keeps it until
+///    it ends; a statement run after the handler ended it (`COMMIT` or
+///    `ROLLBACK` of its own) runs in a transaction of its own that has none.
+/// 2. In a transaction aborted by a failed statement it fails (25P02),
+///    which is the same answer: PostgreSQL would turn `COMMIT` into a
+///    `ROLLBACK` without an error.
+/// 3. `synchronous_commit` is set back `on` for the transaction when the
+///    session has it `off` (see [`CHECK_BEFORE_COMMIT`]).
+const HOLDS_TRANSACTION: &str = "SELECT txid_current_if_assigned() IS NOT NULL, \
+     CASE WHEN current_setting('synchronous_commit') = 'off' THEN set_config('synchronous_commit', 'on', true) END";
+
+/// [`SqlBackend::holds_transaction`](crate::store::sql::SqlBackend::holds_transaction)
+/// on PostgreSQL: [`HOLDS_TRANSACTION`].
+async fn holds_transaction(conn: &mut sqlx::PgConnection) -> Result<bool, sqlx::Error> {
+    match sqlx::query_scalar::<_, bool>(HOLDS_TRANSACTION).fetch_one(conn).await {
+        Ok(holds) => Ok(holds),
+        Err(sqlx::Error::Database(db)) if db.code().as_deref() == Some(IN_FAILED_TRANSACTION) => Ok(false),
+        Err(error) => Err(error),
+    }
+}
+
 /// Every claim's conflict clause (on the marker table as `m`): an expired
 /// marker is taken over, a live one is not. `DO UPDATE` locks the
 /// conflicting row before it tests the `WHERE`, live or not.
@@ -128,7 +155,13 @@ fn no_live_marker(t: &str, scope: &str, key: &str, tail: &str) -> String {
 /// of a commit that PostgreSQL turned into a rollback. A concurrent duplicate waits on the
 /// marker's primary key until the first call commits (then it replays the
 /// result) or rolls back (then it runs the body itself). Expiry is computed
-/// by the database clock.
+/// by the database clock, and set again (by `clock_timestamp()`) at the
+/// commit when the claim waited or ran long, or its batch did, so that a
+/// marker lives its whole ttl once committed; on a
+/// [`partitioned`](PgStoreBuilder::partitioned) table it is not (a row stays
+/// in its partition). A handler that ends the claim's transaction itself
+/// (`COMMIT`, `ROLLBACK`) and returns `Ok` also gets
+/// [`Error::TransactionAborted`].
 ///
 /// Cloning is cheap: clones share the pool.
 #[derive(Clone, Debug)]
@@ -282,7 +315,12 @@ impl PgStore {
                 no_live_marker(&t, "$1", "$2", "")
             )
             .into(),
-            marker: MarkerSql::new(&t, |n| format!("${n}")),
+            marker: MarkerSql::new(
+                &t,
+                |n| format!("${n}"),
+                // The statement's own clock: `now()` is the transaction's start.
+                |ttl| format!("clock_timestamp() + {ttl} * interval '1 millisecond'"),
+            ),
             // A batch's claims in one statement, in key order (concurrent
             // batches lock their markers in one order: no deadlock). A
             // request that reads nothing back (`$5` false) has
@@ -546,8 +584,9 @@ impl Store for PgStore {
             match crate::batch::gather(self.sql.namespace, req).await {
                 Some(Gathered::Fresh(ticket)) => {
                     let batch = BatchClaim::claimed(self.sql.namespace, ticket).await?;
-                    let (undo, write_result, outbox) = self.guard_parts();
-                    let guard = batch.fresh(undo, write_result, outbox, req).await?;
+                    let guard = batch
+                        .fresh(self.marker_sql(), Arc::clone(self.outbox_table()), req)
+                        .await?;
                     return Ok(Claim::Fresh(guard));
                 }
                 // Not read when the request needs nothing back (both `None`).
@@ -777,7 +816,15 @@ impl crate::batch::BatchStore for PgStore {
 
 impl crate::store::StagesOutbox for PgStore {}
 
-sql_backend!(Postgres, sqlx::PgConnection, stage_outbox, commit, retire);
+sql_backend!(
+    Postgres,
+    sqlx::PgConnection,
+    false,
+    stage_outbox,
+    commit,
+    holds_transaction,
+    retire
+);
 
 /// [`SqlBackend::retire`](crate::store::sql::SqlBackend::retire) on
 /// PostgreSQL: the backend terminates itself (allowed for a role's own

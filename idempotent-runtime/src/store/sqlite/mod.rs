@@ -39,6 +39,11 @@ const BUSY_BACKOFF: Backoff = Backoff::new(Duration::from_millis(2), Duration::f
 /// queue for the write lock in order inside the process; contention with
 /// other processes is retried, so `SQLITE_BUSY` does not reach the caller.
 ///
+/// A handler that ends the claim's transaction itself (`ROLLBACK`,
+/// `COMMIT`), or whose statement made SQLite roll it back (some I/O errors,
+/// `SQLITE_FULL`), and returns `Ok` gets [`Error::TransactionAborted`]:
+/// nothing more is written or committed in autocommit.
+///
 /// Cloning is cheap: clones share the pool and the writer queue.
 #[derive(Clone, Debug)]
 pub struct SqliteStore {
@@ -119,7 +124,7 @@ impl SqliteStore {
                  RETURNING 1"
             )
             .into(),
-            marker: MarkerSql::new(&t, |n| format!("?{n}")),
+            marker: MarkerSql::new(&t, |n| format!("?{n}"), |ttl| format!("{NOW_MS} + {ttl}")),
             purge: format!(
                 "DELETE FROM {t} WHERE (scope, message_id) IN (\
                  SELECT scope, message_id FROM {t} WHERE expires_at <= {NOW_MS} LIMIT ?1)"
@@ -372,10 +377,31 @@ impl crate::store::StagesOutbox for SqliteStore {}
 sql_backend!(
     Sqlite,
     sqlx::SqliteConnection,
+    true,
     stage_outbox,
     crate::store::sql::plain_commit,
+    holds_transaction,
     retire
 );
+
+/// What SQLite answers a `BEGIN` inside a transaction.
+const ALREADY_IN_TRANSACTION: &str = "cannot start a transaction within a transaction";
+
+/// [`SqlBackend::holds_transaction`](crate::store::sql::SqlBackend::holds_transaction)
+/// on SQLite: whether the connection is still in a transaction (not back
+/// in autocommit, after a `ROLLBACK` or `COMMIT` of the handler's own, or a
+/// rollback SQLite made itself after an I/O error or `SQLITE_FULL`). SQL
+/// has no function for it; `BEGIN` is refused inside a transaction, which
+/// is the answer. Outside one it begins a deferred transaction (no lock),
+/// which the refused claim's rollback ends, bringing sqlx's record of the
+/// connection back in step with it.
+async fn holds_transaction(conn: &mut sqlx::SqliteConnection) -> Result<bool, sqlx::Error> {
+    match sqlx::query("BEGIN").execute(conn).await {
+        Ok(_) => Ok(false),
+        Err(sqlx::Error::Database(db)) if db.message().contains(ALREADY_IN_TRANSACTION) => Ok(true),
+        Err(error) => Err(error),
+    }
+}
 
 /// [`SqlBackend::retire`](crate::store::sql::SqlBackend::retire) on SQLite:
 /// nothing to do. A SQLite connection runs its statements on its own
