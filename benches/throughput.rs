@@ -745,6 +745,12 @@ async fn run(cfg: Config) {
                 t,
                 &warm,
             ),
+            row(
+                "(d+value) (d) returning a struct",
+                Rebuilt::new(|| mem::MacroValue::new(MemoryStore::new())),
+                t,
+                &warm,
+            ),
         ];
         let names: Vec<&'static str> = rows.iter().map(|r| r.name).collect();
         let groups = grid("memory", &rows, &cfg.lease_cells(), &plans, cfg.reps_small).await;
@@ -755,7 +761,7 @@ async fn run(cfg: Config) {
         text.push_str(&report::tables(
             &names,
             &groups,
-            &[(1, 0), (2, 1)],
+            &[(1, 0), (2, 1), (3, 1)],
             cfg.reps_small,
             "\nLatency p50 / p99 (ms):\n\n",
             None,

@@ -166,10 +166,109 @@ proptest! {
         let text_b = serde_json::to_string(&shuffled(&v, &mut seed)).unwrap();
         let a: serde_json::Value = serde_json::from_str(&text_a).unwrap();
         let b: serde_json::Value = serde_json::from_str(&text_b).unwrap();
-        // (Not compared with `v` itself: serde_json parses some floats one
-        // unit in the last place away from what it printed.)
         prop_assert_eq!(Fingerprint::of(&a).unwrap(), Fingerprint::of(&b).unwrap());
     }
+}
+
+// ---- fingerprints against serde_json's own output --------------------------
+
+/// Values whose JSON collide in every way serde_json allows: a unit variant
+/// and a string (`"Unit"`), a newtype variant and a one-entry map
+/// (`{"Maybe": ..}`), a struct variant and nested maps, variants whose
+/// content is `null` (`{"Maybe": null}`, `{"Also": null}`). Maps never hold
+/// `null` (a `null` entry is documented as the same as an absent one), so
+/// for these values two fingerprints are equal exactly when serde_json
+/// writes the same content (up to key order and the order of lists, which
+/// are multisets).
+#[derive(Debug, Clone, serde::Serialize)]
+#[serde(untagged)]
+enum Json {
+    Text(String),
+    Number(i64),
+    List(Vec<Json>),
+    Dict(std::collections::BTreeMap<String, Json>),
+    Tagged(Tagged),
+}
+
+#[derive(Debug, Clone, serde::Serialize)]
+enum Tagged {
+    Unit,
+    Maybe(Option<Box<Json>>),
+    Also(Option<Box<Json>>),
+    Hold(()),
+    Record { id: i64, tag: String },
+}
+
+fn json() -> impl Strategy<Value = Json> {
+    // Few names and numbers, so that pairs often collide.
+    let name = prop_oneof![Just("Unit"), Just("Maybe"), Just("Also"), Just("Hold"), Just("a")].prop_map(String::from);
+    let leaf = prop_oneof![
+        name.clone().prop_map(Json::Text),
+        (0i64..3).prop_map(Json::Number),
+        Just(Json::Tagged(Tagged::Unit)),
+        Just(Json::Tagged(Tagged::Maybe(None))),
+        Just(Json::Tagged(Tagged::Also(None))),
+        Just(Json::Tagged(Tagged::Hold(()))),
+        ((0i64..2), name.clone()).prop_map(|(id, tag)| Json::Tagged(Tagged::Record { id, tag })),
+    ];
+    leaf.prop_recursive(3, 16, 3, move |inner| {
+        prop_oneof![
+            prop::collection::vec(inner.clone(), 0..3).prop_map(Json::List),
+            prop::collection::btree_map(name.clone(), inner.clone(), 0..3).prop_map(Json::Dict),
+            inner
+                .clone()
+                .prop_map(|j| Json::Tagged(Tagged::Maybe(Some(Box::new(j))))),
+            inner.prop_map(|j| Json::Tagged(Tagged::Also(Some(Box::new(j))))),
+        ]
+    })
+}
+
+/// serde_json's text of a value, with object keys sorted and the elements
+/// of each list sorted (the two orders a fingerprint ignores).
+fn normalized(value: &serde_json::Value) -> String {
+    match value {
+        serde_json::Value::Array(items) => {
+            let mut items: Vec<String> = items.iter().map(normalized).collect();
+            items.sort();
+            format!("[{}]", items.join(","))
+        }
+        serde_json::Value::Object(entries) => {
+            let mut entries: Vec<String> = entries
+                .iter()
+                .map(|(k, v)| format!("{}:{}", serde_json::to_string(k).unwrap(), normalized(v)))
+                .collect();
+            entries.sort();
+            format!("{{{}}}", entries.join(","))
+        }
+        other => other.to_string(),
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(2000))]
+
+    #[test]
+    fn fingerprints_differ_exactly_when_serde_json_writes_different_content(a in json(), b in json()) {
+        let (ja, jb) = (serde_json::to_value(&a).unwrap(), serde_json::to_value(&b).unwrap());
+        let same_json = normalized(&ja) == normalized(&jb);
+        let same_fingerprint = Fingerprint::of(&a).unwrap() == Fingerprint::of(&b).unwrap();
+        prop_assert_eq!(
+            same_fingerprint, same_json,
+            "{} vs {}", serde_json::to_string(&a).unwrap(), serde_json::to_string(&b).unwrap()
+        );
+    }
+}
+
+#[test]
+fn variants_with_null_content_have_fingerprints_of_their_own() {
+    let approve = Json::Tagged(Tagged::Maybe(None));
+    let reject = Json::Tagged(Tagged::Also(None));
+    assert_ne!(Fingerprint::of(&approve).unwrap(), Fingerprint::of(&reject).unwrap());
+    assert_ne!(
+        Fingerprint::of(&approve).unwrap(),
+        Fingerprint::of(&serde_json::json!({})).unwrap(),
+        "{{\"Maybe\": null}} is not an empty map"
+    );
 }
 
 // ---- through a handler, on real stores ------------------------------------

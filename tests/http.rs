@@ -7,15 +7,17 @@
 
 mod common;
 
-use std::sync::Arc;
+use std::future::Future;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use common::http::{Backend, CachedPg, Lite, My, Pg, PgPartitioned, PgPartitionedBySecond, caller, listen, tenant};
 use idempotent_runtime::axum::Router;
 use idempotent_runtime::axum::body::{Body, Bytes};
-use idempotent_runtime::axum::extract::State;
-use idempotent_runtime::axum::http::{HeaderMap, StatusCode};
+use idempotent_runtime::axum::extract::{Path, State};
+use idempotent_runtime::axum::handler::Handler;
+use idempotent_runtime::axum::http::{HeaderMap, StatusCode, Uri};
 use idempotent_runtime::axum::response::{IntoResponse, Response};
 use idempotent_runtime::axum::routing::post;
 use idempotent_runtime::http::{IdempotencyLayer, IdempotentTx, InProgress, NotKept};
@@ -971,4 +973,375 @@ async fn redis_store_without_renewal_an_expired_lease_runs_the_retry_again_and_f
     assert_eq!(ran, 2, "the effect ran twice: not covered by a lease");
     assert!(later.replayed());
     assert_eq!(later.body, retry.body);
+}
+
+// ---- the resource a key answers for ------------------------------------------------
+
+/// What the account routes ran: the account of each withdrawal (or the
+/// path a fallback saw).
+#[derive(Clone, Default)]
+struct Ledger(Arc<Mutex<Vec<String>>>);
+
+impl Ledger {
+    fn runs(&self) -> Vec<String> {
+        self.0.lock().unwrap().clone()
+    }
+}
+
+/// `POST .../accounts/{account}/withdraw`: withdraws the body's amount.
+async fn withdraw(State(ledger): State<Ledger>, Path(account): Path<String>, body: String) -> (StatusCode, String) {
+    ledger.0.lock().unwrap().push(account.clone());
+    (StatusCode::CREATED, format!("withdrew {body} from {account}"))
+}
+
+/// A fallback that withdraws too (it sees the path its router was given,
+/// and numbers its runs).
+async fn withdraw_anywhere(State(ledger): State<Ledger>, uri: Uri, body: String) -> (StatusCode, String) {
+    let run = {
+        let mut runs = ledger.0.lock().unwrap();
+        runs.push(uri.path().to_owned());
+        runs.len()
+    };
+    (
+        StatusCode::CREATED,
+        format!("withdrew {body} at {} (run {run})", uri.path()),
+    )
+}
+
+/// The layouts of `/accounts/{account}/withdraw` a service is written in:
+/// nested routers with the layer inside (`route_layer`, `layer`, on the
+/// method router) or around the nest, a path parameter, a nested router's
+/// fallback and the top router's fallback.
+fn account_layouts<S: Store<Guard: 'static> + 'static>(
+    layer: &IdempotencyLayer<S>,
+    ledger: &Ledger,
+) -> Vec<(&'static str, Router)> {
+    let nest = |inner: Router<Ledger>| {
+        Router::new()
+            .nest("/accounts/{account}", inner)
+            .with_state(ledger.clone())
+    };
+    vec![
+        (
+            "nested, route_layer",
+            nest(
+                Router::new()
+                    .route("/withdraw", post(withdraw))
+                    .route_layer(layer.clone()),
+            ),
+        ),
+        (
+            "nested, layer",
+            nest(Router::new().route("/withdraw", post(withdraw)).layer(layer.clone())),
+        ),
+        (
+            "nested, on the method router",
+            nest(Router::new().route("/withdraw", post(withdraw).layer(layer.clone()))),
+        ),
+        (
+            "layer around the nest",
+            Router::new()
+                .nest("/accounts/{account}", Router::new().route("/withdraw", post(withdraw)))
+                .layer(layer.clone())
+                .with_state(ledger.clone()),
+        ),
+        (
+            "path parameter",
+            Router::new()
+                .route("/accounts/{account}/withdraw", post(withdraw))
+                .route_layer(layer.clone())
+                .with_state(ledger.clone()),
+        ),
+        (
+            "nested fallback",
+            nest(Router::new().fallback(withdraw_anywhere).layer(layer.clone())),
+        ),
+        (
+            "fallback",
+            Router::new()
+                .route("/health", post(|| async { "ok" }))
+                .fallback(withdraw_anywhere)
+                .layer(layer.clone())
+                .with_state(ledger.clone()),
+        ),
+    ]
+}
+
+/// A key is answered for the resource the client named (the path it
+/// sent, whatever routers nest it): Alice's withdrawal is never replayed
+/// to Bob's request with the same key and body. Under a matched route
+/// (whose pattern is the same for both) Bob's request is `422` and runs
+/// nothing; in a fallback, where the path stands for the route, Bob's key
+/// is his own and runs. Alice's retry is her replay; Bob with a key of his
+/// own runs.
+async fn a_key_is_never_replayed_to_another_resource<S: Store<Guard: 'static> + Clone + 'static>(store: S) {
+    let layer = IdempotencyLayer::new(store);
+    let ledger = Ledger::default();
+    let client = reqwest::Client::new();
+    for (layout, router) in account_layouts(&layer, &ledger) {
+        let fallback = layout.contains("fallback");
+        let base = listen(router).await;
+        let alice = format!("{base}/accounts/alice/withdraw");
+        let bob = format!("{base}/accounts/bob/withdraw");
+        let key = common::unique("key");
+        let before = ledger.runs().len();
+        let first = send(&client, &alice, Some(&key), "", "100").await;
+        assert_eq!((first.status, first.replayed()), (201, false), "{layout}");
+        if !fallback {
+            assert_eq!(
+                String::from_utf8_lossy(&first.body),
+                "withdrew 100 from alice",
+                "{layout}"
+            );
+        }
+        let other = send(&client, &bob, Some(&key), "", "100").await;
+        let what = format!(
+            "{layout}: Bob's request with Alice's key got {} {:?} (replayed: {})",
+            other.status,
+            String::from_utf8_lossy(&other.body),
+            other.replayed()
+        );
+        assert!(!other.replayed() && other.body != first.body, "{what}");
+        if fallback {
+            assert_eq!(other.status, 201, "{what}");
+            assert_eq!(ledger.runs().len(), before + 2, "{what}");
+        } else {
+            assert_eq!(other.status, 422, "{what}");
+            assert_eq!(other.problem_type(), "urn:idempotent:key-reused", "{layout}");
+            assert_eq!(ledger.runs().len(), before + 1, "{what}: Bob's withdrawal ran");
+        }
+        let runs = ledger.runs().len();
+        // Another query is another request for the resource: `422`.
+        let query = send(&client, &format!("{alice}?to=bob"), Some(&key), "", "100").await;
+        assert_eq!(query.status, 422, "{layout}");
+        let retry = send(&client, &alice, Some(&key), "", "100").await;
+        assert_eq!((retry.status, retry.replayed()), (201, true), "{layout}");
+        assert_eq!(retry.body, first.body, "{layout}");
+        let own = send(&client, &bob, Some(&common::unique("key")), "", "100").await;
+        assert_eq!((own.status, own.replayed()), (201, false), "{layout}");
+        if !fallback {
+            assert_eq!(String::from_utf8_lossy(&own.body), "withdrew 100 from bob", "{layout}");
+        }
+        assert_eq!(ledger.runs().len(), runs + 1, "{layout}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn memory_store_a_key_is_never_replayed_to_another_resource() {
+    a_key_is_never_replayed_to_another_resource(MemoryStore::new()).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_a_key_is_never_replayed_to_another_resource() {
+    let backend = Lite::setup().await;
+    a_key_is_never_replayed_to_another_resource(backend.store()).await;
+    backend.teardown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_key_is_never_replayed_to_another_resource() {
+    let backend = Pg::setup().await;
+    a_key_is_never_replayed_to_another_resource(backend.store()).await;
+    backend.teardown().await;
+}
+
+// ---- metric labels ---------------------------------------------------------------------
+
+/// With the layer on the whole router (`Router::layer`), requests no route
+/// matched reach it through the fallback: their paths are the client's to
+/// choose and never become a `scope` label. 40 random paths, with and
+/// without a key, make one series per outcome, `http:POST:<unmatched>`;
+/// 10 made-up methods on a route one, `http:_OTHER:/charges`.
+#[test]
+fn unmatched_paths_and_unknown_methods_never_become_metric_labels() {
+    let counters = common::counters::Counters::default();
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    metrics::with_local_recorder(&counters, || {
+        runtime.block_on(async {
+            let router = Router::new()
+                .route("/charges", post(|| async { (StatusCode::CREATED, "charged") }))
+                .layer(IdempotencyLayer::new(MemoryStore::new()));
+            let base = listen(router).await;
+            let client = reqwest::Client::new();
+            let mut probes = Vec::new();
+            for _ in 0..40 {
+                let probe = common::unique("probe");
+                let url = format!("{base}/{probe}/x");
+                assert_eq!(send(&client, &url, None, "", "x").await.status, 400, "{url}");
+                assert_eq!(
+                    send(&client, &url, Some(&common::unique("key")), "", "x").await.status,
+                    404,
+                    "{url}"
+                );
+                probes.push(probe);
+            }
+            let charged = send(&client, &format!("{base}/charges"), Some("k"), "", "x").await;
+            assert_eq!(charged.status, 201);
+            for _ in 0..10 {
+                let probe = common::unique("PROBE").replace('_', "-");
+                let method = reqwest::Method::from_bytes(probe.as_bytes()).unwrap();
+                let answer = client
+                    .request(method, format!("{base}/charges"))
+                    .header("idempotency-key", common::unique("key"))
+                    .send()
+                    .await
+                    .unwrap();
+                assert_eq!(answer.status(), 405, "{probe}");
+                probes.push(probe);
+            }
+            let series: Vec<String> = counters
+                .0
+                .lock()
+                .unwrap()
+                .keys()
+                .filter(|name| name.starts_with("idempotent_outcomes_total{"))
+                .cloned()
+                .collect();
+            let mut scopes: Vec<&str> = series
+                .iter()
+                .filter_map(|name| name.split("scope=").nth(1))
+                .map(|scope| scope.trim_end_matches('}'))
+                .collect();
+            scopes.sort();
+            scopes.dedup();
+            assert_eq!(
+                scopes,
+                ["http:POST:/charges", "http:POST:<unmatched>", "http:_OTHER:/charges"],
+                "{} series: {series:?}",
+                series.len()
+            );
+            assert!(
+                !series
+                    .iter()
+                    .any(|name| probes.iter().any(|probe| name.contains(probe.as_str()))),
+                "a path became a label: {series:?}"
+            );
+            let count = |outcome: &str| {
+                counters.get(&format!(
+                    "idempotent_outcomes_total{{outcome={outcome},scope=http:POST:<unmatched>}}"
+                ))
+            };
+            assert_eq!(count("error"), 40, "the 400s of missing keys");
+            assert_eq!(count("processed"), 40, "the fallback's 404s, kept");
+        })
+    });
+}
+
+// ---- the in-flight registry ------------------------------------------------------------
+
+/// The handler of the registry's tests: `hold` waits for a permit of the
+/// gate; `fail` answers 500 (not kept, so the key's waiter runs next).
+#[derive(Clone)]
+struct Gated {
+    ran: Arc<AtomicUsize>,
+    gate: Arc<tokio::sync::Semaphore>,
+}
+
+async fn gated(State(app): State<Gated>, body: Bytes) -> Response {
+    app.ran.fetch_add(1, Ordering::SeqCst);
+    if body.windows(4).any(|w| w == b"hold") {
+        app.gate.acquire().await.unwrap().forget();
+    }
+    if body.windows(4).any(|w| w == b"fail") {
+        return (StatusCode::INTERNAL_SERVER_ERROR, "failed").into_response();
+    }
+    (StatusCode::CREATED, "done").into_response()
+}
+
+/// Where a waiting request's client goes away.
+#[derive(Clone, Copy, Debug)]
+enum DroppedWhile {
+    /// It waits for the first request with its key.
+    Waiting,
+    /// The first ended and handed it the key; it was not polled since.
+    Woken,
+    /// It claimed the key after the first failed, and its handler runs.
+    Running,
+}
+
+/// Rounds of: a request with a fresh key holds it in its handler; a second
+/// with the key waits for it (`InProgress::Wait`); the second's future is
+/// dropped at `point`. Afterwards the layer's registry holds no key.
+async fn dropped_waiters_leave_no_in_flight_key(point: DroppedWhile) {
+    const ROUNDS: usize = 3000;
+    let layer = IdempotencyLayer::builder(MemoryStore::new())
+        .in_progress(InProgress::Wait {
+            timeout: Duration::from_secs(30),
+        })
+        .build();
+    let app = Gated {
+        ran: Arc::default(),
+        gate: Arc::new(tokio::sync::Semaphore::new(0)),
+    };
+    let service = gated.layer(layer.clone());
+    let call = |key: &str, body: &'static str| {
+        let request = idempotent_runtime::axum::http::Request::post("/gated")
+            .header("idempotency-key", key)
+            .body(Body::from(body))
+            .unwrap();
+        Box::pin(Handler::call(service.clone(), request, app.clone()))
+    };
+    // Polls `future` (which must not end) until the handler has run `runs` times.
+    async fn until_ran<F: Future + Unpin>(future: &mut F, ran: &AtomicUsize, runs: usize) {
+        while ran.load(Ordering::SeqCst) < runs {
+            assert!(futures_util::poll!(&mut *future).is_pending());
+            tokio::task::yield_now().await;
+        }
+    }
+    for round in 0..ROUNDS {
+        let key = format!("round-{round}");
+        let first_body = if matches!(point, DroppedWhile::Running) {
+            "hold fail"
+        } else {
+            "hold"
+        };
+        let tracked = layer.in_flight_keys();
+        let mut first = call(&key, first_body);
+        let runs = app.ran.load(Ordering::SeqCst);
+        until_ran(&mut first, &app.ran, runs + 1).await;
+        let mut waiter = call(&key, "hold");
+        assert!(futures_util::poll!(&mut waiter).is_pending());
+        assert_eq!(layer.in_flight_keys(), tracked + 1, "round {round}: the key is held");
+        match point {
+            DroppedWhile::Waiting => {
+                drop(waiter);
+                app.gate.add_permits(1);
+                assert_eq!(first.await.status(), 201);
+            }
+            DroppedWhile::Woken => {
+                app.gate.add_permits(1);
+                assert_eq!(first.await.status(), 201);
+                drop(waiter);
+            }
+            DroppedWhile::Running => {
+                app.gate.add_permits(1);
+                assert_eq!(first.await.status(), 500);
+                until_ran(&mut waiter, &app.ran, runs + 2).await;
+                drop(waiter);
+            }
+        }
+    }
+    assert_eq!(
+        layer.in_flight_keys(),
+        0,
+        "{point:?}: {ROUNDS} dropped waiters left keys in the registry"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiter_dropped_while_waiting_leaves_no_in_flight_key() {
+    dropped_waiters_leave_no_in_flight_key(DroppedWhile::Waiting).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiter_dropped_after_being_woken_leaves_no_in_flight_key() {
+    dropped_waiters_leave_no_in_flight_key(DroppedWhile::Woken).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiter_dropped_while_running_leaves_no_in_flight_key() {
+    dropped_waiters_leave_no_in_flight_key(DroppedWhile::Running).await
 }

@@ -302,6 +302,238 @@ async fn a_generic_handler_at_two_types_is_two_handlers() {
     assert_eq!(log.runs(), ["charge"]);
 }
 
+// ---- instantiations whose type names say nothing ------------------------------
+
+/// A consumer generic over its effect, as services write them: the effect
+/// is a closure, a function, or a boxed trait object.
+pub struct Handle<F> {
+    effect: F,
+    runs: AtomicU32,
+}
+
+impl<F> Handle<F> {
+    fn new(effect: F) -> Self {
+        Handle {
+            effect,
+            runs: AtomicU32::new(0),
+        }
+    }
+
+    fn runs(&self) -> u32 {
+        self.runs.load(Ordering::SeqCst)
+    }
+}
+
+impl<F: Fn(&Msg) -> u32 + Send + Sync> Handle<F> {
+    #[idempotent(key = "msg.id", store = store)]
+    async fn handle<S: Store>(&self, store: &S, msg: &Msg) -> Result<u32, AppError> {
+        self.runs.fetch_add(1, Ordering::SeqCst);
+        Ok((self.effect)(msg))
+    }
+}
+
+/// The same through a trait: `<Handle<F> as Answer>::answer`.
+pub trait Answer {
+    fn answer(&self, store: &MemoryStore, msg: &Msg)
+    -> impl std::future::Future<Output = Result<u32, AppError>> + Send;
+}
+
+impl<F: Fn(&Msg) -> u32 + Send + Sync> Answer for Handle<F> {
+    #[idempotent(key = "msg.id", store = store)]
+    async fn answer(&self, store: &MemoryStore, msg: &Msg) -> Result<u32, AppError> {
+        self.runs.fetch_add(1, Ordering::SeqCst);
+        Ok((self.effect)(msg) + 100)
+    }
+}
+
+/// An effect behind a trait object: every `Handle<Boxed>` is one type.
+type Boxed = Box<dyn Fn(&Msg) -> u32 + Send + Sync>;
+
+/// A generic free function instantiated at closures.
+#[idempotent(key = "msg.id", store = store)]
+async fn run_effect<F: Fn(&Msg) -> u32 + Send + Sync>(
+    store: &MemoryStore,
+    msg: &Msg,
+    effect: &F,
+    runs: &AtomicU32,
+) -> Result<u32, AppError> {
+    runs.fetch_add(1, Ordering::SeqCst);
+    Ok(effect(msg))
+}
+
+fn charge(_: &Msg) -> u32 {
+    10
+}
+
+fn notify(_: &Msg) -> u32 {
+    20
+}
+
+/// Both handles process `m` twice: each body runs once and answers its own
+/// result (the second call is each one's own duplicate).
+async fn each_runs_once<A, B, S>(a: &Handle<A>, b: &Handle<B>, store: &S, m: &Msg) -> (u32, u32)
+where
+    A: Fn(&Msg) -> u32 + Send + Sync,
+    B: Fn(&Msg) -> u32 + Send + Sync,
+    S: Store,
+{
+    let mut answers = (0, 0);
+    for _ in 0..2 {
+        answers = (a.handle(store, m).await.unwrap(), b.handle(store, m).await.unwrap());
+    }
+    answers
+}
+
+#[tokio::test]
+async fn two_closures_of_one_function_are_two_handlers() {
+    let store = MemoryStore::new();
+    let m = msg();
+    // Two closures of one function: Rust prints both types the same
+    // (`scopes::..::{{closure}}`), yet they are two instantiations.
+    let a = Handle::new(|_: &Msg| 1);
+    let b = Handle::new(|_: &Msg| 2);
+    assert_eq!(
+        each_runs_once(&a, &b, &store, &m).await,
+        (1, 2),
+        "the second closure's handler answered with the first one's result"
+    );
+    assert_eq!((a.runs(), b.runs()), (1, 1), "each body ran once");
+
+    // A trait method of the generic type, likewise.
+    let m = msg();
+    for _ in 0..2 {
+        assert_eq!(a.answer(&store, &m).await.unwrap(), 101);
+        assert_eq!(b.answer(&store, &m).await.unwrap(), 102);
+    }
+    assert_eq!((a.runs(), b.runs()), (2, 2));
+
+    // A generic function at two closures, likewise.
+    let (runs_a, runs_b) = (AtomicU32::new(0), AtomicU32::new(0));
+    let (fa, fb) = (|_: &Msg| 3, |_: &Msg| 4);
+    for _ in 0..2 {
+        assert_eq!(run_effect(&store, &m, &fa, &runs_a).await.unwrap(), 3);
+        assert_eq!(run_effect(&store, &m, &fb, &runs_b).await.unwrap(), 4);
+    }
+    assert_eq!((runs_a.into_inner(), runs_b.into_inner()), (1, 1));
+}
+
+#[tokio::test]
+async fn values_of_one_type_are_one_handler_and_share_its_markers() {
+    // Two values of one instantiation, `Handle<Box<dyn Fn>>`, holding two
+    // different closures: one handler (documented in docs/handlers.md,
+    // "Scopes"), so the second is a duplicate of the first, not a conflict.
+    let store = MemoryStore::new();
+    let m = msg();
+    let a: Handle<Boxed> = Handle::new(Box::new(|_: &Msg| 1));
+    let b: Handle<Boxed> = Handle::new(Box::new(|_: &Msg| 2));
+    assert_eq!(
+        each_runs_once(&a, &b, &store, &m).await,
+        (1, 1),
+        "one handler: the replay"
+    );
+    assert_eq!((a.runs(), b.runs()), (1, 0));
+    // Unless they keep their markers in different stores.
+    let other = MemoryStore::new();
+    assert_eq!(b.handle(&other, &m).await.unwrap(), 2);
+    assert_eq!(b.runs(), 1);
+}
+
+/// A generic handler whose instantiations the registry must tell apart.
+pub struct Tagged<T>(std::marker::PhantomData<T>);
+
+impl<T: Send + Sync> Tagged<T> {
+    #[idempotent(key = "msg.id", store = store)]
+    async fn handle(store: &MemoryStore, msg: &Msg, answer: u32) -> Result<u32, AppError> {
+        Ok(answer)
+    }
+}
+
+#[tokio::test]
+async fn two_types_printed_alike_are_refused_not_shared() {
+    // Two types that Rust prints with one name (`..::Local`, declared in two
+    // blocks of one function) whose scope carries no marker of ambiguity:
+    // the second instantiation is refused, never answered with the first's
+    // result.
+    let store = MemoryStore::new();
+    let m = msg();
+    let first = {
+        struct Local;
+        Tagged::<Local>::handle(&store, &m, 1).await.unwrap()
+    };
+    assert_eq!(first, 1);
+    let second = {
+        struct Local;
+        Tagged::<Local>::handle(&store, &m, 2).await
+    };
+    let Err(AppError::Idem(Error::ScopeConflict { scope, handler, other })) = &second else {
+        panic!("expected ScopeConflict, got {second:?}");
+    };
+    assert!(scope.starts_with("scopes::Tagged<scopes::"), "{scope}");
+    assert!(handler.contains("another instantiation"), "{handler}");
+    assert!(other.starts_with("scopes::Tagged<"), "{other}");
+}
+
+#[tokio::test]
+async fn generic_handler_instantiations_keep_their_own_markers_in_postgres() {
+    let pool = common::pg_pool(4).await;
+    let table = common::unique("generic_scopes");
+    let store = PgStore::builder(pool.clone()).table(&table).build().unwrap();
+    store.migrate().await.unwrap();
+
+    // Two closures of one function.
+    let m = msg();
+    let a = Handle::new(|_: &Msg| 1);
+    let b = Handle::new(|_: &Msg| 2);
+    assert_eq!(each_runs_once(&a, &b, &store, &m).await, (1, 2));
+    assert_eq!((a.runs(), b.runs()), (1, 1));
+    let closures = scopes_of(&pool, &table, &m.id).await;
+    assert_eq!(closures.len(), 2, "{closures:?}");
+    for scope in &closures {
+        // The readable path with `#` and the instantiation's hash; this one
+        // is long, so it is shortened too (`~{tail}#{hash}`).
+        assert!(scope.contains("{{closure}}>::handle<"), "{scope}");
+        assert!(scope.contains("PgStore>#"), "{scope}");
+        assert!(scope.len() <= idempotent_runtime::MAX_SCOPE_BYTES, "{scope}");
+    }
+
+    // One generic type at two named types: readable, stable scopes.
+    let m = msg();
+    let (c, n) = (Handle::new(charge), Handle::new(notify));
+    assert_eq!(each_runs_once(&c, &n, &store, &m).await, (10, 20));
+    assert_eq!((c.runs(), n.runs()), (1, 1));
+    assert_eq!(
+        scopes_of(&pool, &table, &m.id).await,
+        [
+            "scopes::Handle<scopes::charge>::handle<idempotent_runtime::store::postgres::PgStore>",
+            "scopes::Handle<scopes::notify>::handle<idempotent_runtime::store::postgres::PgStore>"
+        ]
+    );
+
+    // Two values of one instantiation: one handler, one marker.
+    let m = msg();
+    let x: Handle<Boxed> = Handle::new(Box::new(|_: &Msg| 1));
+    let y: Handle<Boxed> = Handle::new(Box::new(|_: &Msg| 2));
+    assert_eq!(each_runs_once(&x, &y, &store, &m).await, (1, 1));
+    assert_eq!((x.runs(), y.runs()), (1, 0));
+    let boxed = scopes_of(&pool, &table, &m.id).await;
+    assert_eq!(boxed.len(), 1, "{boxed:?}");
+    // Shortened (`~{tail}#{hash}`), without an instantiation's hash: the
+    // type is named.
+    assert!(boxed[0].contains("Sync>>::handle<"), "{boxed:?}");
+    assert_eq!(boxed[0].matches('#').count(), 1, "{boxed:?}");
+    common::drop_pg_table(&pool, &table).await;
+}
+
+async fn scopes_of(pool: &sqlx::PgPool, table: &str, key: &str) -> Vec<String> {
+    sqlx::query_scalar(AssertSqlSafe(format!(
+        "SELECT scope FROM {table} WHERE message_id = $1 ORDER BY scope"
+    )))
+    .bind(key)
+    .fetch_all(pool)
+    .await
+    .unwrap()
+}
+
 // ---- explicit scopes claimed by two handlers ---------------------------------
 
 #[idempotent(key = "msg.id", store = store, scope = "payments")]

@@ -62,3 +62,55 @@ impl<S: Store + 'static> Variant for Macro<S> {
         }
     }
 }
+
+/// What a handler that returns a value stores and replays: a receipt of a
+/// few fields (strings, a float, a list, an option), the usual shape of a
+/// result that is not `()`.
+#[derive(Clone, serde::Serialize, serde::Deserialize)]
+pub struct Receipt {
+    order_id: String,
+    amount: f64,
+    lines: Vec<u32>,
+    note: Option<String>,
+}
+
+/// [`Macro`] with a [`Receipt`] for result: the same call, plus encoding
+/// the result before the commit (and checking that it reads back) and
+/// decoding it for each duplicate.
+pub struct MacroValue<S> {
+    pub store: S,
+    effects: AtomicU64,
+}
+
+impl<S: Store + 'static> MacroValue<S> {
+    pub fn new(store: S) -> Self {
+        MacroValue {
+            store,
+            effects: AtomicU64::new(0),
+        }
+    }
+
+    #[idempotent(key = "msg.key", store = self.store, scope = "handle_value")]
+    async fn handle(&self, msg: &Msg) -> Result<Receipt, Error> {
+        msg.ran.store(true, Ordering::Relaxed);
+        let n = self.effects.fetch_add(1, Ordering::Relaxed);
+        Ok(Receipt {
+            order_id: msg.key.clone(),
+            amount: n as f64 * 0.1,
+            lines: vec![1, 2, 3],
+            note: None,
+        })
+    }
+}
+
+impl<S: Store + 'static> Variant for MacroValue<S> {
+    async fn deliver(&self, key: String) -> Result<Outcome, BoxError> {
+        let msg = Msg::new(key);
+        match self.handle(&msg).await {
+            Ok(receipt) if receipt.order_id == msg.key => Ok(msg.outcome()),
+            Ok(_) => Err("a replay of another key's receipt".into()),
+            Err(Error::InProgress { .. }) => Ok(Outcome::Busy),
+            Err(e) => Err(e.into()),
+        }
+    }
+}

@@ -79,18 +79,27 @@ fn expand(handler: &Handler, args: &Args, key: &Expression, store: &syn::Expr) -
     let logged_key = format_ident!("__idem_logged_key", span = mixed);
     let handler_path = format_ident!("__idem_handler", span = mixed);
     let site = format_ident!("__IDEM_SITE", span = mixed);
+    let probe = format_ident!("__idem_probe", span = mixed);
+    let instance = format_ident!("__idem_instance", span = mixed);
     let shared = args.shared_scope;
     let caller = quote! {
-        #rt::Caller { site: &#site, path: #handler_path, scope: #scope }
+        #rt::Caller { site: &#site, path: #handler_path, scope: #scope, instance: #instance }
     };
 
     // The scope: the explicit one, or the handler's path (see the runtime's
     // `scope` module), read from the type name of a closure in this body.
     // The path is a function: with an explicit scope only the scope
-    // registry asks for it, once per handler, not every call.
-    let scope_value = match &args.scope {
-        Some(lit) => quote!(#lit),
-        None => quote!(#handler_path()),
+    // registry asks for it, once per handler, not every call. A default
+    // scope belongs to one instantiation of a generic handler (the type of
+    // the closure `#probe` carries every generic parameter of the handler
+    // and its impl, and so identifies the instantiation; the `static` site
+    // is one for all of them); an explicit scope to all of them.
+    let (instance_value, scope_value) = match &args.scope {
+        Some(lit) => (quote!(#rt::Instance::ANY), quote!(#lit)),
+        None => (
+            quote!(#rt::Instance::of(&#probe)),
+            quote!(#rt::default_scope(&#site, #instance, #handler_path)),
+        ),
     };
     let probes = transaction_probes(handler, &rt);
 
@@ -229,7 +238,9 @@ fn expand(handler: &Handler, args: &Args, key: &Expression, store: &syn::Expr) -
         let #codec = #codec_of();
         let #into_error = #from_store;
         static #site: #rt::Site = #rt::Site::new(::core::file!(), ::core::line!(), #shared);
-        let #handler_path: fn() -> &'static str = || #rt::default_scope(::core::any::type_name_of_val(&|| ()));
+        let #probe = || #rt::handler_path(::core::any::type_name_of_val(&|| ()));
+        let #instance: #rt::Instance = #instance_value;
+        let #handler_path: fn() -> &'static str = #probe;
         let #scope: &'static str = #scope_value;
         let (#claim, #span, #binder, #stager, #logged_key) = {
             #[allow(unused_parens, clippy::needless_borrow)]

@@ -16,5 +16,5 @@ pub use crate::call::{
 };
 #[cfg(feature = "sqlx")]
 pub use crate::outbox::Outbox;
-pub use crate::scope::{Site, default_scope};
+pub use crate::scope::{Instance, Site, default_scope, handler_path};
 pub use crate::store::Claim;

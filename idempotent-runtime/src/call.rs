@@ -18,7 +18,7 @@ use crate::scope::Site;
 
 use crate::fingerprint::Fingerprint;
 use crate::signal::Outcome;
-use crate::store::{Claim, Guard, Replay, Request, Store, encode_result};
+use crate::store::{Claim, Guard, Replay, Request, Store};
 use crate::{Error, IdempotencyKey};
 
 /// The key's text, or `MissingKey`.
@@ -184,6 +184,9 @@ pub struct Caller {
     pub path: fn() -> &'static str,
     /// The scope it claims with.
     pub scope: &'static str,
+    /// Which instantiation of the handler claims (with a default scope),
+    /// or `Instance::ANY` (an explicit scope: all of them, one handler).
+    pub instance: crate::scope::Instance,
 }
 
 /// Looks at the type of a handler parameter that the macro did not take for
@@ -276,7 +279,13 @@ pub async fn claim<S: AnyStore + ?Sized>(
     span: &Span,
     caller: Caller,
 ) -> Result<Claim<S::Guard>, Error> {
-    let claim = match crate::scope::register(caller.site, caller.path, caller.scope, store.namespace_of()) {
+    let claim = match crate::scope::register(
+        caller.site,
+        caller.instance,
+        caller.path,
+        caller.scope,
+        store.namespace_of(),
+    ) {
         Ok(()) => store.claim_key(req).await,
         Err(error) => Err(error),
     };
@@ -733,7 +742,7 @@ impl<T: serde::Serialize + serde::de::DeserializeOwned> StoredResult for T {
     #[inline]
     fn codec() -> Codec<Self> {
         Codec {
-            encode: encode_result::<Self>,
+            encode: crate::replay::encode::<Self>,
             decode: Replay::decode::<Self>,
         }
     }

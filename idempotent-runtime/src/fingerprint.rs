@@ -14,7 +14,9 @@
 //!   filled in another order, are equal;
 //! - a map entry or struct field whose value is `null` (`None`, `()`) is the
 //!   same as an absent one, so adding an optional field to a message type
-//!   does not change the fingerprint of messages that leave it empty;
+//!   does not change the fingerprint of messages that leave it empty (an
+//!   enum variant's content is not a field: `Approve(None)` and
+//!   `Reject(None)` differ, as `{"Approve":null}` and `{"Reject":null}` do);
 //! - sequences (`Vec`, slices, `HashSet`, `BTreeSet`...) are compared as
 //!   multisets: serde does not tell a set from a list, so their order is
 //!   ignored (`[1, 2]` and `[2, 1]` have one fingerprint). Tuples and arrays
@@ -184,8 +186,11 @@ impl Canon {
         Canon::Multiset(items)
     }
 
+    /// An enum variant with content: `{variant: content}`, as serde_json
+    /// writes it. Unlike a map entry, a `null` content is kept:
+    /// `Approve(None)` and `Reject(None)` differ.
     fn variant(name: &str, value: Canon) -> Canon {
-        Canon::map(vec![(Canon::Str(name.to_owned()), value)])
+        Canon::Map(BTreeMap::from([(Canon::Str(name.to_owned()), value)]))
     }
 }
 
@@ -586,5 +591,33 @@ mod tests {
             }
         }
         assert_ne!(all[6], all[7]);
+    }
+
+    #[test]
+    fn variants_with_null_content_are_told_apart() {
+        #[derive(serde::Serialize)]
+        enum Decision {
+            Approve(Option<u8>),
+            Reject(Option<u8>),
+            Hold(()),
+            Wait { until: Option<u8> },
+        }
+        let all = [
+            fp(&Decision::Approve(None)),
+            fp(&Decision::Reject(None)),
+            fp(&Decision::Hold(())),
+            fp(&Decision::Wait { until: None }),
+            fp(&serde_json::json!({})),
+        ];
+        for (i, a) in all.iter().enumerate() {
+            for b in &all[i + 1..] {
+                assert_ne!(a, b);
+            }
+        }
+        // A field left empty inside a variant is still the same as absent.
+        assert_eq!(
+            fp(&Decision::Wait { until: None }),
+            fp(&serde_json::json!({"Wait": {}}))
+        );
     }
 }

@@ -95,6 +95,7 @@ mod janitor;
 mod key;
 #[cfg(feature = "sqlx")]
 pub mod outbox;
+mod replay;
 pub mod scope;
 mod signal;
 pub mod store;

@@ -323,6 +323,32 @@ async fn a_stale_consumer_cannot_overwrite_the_new_owners_marker() {
 }
 
 #[tokio::test]
+async fn a_stale_consumers_completion_is_refused_even_when_it_stores_what_the_owner_stored() {
+    with_fixture("stale-equal", |fx| async move {
+        // A unit handler without fingerprint: both claims' completions
+        // would store the same bytes but for their tokens.
+        let stale_store = fx.without_renewal();
+        let stale = fresh(
+            &stale_store,
+            &req("orders", "msg-1").with_lease(Duration::from_millis(200)),
+        )
+        .await;
+        let owner = eventually_fresh(&fx.store, &req("orders", "msg-1"), Duration::from_secs(3)).await;
+        owner.complete(None).await.unwrap();
+        let marker = fx.raw("orders", "msg-1").await;
+        let err = stale.complete(None).await.unwrap_err();
+        assert!(matches!(err, Error::Store(_)), "the fenced holder is told: {err:?}");
+        assert!(err.to_string().contains("lease"), "{err}");
+        assert_eq!(
+            fx.raw("orders", "msg-1").await,
+            marker,
+            "the owner's marker is untouched"
+        );
+    })
+    .await;
+}
+
+#[tokio::test]
 async fn a_stale_consumer_cannot_release_the_new_owners_claim() {
     with_fixture("stale-abort", |fx| async move {
         let stale_store = fx.without_renewal();

@@ -44,9 +44,15 @@
 //! 2. The key is scoped by the caller ([`IdempotencyLayerBuilder::caller`]:
 //!    a tenant or principal read from the request, so one customer's key
 //!    never answers another's), the method and the route (axum's
-//!    `MatchedPath` when the layer is added with `route_layer` or on the
-//!    method router; otherwise the request's path).
-//! 3. The request is fingerprinted: its method, path and query, and body.
+//!    `MatchedPath`, the route's whole pattern under nested routers; for a
+//!    request no route matched, a fallback's behind `Router::layer`, its
+//!    path).
+//! 3. The request is fingerprinted: its method, the path and query the
+//!    client sent (axum's `OriginalUri`, not the part of it a nested router
+//!    sees; the request's URI outside a router), and body. So a key is
+//!    replayed only to a request for the same resource: the same key for
+//!    `/accounts/bob/withdraw` after `/accounts/alice/withdraw`, one route's
+//!    two resources, is `422`.
 //!    The body is read up to a cap ([`IdempotencyLayerBuilder::body_limit`],
 //!    1 MiB by default); a larger body is `413`, never fingerprinted in part.
 //! 4. The key is claimed on the store. A key already completed with the same
@@ -108,7 +114,9 @@
 //! `http.route`. Its outcome is logged and counted by the code that logs and
 //! counts `#[idempotent]` calls: with the `metrics` feature,
 //! `idempotent_outcomes_total{scope, outcome}` with the scope label
-//! `http:<METHOD>:<route>` (the caller left out), `processed` once the
+//! `http:<METHOD>:<route>` (the caller left out; [`UNMATCHED_ROUTE`] for
+//! a request no route matched, never its path; `_OTHER` for a method that
+//! is not one of HTTP's standard ones), `processed` once the
 //! answer committed, `duplicate` for a replay, `failed` for an answer that
 //! was not kept (`5xx`, [`NotKept`]), `key_reused`, `in_progress`, and
 //! `error` for a request refused before its claim, a store that failed or
@@ -121,9 +129,9 @@ use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use ::axum::body::{Body, Bytes};
-use ::axum::extract::MatchedPath;
+use ::axum::extract::{MatchedPath, OriginalUri};
 use ::axum::http::request::Parts;
-use ::axum::http::{Method, Request, Response, StatusCode, header};
+use ::axum::http::{Method, Request, Response, StatusCode, Uri, header};
 use ::axum::response::IntoResponseParts;
 use http_body::Body as _;
 use http_body_util::BodyExt as _;
@@ -151,6 +159,14 @@ use inflight::Inflight;
 use problem::Kind;
 use stored::StoredResponse;
 use tx::GuardCell;
+
+/// The route a request no axum route matched is counted under, in the
+/// `scope` label of `idempotent_outcomes_total` (`http:POST:<unmatched>`)
+/// and the span's `http.route`: a request that reaches the layer through a
+/// fallback (the layer added with `Router::layer`) or outside a router.
+/// Its path, which the client chooses, is never a label; its keys are
+/// still scoped by that path.
+pub const UNMATCHED_ROUTE: &str = "<unmatched>";
 
 /// The request body cap of [`IdempotencyLayerBuilder::body_limit`] by
 /// default: 1 MiB.
@@ -343,6 +359,16 @@ impl<S> std::fmt::Debug for IdempotencyLayer<S> {
     }
 }
 
+impl<S> IdempotencyLayer<S> {
+    /// How many keys this layer's in-process registry tracks (held or
+    /// waited for): zero once no request holds or waits on a key. For
+    /// tests; not part of the stable API.
+    #[doc(hidden)]
+    pub fn in_flight_keys(&self) -> usize {
+        self.shared.inflight.len()
+    }
+}
+
 impl<S: Store + 'static> IdempotencyLayer<S> {
     /// A layer on `store` with the defaults: the key required, no caller,
     /// 1 MiB caps, `409` for a key in progress.
@@ -442,15 +468,78 @@ fn scope_of(caller: &str, method: &Method, route: &str) -> String {
 /// The `scope` label of the request's counted outcome
 /// (`idempotent_outcomes_total`): `http:<METHOD>:<route>`, without the
 /// caller, so that a route has one series per outcome whatever the number
-/// of tenants.
+/// of tenants. `route` is never a path the client chose, and a method
+/// outside the standard ones (a client can send any token) is `_OTHER`, as
+/// OpenTelemetry's conventions name it.
 fn label_of(method: &Method, route: &str) -> String {
+    let standard = [
+        Method::GET,
+        Method::HEAD,
+        Method::POST,
+        Method::PUT,
+        Method::DELETE,
+        Method::CONNECT,
+        Method::OPTIONS,
+        Method::TRACE,
+        Method::PATCH,
+    ];
+    let method = if standard.contains(method) {
+        method.as_str()
+    } else {
+        "_OTHER"
+    };
     format!("http:{method}:{route}")
 }
 
-/// The request's fingerprint: method, path and query, body.
-fn fingerprint_of(parts: &Parts, body: &[u8]) -> Fingerprint {
-    let target = parts.uri.path_and_query().map_or("/", |pq| pq.as_str());
-    Fingerprint::from_chunks([parts.method.as_str().as_bytes(), b"\0", target.as_bytes(), b"\0", body])
+/// The request's fingerprint: method, the path and query the client sent
+/// (`target`, the original URI), body.
+fn fingerprint_of(method: &Method, target: &Uri, body: &[u8]) -> Fingerprint {
+    let target = target.path_and_query().map_or("/", |pq| pq.as_str());
+    Fingerprint::from_chunks([method.as_str().as_bytes(), b"\0", target.as_bytes(), b"\0", body])
+}
+
+/// What a request's keys are scoped by and its outcomes counted under.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Route {
+    /// The name given to [`IdempotencyLayerBuilder::scope`], or the route
+    /// axum matched (its pattern, `/accounts/{account}/withdraw`).
+    Named(String),
+    /// No route matched (the layer runs in a fallback, or outside the
+    /// router): the keys are scoped by the path the client sent, which is
+    /// never a label ([`UNMATCHED_ROUTE`] is).
+    Unmatched {
+        /// The original URI's path.
+        path: String,
+    },
+}
+
+impl Route {
+    fn of(name: Option<&str>, matched: Option<&MatchedPath>, target: &Uri) -> Route {
+        match (name, matched) {
+            (Some(name), _) => Route::Named(name.to_owned()),
+            (None, Some(matched)) => Route::Named(matched.as_str().to_owned()),
+            (None, None) => Route::Unmatched {
+                path: target.path().to_owned(),
+            },
+        }
+    }
+
+    /// The route in the keys' scope.
+    fn scope(&self) -> &str {
+        match self {
+            Route::Named(name) => name,
+            Route::Unmatched { path } => path,
+        }
+    }
+
+    /// The route in the metric label and the span's `http.route`: never a
+    /// path the client chose.
+    fn label(&self) -> &str {
+        match self {
+            Route::Named(name) => name,
+            Route::Unmatched { .. } => UNMATCHED_ROUTE,
+        }
+    }
 }
 
 /// Why a response cannot be kept for replays, if it cannot.
@@ -487,12 +576,15 @@ where
     }
     let config = &shared.config;
     let (mut parts, body) = request.into_parts();
-    let route = match (&config.scope, parts.extensions.get::<MatchedPath>()) {
-        (Some(name), _) => name.clone(),
-        (None, Some(matched)) => matched.as_str().to_owned(),
-        (None, None) => parts.uri.path().to_owned(),
-    };
-    let label = label_of(&parts.method, &route);
+    // The path the client sent, whatever routers nest this one (a nested
+    // router sees its own part of it).
+    let target = parts
+        .extensions
+        .get::<OriginalUri>()
+        .map_or(&parts.uri, |original| &original.0)
+        .clone();
+    let route = Route::of(config.scope.as_deref(), parts.extensions.get::<MatchedPath>(), &target);
+    let label = label_of(&parts.method, route.label());
     // Refused before the claim: counted and logged like a message refused
     // before its claim, under the route's label.
     let refuse = |kind: Kind, key: &str, detail: &str| {
@@ -525,7 +617,7 @@ where
             }
         },
     };
-    let scope = scope_of(&caller, &parts.method, &route);
+    let scope = scope_of(&caller, &parts.method, route.scope());
 
     let too_large = format!("the body is over the {}-byte limit of this endpoint", config.body_limit);
     let declared = parts
@@ -543,7 +635,7 @@ where
         }
         Err(error) => return Ok(refuse(Kind::BadBody, &key, &error.to_string())),
     };
-    let fingerprint = fingerprint_of(&parts, &bytes);
+    let fingerprint = fingerprint_of(&parts.method, &target, &bytes);
     let claim_request = match crate::store::Request::new(&scope, &key) {
         Ok(request) => request
             .with_ttl(config.ttl)
@@ -562,7 +654,7 @@ where
         error.type = tracing::field::Empty,
         otel.status_code = tracing::field::Empty,
         http.request.method = %parts.method,
-        http.route = %route,
+        http.route = %route.label(),
     );
     let report = Report::request(&scope, &key, label.clone());
     let (wait, retry_after) = match config.in_progress {

@@ -184,28 +184,28 @@ pub struct Replay {
 }
 
 impl Replay {
-    /// A replay of `result`, the JSON text stored with the marker (`None`
+    /// A replay of `result`, the text stored with the marker (`None`
     /// stands for JSON `null`, which is what `()` encodes to).
     pub fn new(result: Option<String>) -> Self {
         Replay { result }
     }
 
-    /// The stored JSON text, `None` for `null`.
+    /// The stored text, `None` for `null`: JSON, or the lossless form
+    /// (starting with `~1:`) for a result JSON cannot carry exactly (see
+    /// [`Replay::decode`]).
     pub fn json(&self) -> Option<&str> {
         self.result.as_deref()
     }
 
-    /// Decodes the stored result.
+    /// Decodes the stored result. What `#[idempotent]` stores reads back
+    /// exactly: JSON where JSON carries the value (floats read back to the
+    /// same bits), otherwise a lossless form that keeps what JSON cannot
+    /// (non-finite floats, `Some(None)`, `Some(())`, map keys that are not
+    /// strings); a result that would not read back is refused before its
+    /// commit.
     pub fn decode<T: serde::de::DeserializeOwned>(&self) -> Result<T, Error> {
-        serde_json::from_str(self.result.as_deref().unwrap_or("null")).map_err(Error::Codec)
+        crate::replay::decode(self.result.as_deref())
     }
-}
-
-/// Encodes a handler's result for storage; `None` when it is JSON `null`
-/// (so `()` stores nothing and costs no extra write).
-pub(crate) fn encode_result<T: serde::Serialize + ?Sized>(value: &T) -> Result<Option<String>, Error> {
-    let json = serde_json::to_string(value).map_err(Error::Codec)?;
-    Ok(if json == "null" { None } else { Some(json) })
 }
 
 /// A key store: claims keys for handlers and remembers completed ones.

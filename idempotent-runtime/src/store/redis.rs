@@ -22,9 +22,14 @@
 //! The value is tagged by its first byte:
 //!
 //! - `L{token}`: a live lease; `token` is 32 random hex digits.
-//! - `D{fingerprint}{result}`: a completed marker; `fingerprint` is `-` when
-//!   the handler has none, else `{len}:{text}` (`len` in bytes, decimal);
-//!   `result` is empty for JSON `null` (what `()` returns), else `={json}`.
+//! - `D@{token}{fingerprint}{result}`: a completed marker; `token` is the
+//!   token of the lease it replaced (so a completion sent again by the
+//!   connection is recognised by its token, never by equal bytes of
+//!   another claim's marker); `fingerprint` is `-` when the handler has
+//!   none, else `{len}:{text}` (`len` in bytes, decimal); `result` is
+//!   empty for JSON `null` (what `()` returns), else `={text}`. Markers
+//!   written before the token was added (`D{fingerprint}{result}`) are
+//!   still read.
 //!
 //! Keys and values travel as command arguments or script `KEYS`/`ARGV`,
 //! never spliced into commands or scripts.
@@ -679,8 +684,10 @@ impl RedisGuard {
     /// taken over, or lost by a failover): `false`; or the connection sent
     /// the completion again after losing the reply to the first attempt,
     /// which did replace it (a cluster connection retries, after a broken
-    /// connection or a redirection): the key holds this very marker. Then
-    /// `true`, and with
+    /// connection or a redirection): the key holds this very marker, which
+    /// carries this claim's token (the marker of a claim that took the key
+    /// over carries its own, whatever result it stored). Then `true`, and
+    /// with
     /// [`wait_for_replicas`](RedisStoreBuilder::wait_for_replicas) the
     /// marker is written again unchanged and waited for, since the first
     /// attempt's write may have been on a connection since lost, which this
@@ -724,7 +731,8 @@ impl Guard for RedisGuard {
     async fn complete(mut self, result: Option<String>) -> Result<(), Error> {
         self.open = false;
         self.stop_renewal();
-        let marker = encode_done(self.fingerprint.as_deref(), result.as_deref());
+        let token = self.lease.get(1..).unwrap_or_default();
+        let marker = encode_done(token, self.fingerprint.as_deref(), result.as_deref());
         if self.replace_lease(&marker).await? {
             Ok(())
         } else {
@@ -804,10 +812,15 @@ fn new_lease() -> String {
     format!("L{:016x}{:016x}", half(), half())
 }
 
-/// `D{fingerprint}{result}`; see the module docs.
-fn encode_done(fingerprint: Option<&str>, result: Option<&str>) -> String {
-    let mut value = String::with_capacity(8 + fingerprint.map_or(0, str::len) + result.map_or(0, str::len));
-    value.push('D');
+/// The hex digits of a lease's token.
+const TOKEN_DIGITS: usize = 32;
+
+/// `D@{token}{fingerprint}{result}`; see the module docs.
+fn encode_done(token: &str, fingerprint: Option<&str>, result: Option<&str>) -> String {
+    let mut value =
+        String::with_capacity(10 + token.len() + fingerprint.map_or(0, str::len) + result.map_or(0, str::len));
+    value.push_str("D@");
+    value.push_str(token);
     match fingerprint {
         Some(fp) => {
             value.push_str(&fp.len().to_string());
@@ -825,6 +838,17 @@ fn encode_done(fingerprint: Option<&str>, result: Option<&str>) -> String {
 
 /// The fingerprint and result of a completed marker (after its `D`).
 fn decode_done(rest: &str) -> Option<(Option<&str>, Option<&str>)> {
+    // The claim's token: 32 hex digits (absent from older markers).
+    let rest = match rest.strip_prefix('@') {
+        Some(rest) => {
+            let token = rest.get(..TOKEN_DIGITS)?;
+            if !token.bytes().all(|b| b.is_ascii_hexdigit()) {
+                return None;
+            }
+            rest.get(TOKEN_DIGITS..)?
+        }
+        None => rest,
+    };
     let (fingerprint, rest) = match rest.strip_prefix('-') {
         Some(rest) => (None, rest),
         None => {
@@ -850,18 +874,38 @@ mod tests {
 
     #[test]
     fn completed_markers_round_trip() {
+        let lease = new_lease();
         for fingerprint in [None, Some(""), Some("abc"), Some("12:=-D|x")] {
             for result in [None, Some(""), Some("42"), Some(r#"{"a":"=:-|"}"#), Some("=")] {
-                let value = encode_done(fingerprint, result);
-                assert_eq!(value.as_bytes()[0], b'D');
+                let value = encode_done(&lease[1..], fingerprint, result);
+                assert!(value.starts_with(&format!("D@{}", &lease[1..])), "{value}");
                 assert_eq!(decode_done(&value[1..]), Some((fingerprint, result)), "{value}");
+                // A marker written before the token was added.
+                let old = value.replace(&format!("@{}", &lease[1..]), "");
+                assert_eq!(decode_done(&old[1..]), Some((fingerprint, result)), "{old}");
             }
         }
+        assert_ne!(
+            encode_done(&lease[1..], None, None),
+            encode_done(&new_lease()[1..], None, None),
+            "two claims' markers differ whatever they store"
+        );
     }
 
     #[test]
     fn malformed_markers_are_refused() {
-        for rest in ["", "x", "3:ab", "3:abcx", "-x", "+1:a", "1a:b"] {
+        for rest in [
+            "",
+            "x",
+            "3:ab",
+            "3:abcx",
+            "-x",
+            "+1:a",
+            "1a:b",
+            "@-",
+            "@0123-",
+            "@0123456789abcdef0123456789abcdeg-",
+        ] {
             assert_eq!(decode_done(rest), None, "{rest}");
         }
     }
