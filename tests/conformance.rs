@@ -573,6 +573,82 @@ pub async fn a_result_that_cannot_be_read_back_is_refused_before_the_commit<F: F
     f.teardown().await;
 }
 
+/// A consumer generic over its effect, with the default scope: each
+/// instantiation is its own handler.
+pub struct Consumer<F> {
+    effect: F,
+    runs: AtomicU64,
+}
+
+impl<F: Fn() -> u64 + Send + Sync> Consumer<F> {
+    fn new(effect: F) -> Self {
+        Consumer {
+            effect,
+            runs: AtomicU64::new(0),
+        }
+    }
+
+    #[idempotent(key = "id", store = store)]
+    async fn handle<S: Store>(&self, store: &S, id: &str) -> Result<u64, TestError> {
+        self.runs.fetch_add(1, Ordering::SeqCst);
+        Ok((self.effect)())
+    }
+}
+
+pub async fn two_instantiations_of_a_generic_handler_keep_their_own_markers<F: Fixture>() {
+    let f = F::setup().await;
+    let id = key("generic");
+    // Two closures of one function: Rust prints their types alike.
+    let (a, b) = (Consumer::new(|| 1), Consumer::new(|| 2));
+    for _ in 0..2 {
+        assert_eq!(a.handle(f.store(), &id).await.unwrap(), 1);
+        assert_eq!(
+            b.handle(f.store(), &id).await.unwrap(),
+            2,
+            "the second instantiation answered with the first one's result"
+        );
+    }
+    assert_eq!(
+        (a.runs.load(Ordering::SeqCst), b.runs.load(Ordering::SeqCst)),
+        (1, 1),
+        "each body ran once"
+    );
+    f.teardown().await;
+}
+
+/// A decision whose variants may carry nothing.
+#[derive(Debug, serde::Serialize)]
+pub enum Decision {
+    Approve(Option<u64>),
+    Reject(Option<u64>),
+}
+
+#[idempotent(key = "id", store = store, fingerprint = "decision")]
+async fn decide<S: Store>(store: &S, id: &str, decision: &Decision, runs: &AtomicU64) -> Result<String, TestError> {
+    runs.fetch_add(1, Ordering::SeqCst);
+    Ok(format!("{decision:?}"))
+}
+
+pub async fn variants_of_null_content_are_another_message<F: Fixture>() {
+    let f = F::setup().await;
+    let (id, runs) = (key("decision"), AtomicU64::new(0));
+    let first = decide(f.store(), &id, &Decision::Approve(None), &runs).await.unwrap();
+    assert_eq!(first, "Approve(None)");
+    assert_eq!(
+        decide(f.store(), &id, &Decision::Approve(None), &runs).await.unwrap(),
+        first
+    );
+    let err = decide(f.store(), &id, &Decision::Reject(None), &runs)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, TestError::Idem(Error::KeyReused { .. })),
+        "Reject(None) under Approve(None)'s key: {err:?}"
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+    f.teardown().await;
+}
+
 /// A result of every shape serde writes, for the property test below.
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub enum Rich {
@@ -714,6 +790,14 @@ macro_rules! conformance {
             #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
             async fn a_result_that_cannot_be_read_back_is_refused_before_the_commit() {
                 super::a_result_that_cannot_be_read_back_is_refused_before_the_commit::<$fixture>().await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn two_instantiations_of_a_generic_handler_keep_their_own_markers() {
+                super::two_instantiations_of_a_generic_handler_keep_their_own_markers::<$fixture>().await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn variants_of_null_content_are_another_message() {
+                super::variants_of_null_content_are_another_message::<$fixture>().await
             }
         }
     };
