@@ -45,6 +45,9 @@ trait Fixture: Send + Sync + Sized + 'static {
     fn open() -> impl Future<Output = Self> + Send;
     /// `builder` keeping its offsets in this fixture's store.
     fn offsets(&self, builder: KafkaConsumerBuilder) -> KafkaConsumerBuilder;
+    /// `builder` running batches of up to `max` deliveries on this
+    /// fixture's store.
+    fn batched(&self, builder: KafkaConsumerBuilder, max: usize) -> KafkaConsumerBuilder;
     /// The handler: one effect row, under a marker per message id.
     fn apply(self: Arc<Self>, msg: Step) -> impl Future<Output = Result<(), idempotent_runtime::Error>> + Send;
     /// The same effect under a marker that never matches (a fresh key per
@@ -122,6 +125,10 @@ macro_rules! fixture {
 
             fn offsets(&self, builder: KafkaConsumerBuilder) -> KafkaConsumerBuilder {
                 builder.offsets_in(self.store.clone())
+            }
+
+            fn batched(&self, builder: KafkaConsumerBuilder, max: usize) -> KafkaConsumerBuilder {
+                builder.batch(self.store.clone(), max)
             }
 
             async fn apply(self: Arc<Self>, msg: Step) -> Result<(), idempotent_runtime::Error> {
@@ -526,6 +533,63 @@ async fn a_revoked_handler_cannot_move_the_stored_offset_back_or_apply_twice<F: 
     db.clean(&topic).await;
 }
 
+/// A batch member whose handler fails after its `#[idempotent]` call
+/// completed leaves nothing in the batch's commit: with markers that never
+/// match, an effect committed without its record's offset would be applied
+/// again when the record is retried.
+async fn a_batch_member_that_fails_after_its_call_leaves_nothing_in_the_commit<F: Fixture>() {
+    let kafka = Kafka::start();
+    let db = Arc::new(F::open().await);
+    // Four partitions: a batch takes one record of each.
+    let topic = kafka.topic_of_steps("offsets_member", 4, 3).await;
+    let group = "member";
+    let consumer = db
+        .batched(db.offsets(builder(&kafka, &topic, group)), 8)
+        .concurrency(1)
+        .stop_when_idle(Duration::from_secs(2))
+        .build()
+        .unwrap();
+    let handler_db = Arc::clone(&db);
+    // The second record of each partition fails once, after its effect.
+    let failed: Arc<std::sync::Mutex<std::collections::HashSet<String>>> = Arc::default();
+    let handler_failed = Arc::clone(&failed);
+    let stats = tokio::time::timeout(
+        WAIT,
+        consumer.run(
+            move |msg: Step| {
+                let (db, failed) = (Arc::clone(&handler_db), Arc::clone(&handler_failed));
+                async move {
+                    let (seq, id) = (msg.seq, msg.message_id.clone());
+                    db.apply_unmarked(msg).await?;
+                    if seq == 1 && failed.lock().unwrap().insert(id) {
+                        return Err(idempotent_runtime::Error::Store(
+                            "the handler failed after its call completed".into(),
+                        ));
+                    }
+                    Ok(())
+                }
+            },
+            CancellationToken::new(),
+        ),
+    )
+    .await
+    .expect("stops once idle")
+    .unwrap();
+    assert_eq!(failed.lock().unwrap().len(), 4, "each second record failed once");
+    let effects = db.effects().await;
+    assert_eq!(effects.len(), 12, "{effects:?}");
+    assert!(
+        effects.values().all(|&n| n == 1),
+        "a failed member's effect was committed without its offset, then applied again: {effects:?}"
+    );
+    assert_eq!(stats.acked, 12, "{stats:?}");
+    assert_eq!(
+        db.stored(group, &topic).await,
+        BTreeMap::from([(0, 3), (1, 3), (2, 3), (3, 3)])
+    );
+    db.clean(&topic).await;
+}
+
 /// The scenarios, for each store.
 macro_rules! scenarios {
     ($($module:ident: $fixture:ty;)*) => {$(
@@ -556,6 +620,11 @@ macro_rules! scenarios {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn a_revoked_handler_cannot_move_the_stored_offset_back_or_apply_twice() {
                 super::a_revoked_handler_cannot_move_the_stored_offset_back_or_apply_twice::<$fixture>().await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_batch_member_that_fails_after_its_call_leaves_nothing_in_the_commit() {
+                super::a_batch_member_that_fails_after_its_call_leaves_nothing_in_the_commit::<$fixture>().await;
             }
         }
     )*};

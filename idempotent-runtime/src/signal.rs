@@ -92,6 +92,9 @@ pub(crate) struct Noted {
     /// A call that only checked (see [`checking`]) found its key not
     /// processed, and gave its claim up without running its body.
     pub(crate) not_processed: bool,
+    /// Some call completed a fresh claim (whatever the others did): inside
+    /// a batch, its marker and effects wait in the batch's transaction.
+    pub(crate) processed: bool,
 }
 
 tokio::task_local! {
@@ -132,10 +135,11 @@ pub(crate) fn store_failed() {
 pub(crate) fn outcome(outcome: Outcome) {
     let _ = NOTED.try_with(|noted| {
         let mut now = noted.get();
+        now.processed |= outcome == Outcome::Processed;
         if now.outcome.is_none_or(|before| outcome.rank() > before.rank()) {
             now.outcome = Some(outcome);
-            noted.set(now);
         }
+        noted.set(now);
     });
 }
 

@@ -167,7 +167,23 @@ where
         .filter(|(_, _, (called, _))| matches!(called, Called::Ok))
         .filter_map(|((_, delivery), _, _)| Some((delivery.meta().partition?, delivery.meta().offset?)))
         .collect();
-    match commit(&worker.options, batch, committing).await {
+    // A member is all or nothing: one whose handler did not return `Ok`
+    // after one of its calls completed (its marker, effects and outgoing
+    // messages wait in the batch, past the call's savepoint) would leave
+    // them in the commit without its offset or its success. Nothing of the
+    // batch commits then; its deliveries run again one per transaction,
+    // where a failing handler undoes what it wrote (offsets in the
+    // database) or commits only its completed calls (markers), as alone.
+    let half_done = ran
+        .iter()
+        .any(|(_, _, (called, noted))| !matches!(called, Called::Ok) && noted.processed);
+    let committed = if half_done {
+        batch.rollback().await;
+        Err("a member's handler failed after one of its calls completed".to_owned())
+    } else {
+        commit(&worker.options, batch, committing).await
+    };
+    match committed {
         Ok(()) => {
             worker.recorder.batch(size);
             tracing::debug!(target: TRACING_TARGET, deliveries = size, fresh, "batch committed");
