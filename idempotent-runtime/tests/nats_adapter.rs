@@ -615,3 +615,52 @@ async fn a_pull_request_lost_at_the_server_is_pulled_again_soon_after_its_expiry
     assert_eq!(fx.backlog().await, (0, 0));
     fx.cleanup().await;
 }
+
+/// A handler that fails once with a retry delay longer than
+/// `stop_when_idle`: the `-NAK` with delay leaves nothing running in the
+/// process while the message waits in the server, and that is not idle.
+/// The run returns only after the second attempt succeeded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stop_when_idle_waits_for_a_retry_that_is_due() {
+    let fx = Fixture::new("idle_retry").await;
+    fx.publish_payment("idle-retry-1", 1).await;
+    let retry_delay = Duration::from_secs(1);
+    let consumer = JetStreamConsumer::builder(fx.js.clone(), fx.consumer(Duration::from_secs(30), -1).await)
+        .dead_letter_subject(&fx.dlq_subject)
+        .max_attempts(3)
+        .retry_backoff(Backoff::new(retry_delay, retry_delay))
+        .fetch_expiry(Duration::from_millis(200))
+        .stop_when_idle(Duration::from_millis(300))
+        .build()
+        .unwrap();
+    let calls = Arc::new(AtomicUsize::new(0));
+    let handler_calls = Arc::clone(&calls);
+    let stats = tokio::time::timeout(
+        Duration::from_secs(30),
+        consumer.run_with_info(
+            move |_: Payment, info: DeliveryInfo| {
+                handler_calls.fetch_add(1, Ordering::SeqCst);
+                async move {
+                    if info.attempt == 1 {
+                        Err("fails once".to_owned())
+                    } else {
+                        Ok(())
+                    }
+                }
+            },
+            CancellationToken::new(),
+        ),
+    )
+    .await
+    .expect("stopped when idle")
+    .unwrap();
+    let backlog = fx.backlog().await;
+    fx.cleanup().await;
+    assert_eq!(
+        calls.load(Ordering::SeqCst),
+        2,
+        "the second attempt ran before the run returned"
+    );
+    assert_eq!((stats.retried, stats.acked), (1, 1));
+    assert_eq!(backlog, (0, 0), "nothing left waiting in the server");
+}

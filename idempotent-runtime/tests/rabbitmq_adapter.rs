@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use idempotent_runtime::MemoryStore;
 use idempotent_runtime::broker::{
-    Backoff, CancellationToken, DeliveryInfo, HEADER_ATTEMPTS, HEADER_KIND, HEADER_REASON, Verdict,
+    Backoff, CancellationToken, DeliveryInfo, HEADER_ATTEMPTS, HEADER_KIND, HEADER_REASON, Reconnect, Verdict,
 };
 use idempotent_runtime::lapin::message::BasicGetMessage;
 use idempotent_runtime::lapin::options::{
@@ -942,4 +942,224 @@ async fn a_missing_queue_is_declared_and_a_refusal_declares_nothing() {
     assert!(err.to_string().contains("dead-letter exchange"), "{err}");
     assert!(!exists(&conn, &queue).await, "nothing half-declared");
     let _ = conn.close(200, "test done".into()).await;
+}
+
+/// A TCP proxy in front of the broker that can freeze: once frozen it
+/// stops forwarding in both directions (no reset, no answer; the sockets
+/// stay open), and a connection it accepts then is held without ever
+/// reaching the broker. `cut` closes every connection it holds.
+struct FreezingProxy {
+    address: String,
+    frozen: Arc<std::sync::atomic::AtomicBool>,
+    cut: Arc<Mutex<CancellationToken>>,
+    accepted: Arc<std::sync::atomic::AtomicUsize>,
+    stop: CancellationToken,
+}
+
+impl FreezingProxy {
+    async fn start() -> FreezingProxy {
+        use std::sync::atomic::Ordering;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let address = listener.local_addr().unwrap().to_string();
+        let proxy = FreezingProxy {
+            address,
+            frozen: Arc::default(),
+            cut: Arc::new(Mutex::new(CancellationToken::new())),
+            accepted: Arc::default(),
+            stop: CancellationToken::new(),
+        };
+        let (frozen, cut, accepted, stop) = (
+            Arc::clone(&proxy.frozen),
+            Arc::clone(&proxy.cut),
+            Arc::clone(&proxy.accepted),
+            proxy.stop.clone(),
+        );
+        tokio::spawn(async move {
+            loop {
+                let client = tokio::select! {
+                    _ = stop.cancelled() => return,
+                    accepted = listener.accept() => match accepted {
+                        Ok((client, _)) => client,
+                        Err(_) => return,
+                    },
+                };
+                accepted.fetch_add(1, Ordering::SeqCst);
+                let this_cut = cut.lock().unwrap().clone();
+                if frozen.load(Ordering::SeqCst) {
+                    // Accepts, never answers.
+                    tokio::spawn(async move {
+                        this_cut.cancelled().await;
+                        drop(client);
+                    });
+                    continue;
+                }
+                let Ok(server) = tokio::net::TcpStream::connect("127.0.0.1:5672").await else {
+                    continue;
+                };
+                let (client_read, client_write) = client.into_split();
+                let (server_read, server_write) = server.into_split();
+                for (from, to) in [(client_read, server_write), (server_read, client_write)] {
+                    tokio::spawn(pump(from, to, Arc::clone(&frozen), this_cut.clone()));
+                }
+            }
+        });
+        proxy
+    }
+
+    fn url(&self) -> String {
+        format!("amqp://guest:guest@{}/%2f", self.address)
+    }
+
+    /// Stops forwarding on every connection, and answers no new one.
+    fn freeze(&self) {
+        self.frozen.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// Closes every connection it holds (the consumer sees a reset).
+    fn cut(&self) {
+        let mut cut = self.cut.lock().unwrap();
+        cut.cancel();
+        *cut = CancellationToken::new();
+    }
+
+    fn accepted(&self) -> usize {
+        self.accepted.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+impl Drop for FreezingProxy {
+    fn drop(&mut self) {
+        self.stop.cancel();
+        self.cut.lock().unwrap().cancel();
+    }
+}
+
+/// Forwards `from` to `to` until either side closes or the proxy cuts;
+/// once frozen it forwards nothing more and holds both sockets open.
+async fn pump(
+    mut from: tokio::net::tcp::OwnedReadHalf,
+    mut to: tokio::net::tcp::OwnedWriteHalf,
+    frozen: Arc<std::sync::atomic::AtomicBool>,
+    cut: CancellationToken,
+) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut buf = vec![0u8; 64 * 1024];
+    loop {
+        let read = tokio::select! {
+            _ = cut.cancelled() => return,
+            read = from.read(&mut buf) => read,
+        };
+        let n = match read {
+            Ok(0) | Err(_) => return,
+            Ok(n) => n,
+        };
+        if frozen.load(std::sync::atomic::Ordering::SeqCst) {
+            cut.cancelled().await;
+            return;
+        }
+        if to.write_all(&buf[..n]).await.is_err() {
+            return;
+        }
+    }
+}
+
+/// The shutdown timeout of the two tests below, and how much later than it
+/// `run` may return: the bound the adapter states (after the shutdown
+/// timeout, handlers that do not let go get 5 s more, and the connection's
+/// close waits at most 5 s, `CLOSE_TIMEOUT`; a connect in progress ends
+/// within its connect timeout, 10 s by default), plus slack for a loaded
+/// machine.
+const STALL_SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(2);
+const STALL_BOUND: Duration = Duration::from_secs(10);
+const STALL_SLACK: Duration = Duration::from_secs(5);
+
+/// A connection that stalls (no reset, no answer) when shutdown is asked:
+/// `basic.cancel` and the connection's close are not answered, yet `run`
+/// returns within the shutdown timeout plus the stated bound.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_returns_in_time_on_a_stalled_connection() {
+    let fx = Fixture::new("stall").await;
+    let proxy = FreezingProxy::start().await;
+    let ledger = Ledger::default();
+    let consumer = RabbitConsumer::builder(proxy.url(), &fx.queue)
+        .shutdown_timeout(STALL_SHUTDOWN_TIMEOUT)
+        .build()
+        .unwrap();
+    let stats = consumer.stats();
+    let shutdown = CancellationToken::new();
+    let handler_ledger = ledger.clone();
+    let run = tokio::spawn(consumer.run(
+        move |msg: Payment| {
+            let ledger = handler_ledger.clone();
+            async move { ledger.process(&msg.message_id).await }
+        },
+        shutdown.clone(),
+    ));
+    fx.publish_payment("stall-1", 1).await;
+    wait_until("the ack", || stats.snapshot().acked == 1).await;
+    proxy.freeze();
+    let asked = tokio::time::Instant::now();
+    shutdown.cancel();
+    let limit = STALL_SHUTDOWN_TIMEOUT + STALL_BOUND + STALL_SLACK;
+    let stopped = tokio::time::timeout(limit, run).await;
+    let took = asked.elapsed();
+    drop(proxy);
+    fx.cleanup().await;
+    let stats = stopped
+        .unwrap_or_else(|_| panic!("run did not return within {limit:?} of the shutdown on a stalled connection"))
+        .unwrap()
+        .unwrap();
+    assert_eq!(stats.acked, 1);
+    assert!(took < limit, "took {took:?}");
+}
+
+/// Shutdown while reconnecting to a broker that accepts TCP but never
+/// answers: the connect does not hold the shutdown.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_returns_in_time_while_reconnecting_to_a_silent_broker() {
+    let fx = Fixture::new("silent").await;
+    let proxy = FreezingProxy::start().await;
+    let ledger = Ledger::default();
+    let consumer = RabbitConsumer::builder(proxy.url(), &fx.queue)
+        .shutdown_timeout(STALL_SHUTDOWN_TIMEOUT)
+        .reconnect(Reconnect::forever(Backoff::new(
+            Duration::from_millis(10),
+            Duration::from_millis(50),
+        )))
+        .build()
+        .unwrap();
+    let stats = consumer.stats();
+    let shutdown = CancellationToken::new();
+    let handler_ledger = ledger.clone();
+    let run = tokio::spawn(consumer.run(
+        move |msg: Payment| {
+            let ledger = handler_ledger.clone();
+            async move { ledger.process(&msg.message_id).await }
+        },
+        shutdown.clone(),
+    ));
+    fx.publish_payment("silent-1", 1).await;
+    wait_until("the ack", || stats.snapshot().acked == 1).await;
+    let before = proxy.accepted();
+    proxy.freeze();
+    proxy.cut();
+    wait_until("a reconnect attempt held by the silent broker", || {
+        proxy.accepted() > before
+    })
+    .await;
+    // Let the connect wait on the handshake for a moment.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let asked = tokio::time::Instant::now();
+    shutdown.cancel();
+    let limit = STALL_SHUTDOWN_TIMEOUT + STALL_BOUND + STALL_SLACK;
+    let stopped = tokio::time::timeout(limit, run).await;
+    let took = asked.elapsed();
+    drop(proxy);
+    fx.cleanup().await;
+    let stats = stopped
+        .unwrap_or_else(|_| panic!("run did not return within {limit:?} of the shutdown while reconnecting"))
+        .unwrap()
+        .unwrap();
+    assert_eq!(stats.acked, 1);
+    assert!(took < limit, "took {took:?}");
 }

@@ -129,6 +129,8 @@ pub struct JetStream {
     fetch_expiry: Duration,
     /// Set by `prepare`.
     ready: Option<Ready>,
+    /// The messages handed back to come again later, across connections.
+    due: Arc<Due>,
 }
 
 #[derive(Clone)]
@@ -162,6 +164,7 @@ impl JetStreamConsumer {
             prefetch: None,
             fetch_expiry: DEFAULT_FETCH_EXPIRY,
             ready: None,
+            due: Arc::default(),
         })
     }
 }
@@ -310,12 +313,14 @@ impl Broker for JetStream {
                 client,
                 generation,
                 ready,
+                due: Arc::clone(&self.due),
             }),
             consumer,
             fetch_expiry: self.fetch_expiry,
             batch: None,
             pull: None,
             stopping: false,
+            until_due: None,
         })
     }
 }
@@ -381,6 +386,86 @@ struct Shared {
     /// of an earlier connection is not settled on a later one.
     generation: u64,
     ready: Ready,
+    due: Arc<Due>,
+}
+
+/// What of this consumer still waits somewhere though no handler runs: the
+/// messages it handed back with `-NAK` (a retry's delay, a release) until
+/// the server delivers them again, and the deliveries alive in the
+/// process. A stop when idle ([`stop_when_idle`](ConsumerBuilder::stop_when_idle))
+/// waits for them: a retry that is due is not idleness.
+#[derive(Default)]
+struct Due(std::sync::Mutex<DueState>);
+
+#[derive(Default)]
+struct DueState {
+    /// Stream sequence of each message handed back, and when it is due.
+    naked: std::collections::HashMap<u64, tokio::time::Instant>,
+    /// Deliveries alive (handed to the pipeline, not dropped yet).
+    alive: usize,
+    /// The run's shutdown token, as the pipeline hands it to a retry: a
+    /// stop while it is not cancelled is a stop when idle.
+    shutdown: Option<CancellationToken>,
+}
+
+impl Due {
+    fn state(&self) -> std::sync::MutexGuard<'_, DueState> {
+        self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// A delivery of the message at `sequence` arrived.
+    fn arrived(&self, sequence: u64) {
+        let mut state = self.state();
+        state.naked.remove(&sequence);
+        state.alive = state.alive.saturating_add(1);
+    }
+
+    /// A delivery is gone (settled, or abandoned).
+    fn dropped(&self) {
+        let mut state = self.state();
+        state.alive = state.alive.saturating_sub(1);
+    }
+
+    /// The message at `sequence` was handed back, to come again after
+    /// `delay`.
+    fn naked(&self, sequence: u64, delay: Duration, shutdown: Option<&CancellationToken>) {
+        let mut state = self.state();
+        state.naked.insert(sequence, tokio::time::Instant::now() + delay);
+        if let Some(shutdown) = shutdown {
+            state.shutdown.get_or_insert_with(|| shutdown.clone());
+        }
+    }
+
+    /// At a stop: the shutdown token to keep watching when something is
+    /// still due and the stop is not a shutdown (the token, known from a
+    /// retry, is not cancelled); `None` to stop now.
+    fn stop_when_idle(&self) -> Option<CancellationToken> {
+        let state = self.state();
+        let shutdown = state.shutdown.as_ref()?;
+        (!shutdown.is_cancelled() && (!state.naked.is_empty() || state.alive > 0)).then(|| shutdown.clone())
+    }
+
+    /// Nothing waits any more: no message handed back that has not come
+    /// again, no delivery alive.
+    fn settled(&self) -> bool {
+        let state = self.state();
+        state.naked.is_empty() && state.alive == 0
+    }
+
+    /// No delivery is alive and every message handed back has been due for
+    /// longer than `grace` (another instance of the consumer may have taken
+    /// it).
+    fn all_overdue(&self, grace: Duration) -> bool {
+        let state = self.state();
+        let now = tokio::time::Instant::now();
+        state.alive == 0 && state.naked.values().all(|&due| due + grace <= now)
+    }
+
+    /// Forgets the messages handed back (the server has none of this
+    /// consumer's waiting).
+    fn forget(&self) {
+        self.state().naked.clear();
+    }
 }
 
 impl Shared {
@@ -417,6 +502,38 @@ pub struct Session {
     /// A pull request being sent (kept across cancelled `next` calls).
     pull: Option<PullFuture>,
     stopping: bool,
+    /// A stop when idle while messages of this consumer are still due
+    /// ([`Due`]): it goes on pulling until they came back and were
+    /// settled, or until this shutdown token is cancelled.
+    until_due: Option<CancellationToken>,
+}
+
+impl Session {
+    /// Whether a stop when idle may end now: nothing is due any more, a
+    /// shutdown was asked meanwhile, or what was handed back is long
+    /// overdue and the server reports nothing of this consumer pending.
+    async fn idle_stop_may_end(&mut self) -> bool {
+        let Some(shutdown) = &self.until_due else {
+            return true;
+        };
+        if shutdown.is_cancelled() || self.shared.due.settled() {
+            return true;
+        }
+        let grace = self.fetch_expiry.saturating_mul(2) + Duration::from_secs(1);
+        if self.shared.due.all_overdue(grace) {
+            match self.consumer.get_info().await {
+                Ok(info) if info.num_pending == 0 && info.num_ack_pending == 0 => {
+                    self.shared.due.forget();
+                    return true;
+                }
+                Ok(_) => {}
+                Err(err) => {
+                    tracing::debug!(target: TRACING_TARGET, error = %err, "consumer info failed");
+                }
+            }
+        }
+        false
+    }
 }
 
 impl pipeline::Session for Session {
@@ -424,6 +541,10 @@ impl pipeline::Session for Session {
 
     async fn next(&mut self, room: usize) -> Next<Delivery> {
         loop {
+            if self.until_due.is_some() && self.idle_stop_may_end().await {
+                self.until_due = None;
+                self.stopping = true;
+            }
             if !self.shared.is_current() {
                 return Next::Lost("the NATS connection was lost or made again".into());
             }
@@ -493,7 +614,19 @@ impl pipeline::Session for Session {
         // The pull request being answered keeps delivering until it
         // expires; those messages are handled, not handed back (that would
         // spend one of their deliveries).
-        self.stopping = true;
+        match self.shared.due.stop_when_idle() {
+            // A stop when idle while a message of this consumer is still
+            // due (handed back with a delay, not delivered again yet): it
+            // goes on pulling until that came back and was settled.
+            Some(shutdown) => {
+                tracing::info!(
+                    target: TRACING_TARGET,
+                    "no handler runs, but messages handed back are still due: waiting for them"
+                );
+                self.until_due = Some(shutdown);
+            }
+            None => self.stopping = true,
+        }
     }
 
     async fn close(self) {}
@@ -509,6 +642,14 @@ pub struct Delivery {
     /// every attempt to dead-letter this message and differs from any
     /// other's.
     dead_letter_id: Option<String>,
+    /// Its stream sequence (0 when its reply subject did not say).
+    sequence: u64,
+}
+
+impl Drop for Delivery {
+    fn drop(&mut self) {
+        self.shared.due.dropped();
+    }
 }
 
 impl Delivery {
@@ -545,11 +686,13 @@ impl Delivery {
             offset: None,
             message_key: None,
         };
+        shared.due.arrived(stream_sequence);
         Delivery {
             shared,
             msg,
             meta,
             dead_letter_id,
+            sequence: stream_sequence,
         }
     }
 }
@@ -592,8 +735,10 @@ impl pipeline::Delivery for Delivery {
         futures_util::future::join_all(deliveries.iter().map(|d| pipeline::Delivery::ack(*d))).await
     }
 
-    async fn retry(&self, _next_attempt: u32, delay: Duration, _shutdown: &CancellationToken) -> Result<(), Settle> {
-        self.msg.ack_with(AckKind::Nak(Some(delay))).await.map_err(lost)
+    async fn retry(&self, _next_attempt: u32, delay: Duration, shutdown: &CancellationToken) -> Result<(), Settle> {
+        self.msg.ack_with(AckKind::Nak(Some(delay))).await.map_err(lost)?;
+        self.shared.due.naked(self.sequence, delay, Some(shutdown));
+        Ok(())
     }
 
     async fn dead_letter(&self, letter: &Letter<'_>) -> Result<(), Settle> {
@@ -653,8 +798,10 @@ impl pipeline::Delivery for Delivery {
     }
 
     async fn release(&self, delay: Duration) -> Result<(), Settle> {
-        let delay = (!delay.is_zero()).then_some(delay);
-        self.msg.ack_with(AckKind::Nak(delay)).await.map_err(lost)
+        let nak = (!delay.is_zero()).then_some(delay);
+        self.msg.ack_with(AckKind::Nak(nak)).await.map_err(lost)?;
+        self.shared.due.naked(self.sequence, delay, None);
+        Ok(())
     }
 }
 

@@ -119,6 +119,16 @@ const DELIVERY_COUNT: &str = "x-delivery-count";
 /// Default prefetch (`basic.qos`).
 pub const DEFAULT_PREFETCH: u16 = 32;
 
+/// Default time a connection attempt gets to be ready: the AMQP handshake,
+/// the topology checks and declarations, `basic.qos` and `basic.consume`
+/// ([`ConsumerBuilder::connect_timeout`]).
+pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// How long closing the connection at shutdown waits for the broker's
+/// `connection.close-ok` before it gives up on it (the connection is
+/// dropped then, and the broker requeues what it had not acknowledged).
+pub const CLOSE_TIMEOUT: Duration = Duration::from_secs(5);
+
 /// A consumer of a RabbitMQ queue; see the [module documentation](self).
 pub type RabbitConsumer<D = Json, R = RetryAll> = Consumer<Rabbit, D, R>;
 
@@ -150,6 +160,7 @@ pub struct Rabbit {
     dead_letter_exchange: Option<(String, String)>,
     declare_queue: bool,
     declare_dead_letter_queue: bool,
+    connect_timeout: Duration,
     /// Set by `prepare`.
     ready: Option<Ready>,
 }
@@ -189,6 +200,7 @@ impl RabbitConsumer {
             dead_letter_exchange: None,
             declare_queue: true,
             declare_dead_letter_queue: true,
+            connect_timeout: DEFAULT_CONNECT_TIMEOUT,
             ready: None,
         })
     }
@@ -250,6 +262,23 @@ impl<D, R> ConsumerBuilder<Rabbit, D, R> {
     /// queue. With `false` a missing dead-letter queue is an error.
     pub fn declare_dead_letter_queue(mut self, declare: bool) -> Self {
         self.broker.declare_dead_letter_queue = declare;
+        self
+    }
+
+    /// How long one connection attempt may take, from the TCP connect to
+    /// the subscription (handshake, topology, `basic.qos`,
+    /// `basic.consume`); default [`DEFAULT_CONNECT_TIMEOUT`]. An attempt
+    /// the broker does not answer in time (it accepts TCP but never speaks,
+    /// a network that stalls) fails and is retried within the
+    /// [reconnection policy](ConsumerBuilder::reconnect). It also bounds
+    /// how long a shutdown asked during an attempt waits for it. A zero
+    /// duration is replaced by the default.
+    pub fn connect_timeout(mut self, timeout: Duration) -> Self {
+        self.broker.connect_timeout = if timeout.is_zero() {
+            DEFAULT_CONNECT_TIMEOUT
+        } else {
+            timeout
+        };
         self
     }
 
@@ -325,7 +354,24 @@ impl Broker for Rabbit {
         self.queue.clone()
     }
 
-    async fn connect(&self, _options: &ConsumerOptions) -> Result<Session, Connect> {
+    /// Connects within the [connect timeout](ConsumerBuilder::connect_timeout):
+    /// an attempt the broker does not answer in time fails (and is retried
+    /// within the reconnection policy).
+    async fn connect(&self, options: &ConsumerOptions) -> Result<Session, Connect> {
+        match tokio::time::timeout(self.connect_timeout, self.connect_now(options)).await {
+            Ok(connected) => connected,
+            Err(_) => Err(Connect::Failed(format!(
+                "RabbitMQ did not complete the connection within {:?} (connect timeout)",
+                self.connect_timeout
+            ))),
+        }
+    }
+}
+
+impl Rabbit {
+    /// Connects, declares and subscribes, without a time limit of its own
+    /// ([`connect`](Broker::connect) bounds it).
+    async fn connect_now(&self, options: &ConsumerOptions) -> Result<Session, Connect> {
         let ready = self
             .ready
             .clone()
@@ -359,9 +405,11 @@ impl Broker for Rabbit {
         let (channel, consumer) = match result {
             Ok(parts) => parts,
             Err(err) => {
-                let _ = conn
-                    .close(200, ShortString::from("idempotent consumer setup failed"))
-                    .await;
+                let _ = tokio::time::timeout(
+                    CLOSE_TIMEOUT,
+                    conn.close(200, ShortString::from("idempotent consumer setup failed")),
+                )
+                .await;
                 return Err(err);
             }
         };
@@ -375,6 +423,8 @@ impl Broker for Rabbit {
             }),
             tag: consumer.tag(),
             consumer,
+            shutdown_timeout: options.shutdown_timeout,
+            stop_deadline: None,
         })
     }
 }
@@ -587,13 +637,36 @@ pub struct Session {
     shared: Arc<Shared>,
     tag: ShortString,
     consumer: lapin::Consumer,
+    /// The consumer's shutdown timeout.
+    shutdown_timeout: Duration,
+    /// Set by `stop`: the subscription is taken as ended by then, whether
+    /// or not the broker confirmed the `basic.cancel` (a connection that
+    /// stalls never does).
+    stop_deadline: Option<tokio::time::Instant>,
 }
 
 impl pipeline::Session for Session {
     type Delivery = Delivery;
 
     async fn next(&mut self, _room: usize) -> Next<Delivery> {
-        match self.consumer.next().await {
+        let next = match self.stop_deadline {
+            None => self.consumer.next().await,
+            Some(deadline) => match tokio::time::timeout_at(deadline, self.consumer.next()).await {
+                Ok(next) => next,
+                Err(_) => {
+                    // What the broker sent and we did not take stays
+                    // unacknowledged: it is requeued when the connection
+                    // closes.
+                    tracing::warn!(
+                        target: TRACING_TARGET,
+                        queue = %self.shared.queue,
+                        "the subscription did not end within the shutdown timeout: stopping without it"
+                    );
+                    return Next::End;
+                }
+            },
+        };
+        match next {
             Some(Ok(delivery)) => {
                 self.shared.unsettled.insert(delivery.delivery_tag);
                 Next::Delivery(Delivery::new(Arc::clone(&self.shared), delivery))
@@ -604,26 +677,60 @@ impl pipeline::Session for Session {
         }
     }
 
+    /// Sends `basic.cancel` and waits for its answer at most the shutdown
+    /// timeout; the subscription is then taken as ended within the
+    /// shutdown timeout of this call, answered or not (see `next`).
     async fn stop(&mut self) {
+        let deadline = tokio::time::Instant::now() + self.shutdown_timeout;
+        self.stop_deadline = Some(deadline);
         // Deliveries the broker already sent keep coming until the
         // subscription ends.
-        if self.shared.channel.status().connected()
-            && let Err(err) = self
-                .shared
-                .channel
-                .basic_cancel(self.tag.clone(), BasicCancelOptions::default())
-                .await
-        {
-            tracing::warn!(target: TRACING_TARGET, queue = %self.shared.queue, error = %err, "basic.cancel failed");
+        if !self.shared.channel.status().connected() {
+            return;
+        }
+        let cancel = self
+            .shared
+            .channel
+            .basic_cancel(self.tag.clone(), BasicCancelOptions::default());
+        match tokio::time::timeout_at(deadline, cancel).await {
+            Ok(Ok(())) => {}
+            Ok(Err(err)) => {
+                tracing::warn!(target: TRACING_TARGET, queue = %self.shared.queue, error = %err, "basic.cancel failed");
+            }
+            Err(_) => {
+                tracing::warn!(
+                    target: TRACING_TARGET,
+                    queue = %self.shared.queue,
+                    "basic.cancel not answered within the shutdown timeout"
+                );
+            }
         }
     }
 
+    /// Closes the connection, waiting at most [`CLOSE_TIMEOUT`] for the
+    /// broker's answer.
     async fn close(self) {
         let conn = self.shared.publisher.connection();
-        if conn.status().connected()
-            && let Err(err) = conn.close(200, ShortString::from("idempotent consumer stopped")).await
+        if !conn.status().connected() {
+            return;
+        }
+        match tokio::time::timeout(
+            CLOSE_TIMEOUT,
+            conn.close(200, ShortString::from("idempotent consumer stopped")),
+        )
+        .await
         {
-            tracing::debug!(target: TRACING_TARGET, error = %err, "closing the connection failed");
+            Ok(Ok(())) => {}
+            Ok(Err(err)) => {
+                tracing::debug!(target: TRACING_TARGET, error = %err, "closing the connection failed");
+            }
+            Err(_) => {
+                tracing::warn!(
+                    target: TRACING_TARGET,
+                    queue = %self.shared.queue,
+                    "the broker did not answer the connection's close in time: dropping it"
+                );
+            }
         }
     }
 }
