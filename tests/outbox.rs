@@ -22,7 +22,7 @@ use idempotent_runtime::outbox::{
     Outbox, OutboxBatch, OutboxRow, OutboxStore, Outgoing, PublishError, Publisher, Relay,
 };
 use idempotent_runtime::sqlx::{self, AssertSqlSafe, Row};
-use idempotent_runtime::store::{DEFAULT_OUTBOX_TABLE, PurgeExpired};
+use idempotent_runtime::store::{Claim, DEFAULT_OUTBOX_TABLE, Guard, PurgeExpired, Request, Store, TransactionGuard};
 use idempotent_runtime::{Error, idempotent};
 
 #[derive(Debug, thiserror::Error)]
@@ -87,7 +87,7 @@ pub struct Stored {
 }
 
 pub trait Backend: Sized + Send + Sync + 'static {
-    type Store: OutboxStore + PurgeExpired + Clone;
+    type Store: OutboxStore + PurgeExpired + Clone + Store<Guard: TransactionGuard> + 'static;
     fn setup(retention: Duration) -> impl Future<Output = Self> + Send;
     fn store(&self) -> Self::Store;
     fn charge(&self, msg: &Charge) -> impl Future<Output = Result<usize, AppError>> + Send;
@@ -290,7 +290,8 @@ impl Backend for My {
             .collect()
     }
     async fn teardown(self) {
-        for table in [&self.markers, &self.outbox, &self.effects] {
+        let keys = format!("{}_keys", self.outbox);
+        for table in [&self.markers, &self.outbox, &self.effects, &keys] {
             common::drop_mysql_table(self.store.pool(), table).await;
         }
     }
@@ -687,8 +688,125 @@ async fn the_janitor_deletes_dispatched_rows<B: Backend>() {
     b.teardown().await;
 }
 
+/// A fresh claim of `key` with one message of ordering key `ordering`
+/// (message id `message_id`) staged in its transaction, left open.
+async fn staged<S: Store<Guard: TransactionGuard>>(store: &S, key: &str, message_id: &str, ordering: &str) -> S::Guard {
+    let request = Request::new("outbox.overlap", key).unwrap();
+    let Claim::Fresh(mut guard) = store.claim(&request).await.unwrap() else {
+        panic!("{key} is fresh");
+    };
+    let mut outbox = Outbox::new();
+    outbox.publish(
+        Outgoing::new("t", message_id.as_bytes().to_vec())
+            .message_id(message_id)
+            .ordered_by(ordering),
+    );
+    guard.stage(outbox).await.unwrap();
+    guard
+}
+
+/// Issue 43, hole 2: two transactions stage a row of one ordering key;
+/// the one that inserted first commits last. Per key, the relay publishes
+/// in insertion order, which is commit order: the second stager waits for
+/// the first one's transaction before it inserts. Twice: for a key staged
+/// for the first time, and for one staged before (MariaDB: its row in the
+/// keys table exists then).
+async fn overlapping_transactions_publish_a_key_in_insertion_order<B: Backend>() {
+    let b = B::setup(KEEP).await;
+    let recorder = Arc::new(Recorder::default());
+    let relay = Relay::builder(b.store(), Arc::clone(&recorder))
+        .poll_interval(Duration::from_millis(10))
+        .spawn();
+    let mut expected = Vec::new();
+    for round in 0..2 {
+        let (a, b_id) = (format!("a{round}-inserted-first"), format!("b{round}-inserted-second"));
+        let store = b.store();
+        // A inserts its row of "order-42" and keeps its transaction open.
+        let first = staged(&store, &format!("tx-a{round}"), &a, "order-42").await;
+        // B stages a row of the same key and commits, on its own task.
+        let (key, id) = (format!("tx-b{round}"), b_id.clone());
+        let second = tokio::spawn(async move {
+            let guard = staged(&store, &key, &id, "order-42").await;
+            guard.complete(None).await.unwrap();
+        });
+        // Time for B to commit and for the relay to publish whatever it sees.
+        tokio::time::sleep(Duration::from_millis(1000)).await;
+        first.complete(None).await.unwrap();
+        second.await.unwrap();
+        expected.extend([a, b_id]);
+        until("the round's rows dispatched", || async {
+            let rows = b.rows().await;
+            rows.len() == expected.len() && rows.iter().all(|row| row.dispatched)
+        })
+        .await;
+    }
+    relay.shutdown().await;
+    assert_eq!(
+        recorder.ids(),
+        expected,
+        "per ordering key, the row inserted first is published first"
+    );
+    let rows: Vec<String> = b.rows().await.into_iter().map(|row| row.message_id).collect();
+    assert_eq!(rows, expected, "ids in insertion order");
+    b.teardown().await;
+}
+
+/// The order of one key costs nothing to the others: a transaction that
+/// stages a row of another key commits while the first one is still open.
+async fn overlapping_transactions_of_different_keys_do_not_wait<B: Backend>() {
+    let b = B::setup(KEEP).await;
+    let store = b.store();
+    let first = staged(&store, "tx-a", "a-of-order-1", "order-1").await;
+    let other = tokio::spawn(async move {
+        let guard = staged(&store, "tx-b", "b-of-order-2", "order-2").await;
+        guard.complete(None).await.unwrap();
+    });
+    // A deadline only to turn a wait on "order-1" into a failure.
+    tokio::time::timeout(Duration::from_secs(20), other)
+        .await
+        .expect("a transaction staging another key does not wait for the open one")
+        .unwrap();
+    let rows: Vec<String> = b.rows().await.into_iter().map(|row| row.message_id).collect();
+    assert_eq!(rows, ["b-of-order-2"], "committed while A is still open");
+    first.complete(None).await.unwrap();
+    assert_eq!(b.rows().await.len(), 2);
+    b.teardown().await;
+}
+
+/// MariaDB keeps a row per ordering key (`<outbox>_keys`, the row a
+/// stager locks): the janitor deletes those with no pending message.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn mariadb_janitor_deletes_the_keys_of_dispatched_messages() {
+    let b = My::setup(Duration::ZERO).await;
+    b.charge(&Charge::new("k1", &[("t", Some("done")), ("t", Some("waiting"))]))
+        .await
+        .unwrap();
+    let recorder = Arc::new(Recorder::default());
+    recorder.fail(&b.rows().await[1].message_id, u32::MAX);
+    let relay = Relay::builder(b.store(), Arc::clone(&recorder))
+        .poll_interval(Duration::from_millis(10))
+        .retry_backoff(Duration::from_secs(3600), Duration::from_secs(3600))
+        .spawn();
+    until("the first dispatched", || async { b.rows().await[0].dispatched }).await;
+    relay.shutdown().await;
+    let keys = || async {
+        sqlx::query_scalar::<_, Vec<u8>>(AssertSqlSafe(format!(
+            "SELECT ordering_key FROM `{}_keys` ORDER BY ordering_key",
+            b.outbox
+        )))
+        .fetch_all(b.store.pool())
+        .await
+        .unwrap()
+    };
+    assert_eq!(keys().await, [b"done".to_vec(), b"waiting".to_vec()]);
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    PurgeExpired::purge_expired(&b.store()).await.unwrap();
+    assert_eq!(keys().await, [b"waiting".to_vec()], "the pending message's key stays");
+    b.teardown().await;
+}
+
 macro_rules! suite {
-    ($module:ident, $backend:ty) => {
+    ($module:ident, $backend:ty $(, $concurrent:ident)?) => {
         mod $module {
             use super::*;
 
@@ -724,14 +842,30 @@ macro_rules! suite {
             async fn the_janitor_deletes_dispatched_rows() {
                 super::the_janitor_deletes_dispatched_rows::<$backend>().await;
             }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn overlapping_transactions_publish_a_key_in_insertion_order() {
+                super::overlapping_transactions_publish_a_key_in_insertion_order::<$backend>().await;
+            }
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+                async fn $concurrent() {
+                    super::$concurrent::<$backend>().await;
+                }
+            )?
         }
     };
 }
 
-suite!(postgres, Pg<{ common::settings::PG_SERVER_DEFAULT }>);
+// SQLite has one writer at a time: a second transaction always waits.
+suite!(
+    postgres,
+    Pg<{ common::settings::PG_SERVER_DEFAULT }>,
+    overlapping_transactions_of_different_keys_do_not_wait
+);
 suite!(
     postgres_repeatable_read_default,
-    Pg<{ common::settings::PG_REPEATABLE_READ }>
+    Pg<{ common::settings::PG_REPEATABLE_READ }>,
+    overlapping_transactions_of_different_keys_do_not_wait
 );
-suite!(mariadb, My);
+suite!(mariadb, My, overlapping_transactions_of_different_keys_do_not_wait);
 suite!(sqlite, Lite);

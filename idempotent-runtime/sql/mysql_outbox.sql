@@ -26,3 +26,12 @@ CREATE TABLE IF NOT EXISTS idempotent_outbox (
     INDEX idempotent_outbox_pending_idx (dispatched_at, id),
     INDEX idempotent_outbox_ordering_idx (ordering_key, dispatched_at, id)
 ) ENGINE = InnoDB;
+
+-- Ordering keys: a stager locks its key's row here (inserting it the first
+-- time) until its transaction ends, so that per key the rows above are
+-- inserted in the order their transactions commit. The janitor deletes the
+-- keys that have no pending message.
+CREATE TABLE IF NOT EXISTS idempotent_outbox_keys (
+    ordering_key    VARBINARY(255) NOT NULL,
+    PRIMARY KEY (ordering_key)
+) ENGINE = InnoDB;

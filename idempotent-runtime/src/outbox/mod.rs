@@ -15,7 +15,10 @@
 //! publishes the row again with the same message id, which the consumers
 //! downstream (idempotent themselves) recognise. Several relays can run at
 //! once (rows are taken with `FOR UPDATE SKIP LOCKED`, or leased on
-//! SQLite); messages given an ordering key are published in order per key.
+//! SQLite); messages given an ordering key are published, per key, in the
+//! order their transactions committed, which is the order they were
+//! inserted (a transaction staging a key holds that key's lock until it
+//! ends; see [`Outgoing::ordered_by`]).
 //! The relay is woken right after a commit that staged messages in the same
 //! process, and polls for rows left by processes that died. The
 //! [`Janitor`](crate::Janitor) deletes dispatched rows once they are older
@@ -133,7 +136,9 @@ impl Outgoing {
 
     /// Publishes it after every earlier message with the same `key`
     /// (staged by any handler), and holds the later ones back while it
-    /// cannot be published.
+    /// cannot be published. Per key, messages are published in the order
+    /// their transactions committed (staging a key waits for another open
+    /// transaction that staged the same key; other keys never wait).
     pub fn ordered_by(mut self, key: impl Into<String>) -> Outgoing {
         self.ordering_key = Some(key.into());
         self
@@ -247,6 +252,23 @@ impl StagedRow {
     }
 }
 
+/// The distinct ordering keys of `rows`, in byte order: the keys whose
+/// lock a stager takes before it inserts them (each SQL backend's
+/// `stage_outbox`, with its own statement), so that per ordering key the
+/// rows are inserted in the order their transactions commit.
+///
+/// The lock is held until the stager's transaction ends: a second
+/// transaction staging the same key waits there, *before* its insert, so
+/// its row gets a later id and becomes visible after the first one's.
+/// Taking them in one order (bytes, the order of the keys' index) keeps two
+/// stagers of the same keys from waiting on each other in a cycle.
+pub(crate) fn ordering_keys(rows: &[StagedRow]) -> Vec<&str> {
+    let mut keys: Vec<&str> = rows.iter().filter_map(|row| row.ordering_key.as_deref()).collect();
+    keys.sort_unstable();
+    keys.dedup();
+    keys
+}
+
 /// The id of the `index`-th message staged by `scope` for `key`.
 fn derived_message_id(scope: &str, key: &str, index: usize) -> String {
     let mut hash = Sha256::new();
@@ -274,6 +296,13 @@ mod tests {
         assert_ne!(rows[0].message_id, derived_message_id("scope", "key2", 0));
         assert_eq!(rows[2].message_id, "mine");
         assert_eq!(rows[1].headers, r#"{"h":"v"}"#);
+        let mut keyed = Outbox::new();
+        for key in ["b", "a", "b"] {
+            keyed.publish(Outgoing::new("d", b"x".to_vec()).ordered_by(key));
+        }
+        keyed.publish(Outgoing::new("d", b"x".to_vec()));
+        let keyed = keyed.into_rows("s", "k").unwrap();
+        assert_eq!(ordering_keys(&keyed), ["a", "b"], "distinct, in byte order");
         let mut bad = Outbox::new();
         bad.publish(Outgoing::new("", b"x".to_vec()));
         assert!(matches!(bad.into_rows("s", "k"), Err(Error::Config(_))));

@@ -10,7 +10,7 @@ use sqlx::{AssertSqlSafe, MySql, MySqlConnection, Row};
 use crate::store::tx::Tx;
 
 use crate::Error;
-use crate::outbox::{OutboxBatch, OutboxRow, OutboxStore, StagedRow};
+use crate::outbox::{OutboxBatch, OutboxRow, OutboxStore, StagedRow, ordering_keys};
 use crate::store::mysql::MySqlStore;
 use crate::store::sql::{bind_ids, fmt_outbox_batch, outbox_rows, pending_from, stage_inserts};
 
@@ -29,11 +29,34 @@ pub(crate) struct MySqlOutboxSql {
     reschedule: String,
     pub(crate) purge: String,
     pending: String,
+    /// Deletes rows of the keys table whose key has no pending message.
+    purge_keys: String,
+}
+
+/// The table of ordering keys beside the outbox table `table` (quoted):
+/// `<table>_keys`, in the current database, as `migrate()` creates it
+/// (the DDL names it like the outbox's indexes, without the schema).
+fn keys_table(table: &str) -> String {
+    let last = table.rsplit('.').next().unwrap_or(table);
+    format!("`{}_keys`", last.trim_matches('`'))
+}
+
+/// Takes the lock of the ordering key `?` until the transaction ends: an
+/// exclusive lock on its row of the keys table `{keys}` (inserted when it
+/// is the key's first), the upsert locking the existing row by its primary
+/// key only (no gap), so that other keys never wait.
+fn lock_ordering_key(keys: &str) -> String {
+    format!("INSERT INTO {keys} (ordering_key) VALUES (?) ON DUPLICATE KEY UPDATE ordering_key = ordering_key")
 }
 
 impl MySqlOutboxSql {
     pub(crate) fn new(t: &str) -> MySqlOutboxSql {
+        let keys = keys_table(t);
         MySqlOutboxSql {
+            purge_keys: format!(
+                "DELETE FROM {keys} WHERE NOT EXISTS (SELECT 1 FROM {t} o \
+                 WHERE o.ordering_key = {keys}.ordering_key AND o.dispatched_at IS NULL) LIMIT ?"
+            ),
             dispatched: format!(
                 "UPDATE {t} SET dispatched_at = UTC_TIMESTAMP(3), last_error = NULL WHERE id IN ({{ids}})"
             ),
@@ -62,12 +85,25 @@ impl MySqlOutboxSql {
     }
 }
 
-/// Writes staged rows with one multi-row `INSERT` per thousand.
+/// Writes staged rows with one multi-row `INSERT` per thousand, after
+/// taking the lock of each of their ordering keys
+/// ([`ordering_keys`](crate::outbox::ordering_keys)): per key, rows are
+/// inserted in the order their transactions commit.
 pub(crate) async fn stage_outbox(
     conn: &mut MySqlConnection,
     table: &str,
     rows: Vec<StagedRow>,
 ) -> Result<(), sqlx::Error> {
+    let keys = ordering_keys(&rows);
+    if !keys.is_empty() {
+        let lock = lock_ordering_key(&keys_table(table));
+        for key in keys {
+            sqlx::query(AssertSqlSafe(lock.as_str()))
+                .bind(key.as_bytes())
+                .execute(&mut *conn)
+                .await?;
+        }
+    }
     let values = "(?, ?, ?, ?, ?, UTC_TIMESTAMP(3), UTC_TIMESTAMP(3))";
     for insert in stage_inserts::<MySql, _>(table, values, STAGE_CHUNK, rows, |key| key.map(String::into_bytes)) {
         insert.execute(&mut *conn).await?;
@@ -120,10 +156,16 @@ impl MySqlStore {
     /// Deletes outgoing messages dispatched longer ago than the store's
     /// outbox retention, in batches of its purge batch size; returns how
     /// many. The [`Janitor`](crate::Janitor) calls it after the markers.
+    /// It then deletes the ordering keys with no pending message from the
+    /// keys table (`<outbox table>_keys`; not counted): a key's row only
+    /// matters while a transaction holds it, and staging inserts it again.
     pub async fn purge_dispatched(&self) -> Result<u64, Error> {
         let outbox = self.outbox();
-        self.delete_in_batches(&outbox.sql.purge, Some(micros(outbox.retention)))
-            .await
+        let deleted = self
+            .delete_in_batches(&outbox.sql.purge, Some(micros(outbox.retention)))
+            .await?;
+        self.delete_in_batches(&outbox.sql.purge_keys, None).await?;
+        Ok(deleted)
     }
 }
 

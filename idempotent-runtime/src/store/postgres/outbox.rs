@@ -10,7 +10,7 @@ use sqlx::{AssertSqlSafe, PgConnection, Postgres, Row};
 use crate::store::tx::Tx;
 
 use crate::Error;
-use crate::outbox::{OutboxBatch, OutboxRow, OutboxStore, StagedRow};
+use crate::outbox::{OutboxBatch, OutboxRow, OutboxStore, StagedRow, ordering_keys};
 use crate::store::postgres::PgStore;
 use crate::store::sql::{delete_in_batches, fmt_outbox_batch, millis, outbox_rows, pending_from};
 
@@ -56,12 +56,27 @@ impl PgOutboxSql {
     }
 }
 
-/// Writes staged rows with one statement, whatever their number.
+/// The lock a stager takes on an ordering key, held until its transaction
+/// ends: a transaction-level advisory lock on a 64-bit hash of the outbox
+/// table and the key (keys of two tables or two hashing alike share a
+/// lock, which only makes one wait for the other's commit).
+const LOCK_ORDERING_KEY: &str = "SELECT pg_advisory_xact_lock(hashtextextended($1, 0))";
+
+/// Writes staged rows with one statement, whatever their number, after
+/// taking the lock of each of their ordering keys
+/// ([`ordering_keys`](crate::outbox::ordering_keys)): per key, rows are
+/// inserted in the order their transactions commit.
 pub(crate) async fn stage_outbox(
     conn: &mut PgConnection,
     table: &str,
     rows: Vec<StagedRow>,
 ) -> Result<(), sqlx::Error> {
+    for key in ordering_keys(&rows) {
+        sqlx::query(LOCK_ORDERING_KEY)
+            .bind(format!("{table}:{key}"))
+            .execute(&mut *conn)
+            .await?;
+    }
     let mut ids = Vec::with_capacity(rows.len());
     let mut destinations = Vec::with_capacity(rows.len());
     let mut keys = Vec::with_capacity(rows.len());
