@@ -262,6 +262,7 @@ impl StagedRow {
 /// its row gets a later id and becomes visible after the first one's.
 /// Taking them in one order (bytes, the order of the keys' index) keeps two
 /// stagers of the same keys from waiting on each other in a cycle.
+#[cfg_attr(not(any(feature = "postgres", feature = "mysql")), allow(dead_code))]
 pub(crate) fn ordering_keys(rows: &[StagedRow]) -> Vec<&str> {
     let mut keys: Vec<&str> = rows.iter().filter_map(|row| row.ordering_key.as_deref()).collect();
     keys.sort_unstable();
