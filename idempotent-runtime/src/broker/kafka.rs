@@ -1636,10 +1636,15 @@ impl pipeline::Delivery for Delivery {
                     ready.dead_letter_topic
                 ))
             })?;
-        // Offsets in the database: the record is settled once its offset
-        // is stored (in a transaction of its own), after its dead letter.
+        Ok(())
+    }
+
+    /// The record is finished; with offsets in the database, once its
+    /// offset is stored (in a transaction of its own). A failed offset
+    /// write is tried again by the pipeline, never the handler.
+    async fn discard(&self) -> Result<(), Settle> {
         #[cfg(feature = "sqlx")]
-        if let Some(offsets) = &ready.offsets
+        if let Some(offsets) = &self.shared.ready.offsets
             && let Err(error) = offsets.advance_alone(self.partition, self.record.offset).await
         {
             return Err(Settle::Refused(format!(

@@ -787,14 +787,15 @@ impl pipeline::Delivery for Delivery {
                 ack.stream
             )));
         }
-        if let Err(err) = self.msg.double_ack_with(AckKind::Term).await {
-            tracing::warn!(
-                target: TRACING_TARGET,
-                error = %err,
-                "terminating a dead-lettered message failed: it may be dead-lettered again (stored once)"
-            );
-        }
         Ok(())
+    }
+
+    /// `+TERM`, confirmed by the server.
+    async fn discard(&self) -> Result<(), Settle> {
+        self.msg
+            .double_ack_with(AckKind::Term)
+            .await
+            .map_err(|err| Settle::Unknown(format!("NATS: terminating the message was not confirmed: {err}")))
     }
 
     async fn release(&self, delay: Duration) -> Result<(), Settle> {

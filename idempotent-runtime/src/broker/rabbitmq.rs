@@ -900,11 +900,7 @@ impl pipeline::Delivery for Delivery {
             .iter()
             .map(|d| {
                 if d.delivery.delivery_tag <= upto {
-                    match &multiple {
-                        Ok(()) => Ok(()),
-                        Err(Settle::Lost(why)) => Err(Settle::Lost(why.clone())),
-                        Err(Settle::Refused(why)) => Err(Settle::Refused(why.clone())),
-                    }
+                    multiple.clone()
                 } else {
                     alone
                         .next()
@@ -944,7 +940,7 @@ impl pipeline::Delivery for Delivery {
             DeadLetter::Queue(queue) => self.publish(&ShortString::default(), queue, props).await?,
             DeadLetter::Exchange { exchange, routing_key } => self.publish(exchange, routing_key, props).await?,
         }
-        self.ack().await
+        Ok(())
     }
 
     async fn release(&self, delay: Duration) -> Result<(), Settle> {

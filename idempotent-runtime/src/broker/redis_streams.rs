@@ -860,10 +860,7 @@ impl pipeline::Delivery for Delivery {
                         first.shared.alive.store(false, Ordering::Relaxed);
                     }
                     for _ in chunk {
-                        results.push(Err(match &why {
-                            Settle::Lost(why) => Settle::Lost(why.clone()),
-                            Settle::Refused(why) => Settle::Refused(why.clone()),
-                        }));
+                        results.push(Err(why.clone()));
                     }
                 }
             }
@@ -901,6 +898,12 @@ impl pipeline::Delivery for Delivery {
         extra.extend(fields);
         self.settle(&MOVE, &[&ready.stream, &ready.dead_letter_stream], extra)
             .await
+    }
+
+    /// Nothing: [`dead_letter`](pipeline::Delivery::dead_letter) adds the
+    /// dead letter and acknowledges the entry in one script.
+    async fn discard(&self) -> Result<(), Settle> {
+        Ok(())
     }
 
     async fn release(&self, _delay: Duration) -> Result<(), Settle> {

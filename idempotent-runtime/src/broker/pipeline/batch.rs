@@ -92,11 +92,13 @@ where
     R: RetryPolicy<H::Error>,
     H: Handler<M, A>,
 {
-    // The last delivery of a message, and what is poison, are settled
-    // alone, as without batches.
+    // The last delivery of a message, what is poison, and a message
+    // already dead-lettered are settled alone, as without batches.
     let mut ready = Vec::with_capacity(deliveries.len());
     for (index, delivery) in deliveries.iter().enumerate() {
-        let decoded = match (delivery.meta().last, worker.refused_body(delivery)) {
+        // A redelivery of a dead-lettered message too: it is not run.
+        let dead = worker.dead.recall(delivery).is_some();
+        let decoded = match (delivery.meta().last || dead, worker.refused_body(delivery)) {
             (false, None) => worker.decoder.decode(delivery.body()).ok(),
             _ => None,
         };

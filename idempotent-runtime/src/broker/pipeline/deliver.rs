@@ -9,6 +9,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 use tracing::{Instrument, Span};
 
+use super::dead::{Dead, Unsure};
 use super::span::{delivery_span, trace_failure};
 use super::traits::{Delivery, Letter, Meta, Settle};
 use super::worker::{Worker, millis};
@@ -95,6 +96,9 @@ impl<D, R, H> Worker<D, R, H> {
         // them.
         let mut beat = Beat::new(delivery.heartbeat());
         let check_only = ran.is_none() && meta.last;
+        if ran.is_none() && self.settled_as_dead(delivery).await {
+            return;
+        }
         if let Some(reason) = self.refused_body(delivery).filter(|_| ran.is_none()) {
             tracing::error!(target: TRACING_TARGET, %reason, "malformed or oversized (poison) message: dead-lettering it");
             trace_failure("poison");
@@ -263,7 +267,7 @@ impl<D, R, H> Worker<D, R, H> {
             let retried = on_own_connection(delivery, || delivery.retry(attempt + 1, delay, &self.shutdown)).await;
             match retried {
                 Ok(()) => self.recorder.outcome(Outcome::Retried),
-                Err(Settle::Refused(why)) => {
+                Err(Settle::Refused(why) | Settle::Unknown(why)) => {
                     tracing::error!(target: TRACING_TARGET, error = %why, "could not schedule the retry: handing the message back");
                     self.release(delivery).await;
                 }
@@ -469,9 +473,36 @@ impl<D, R, H> Worker<D, R, H> {
         self.recorder.outcome(Outcome::Released);
     }
 
-    /// Publishes the dead letter and removes the delivery; hands it back
-    /// when the publish is refused, except on its last delivery, where the
-    /// publish is tried again until it works or the consumer stops.
+    /// A redelivery of a message this consumer dead-lettered (see
+    /// [`dead`](super::dead)): settles it without running its handler, and
+    /// says so. Costs one flag's load on every other delivery.
+    pub(super) async fn settled_as_dead<Dl: Delivery>(&self, delivery: &Dl) -> bool {
+        let Some(dead) = self.dead.recall(delivery) else {
+            return false;
+        };
+        tracing::warn!(
+            target: TRACING_TARGET,
+            "redelivered after its dead letter was published (its removal was lost or not confirmed): settling it \
+             without running its handler"
+        );
+        match dead {
+            Dead::Stored => self.discard(delivery, Outcome::DeadLettered).await,
+            Dead::Unsure(Unsure { kind, reason, attempts }) => {
+                self.dead_letter(delivery, kind, &reason, attempts, Outcome::DeadLettered)
+                    .await;
+            }
+        }
+        true
+    }
+
+    /// Publishes the dead letter, then removes the delivery
+    /// ([`discard`](Self::discard)). A publish the broker refused hands the
+    /// delivery back, except on its last delivery, where it is tried again
+    /// until it works or the consumer stops; one whose outcome is unknown
+    /// (no answer in time) is tried again, as safe. From the moment the
+    /// dead letter may be stored, the message is remembered
+    /// ([`dead`](super::dead)): its redelivery is settled without its
+    /// handler.
     async fn dead_letter<Dl: Delivery>(
         &self,
         delivery: &Dl,
@@ -487,18 +518,55 @@ impl<D, R, H> Worker<D, R, H> {
             attempts,
             source: &self.source,
         };
+        let identity = delivery.identity();
+        let unsure = || {
+            if let Some(identity) = &identity {
+                let letter = Unsure {
+                    kind,
+                    reason: reason.clone(),
+                    attempts,
+                };
+                self.dead.remember(identity, Dead::Unsure(letter));
+            }
+        };
         let last = delivery.meta().last;
         let mut failures = 0u32;
         loop {
             let published = on_own_connection(delivery, || delivery.dead_letter(&letter)).await;
             match published {
-                Ok(()) => {
-                    self.recorder.outcome(outcome);
+                Ok(()) => break,
+                Err(Settle::Lost(why)) => {
+                    unsure();
+                    tracing::warn!(
+                        target: TRACING_TARGET,
+                        error = %why,
+                        "connection lost while publishing the dead letter: the broker redelivers the message, whose \
+                         dead letter is then published again"
+                    );
+                    self.recorder.outcome(Outcome::Released);
                     return;
                 }
-                Err(Settle::Lost(why)) => {
-                    tracing::warn!(target: TRACING_TARGET, error = %why, "connection lost before the dead letter: the broker redelivers the message");
-                    self.recorder.outcome(Outcome::Released);
+                Err(Settle::Unknown(why)) if !self.shutdown.is_cancelled() => {
+                    unsure();
+                    failures = failures.saturating_add(1);
+                    tracing::warn!(
+                        target: TRACING_TARGET,
+                        error = %why,
+                        failures,
+                        "the dead letter's publish was not confirmed in time: publishing it again"
+                    );
+                    delivery.progress().await;
+                    sleep_unless_cancelled(self.options.retry_backoff.delay(failures), &self.shutdown).await;
+                }
+                Err(Settle::Unknown(why)) => {
+                    unsure();
+                    tracing::error!(
+                        target: TRACING_TARGET,
+                        error = %why,
+                        "the dead letter's publish was not confirmed before shutdown: handing the message back (its \
+                         redelivery to this consumer publishes it again)"
+                    );
+                    self.release(delivery).await;
                     return;
                 }
                 Err(Settle::Refused(why)) if last && !self.shutdown.is_cancelled() => {
@@ -533,6 +601,53 @@ impl<D, R, H> Worker<D, R, H> {
                 }
             }
         }
+        if let Some(identity) = &identity {
+            self.dead.remember(identity, Dead::Stored);
+        }
+        self.discard(delivery, outcome).await;
+    }
+
+    /// Removes a delivery whose dead letter is stored, trying again until
+    /// the broker takes it, the connection is lost (the broker redelivers
+    /// it, and [`settled_as_dead`](Self::settled_as_dead) settles the
+    /// redelivery) or the consumer stops.
+    async fn discard<Dl: Delivery>(&self, delivery: &Dl, outcome: Outcome) {
+        let mut failures = 0u32;
+        loop {
+            match on_own_connection(delivery, || delivery.discard()).await {
+                Ok(()) => break,
+                Err(Settle::Lost(why)) => {
+                    tracing::warn!(
+                        target: TRACING_TARGET,
+                        error = %why,
+                        "connection lost after the dead letter was stored: the broker redelivers the message, which \
+                         is then settled without running its handler"
+                    );
+                    break;
+                }
+                Err(why) if !self.shutdown.is_cancelled() => {
+                    failures = failures.saturating_add(1);
+                    tracing::warn!(
+                        target: TRACING_TARGET,
+                        error = %why,
+                        failures,
+                        "the dead letter is stored, but removing the message failed: trying the removal again"
+                    );
+                    delivery.progress().await;
+                    sleep_unless_cancelled(self.options.retry_backoff.delay(failures), &self.shutdown).await;
+                }
+                Err(why) => {
+                    tracing::error!(
+                        target: TRACING_TARGET,
+                        error = %why,
+                        "the dead letter is stored, but removing the message failed before shutdown: a redelivery \
+                         to this consumer is settled without its handler, one after a restart runs it again"
+                    );
+                    break;
+                }
+            }
+        }
+        self.recorder.outcome(outcome);
     }
 }
 

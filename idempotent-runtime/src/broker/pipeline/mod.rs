@@ -13,7 +13,9 @@
 //! processed meanwhile or the retries in place ran out, which spends an
 //! attempt; retry: hand it to the broker with a delay; otherwise
 //! dead-letter), and the settlement, never on a connection
-//! other than the one it came on. A delivery's progress is sent at its heartbeat
+//! other than the one it came on. A dead letter is stored, then the
+//! delivery removed, each step retried by itself; a message whose dead
+//! letter is stored is never handed to its handler again (`dead`). A delivery's progress is sent at its heartbeat
 //! until it is settled, across the handler's runs and the waits between
 //! them; in a batch, from the moment it is gathered, while the others run,
 //! commit and settle. On shutdown, `drain` gives the handlers in flight
@@ -36,13 +38,15 @@
 //! The code, by concern: `traits` (what a broker implements, and what it
 //! exchanges with the pipeline), `run` (the loop and the drain), `deliver`
 //! (one delivery: decoding, the handler's call, the verdict, acknowledging,
-//! retrying, dead-lettering, releasing), `batch` (several deliveries in one
+//! retrying, dead-lettering, releasing), `dead` (the memory of what was
+//! dead-lettered), `batch` (several deliveries in one
 //! database transaction), `offsets` (a Kafka consumer's offsets stored in
 //! the handler's transaction), `span` (a delivery's `tracing` span) and `worker`
 //! (what a consumer's delivery tasks share).
 
 #[cfg(feature = "sqlx")]
 mod batch;
+mod dead;
 mod deliver;
 #[cfg(all(feature = "kafka", feature = "sqlx"))]
 mod offsets;

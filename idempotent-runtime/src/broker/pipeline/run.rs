@@ -9,6 +9,7 @@ use tokio::time::Instant;
 
 #[cfg(feature = "sqlx")]
 use super::batch::{gather, process_batch};
+use super::dead::DeadLettered;
 use super::deliver::process;
 use super::traits::{Broker, Connect, Next, Session};
 use super::worker::{Worker, millis};
@@ -54,6 +55,7 @@ where
         recorder: recorder.clone(),
         shutdown: shutdown.clone(),
         abandon: CancellationToken::new(),
+        dead: DeadLettered::default(),
     });
     let concurrency = options.concurrency;
     #[cfg(feature = "sqlx")]

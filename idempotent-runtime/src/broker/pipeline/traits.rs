@@ -155,19 +155,23 @@ pub struct Letter<'a> {
 }
 
 /// Why a settlement did not happen.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub enum Settle {
     /// The broker would not take a publish (unroutable, refused): the
     /// delivery can still be handed back.
     Refused(String),
     /// The connection is gone: the broker redelivers the message.
     Lost(String),
+    /// No answer in time (a publish acknowledgement that did not come): the
+    /// step may or may not have taken effect. The pipeline takes the same
+    /// step again, which must be safe ([`Delivery::dead_letter`]).
+    Unknown(String),
 }
 
 impl fmt::Display for Settle {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Settle::Refused(why) | Settle::Lost(why) => f.write_str(why),
+            Settle::Refused(why) | Settle::Lost(why) | Settle::Unknown(why) => f.write_str(why),
         }
     }
 }
@@ -236,8 +240,37 @@ pub trait Delivery: Send + Sync + 'static {
         shutdown: &CancellationToken,
     ) -> impl Future<Output = Result<(), Settle>> + Send;
 
-    /// Publish it to the dead-letter destination, then remove it.
+    /// What names this message across its redeliveries, on any connection
+    /// (a stream sequence, an entry id, a partition and offset, a message
+    /// id), if the broker gives one. The pipeline remembers the dead-lettered
+    /// ones: a redelivery of a message whose dead letter is stored (its
+    /// removal lost with the connection, refused, or not known to have
+    /// happened) is settled without running its handler again. `None`: not
+    /// recognised.
+    fn identity(&self) -> Option<String> {
+        None
+    }
+
+    /// Publish it to the dead-letter destination; `Ok` once the broker
+    /// stored the dead letter. The pipeline then removes the delivery
+    /// ([`discard`](Self::discard)), as a step of its own that it retries
+    /// by itself.
+    ///
+    /// Called again for the same delivery when a call's outcome was
+    /// unknown ([`Settle::Unknown`], [`Settle::Lost`]) or on its redelivery:
+    /// publishing the same letter again must be safe (the broker's
+    /// deduplication id where it has one; a second copy in the dead-letter
+    /// destination at worst, never a second run of the handler). A broker
+    /// that can publish and remove in one atomic step does both here, and
+    /// its `discard` does nothing.
     fn dead_letter(&self, letter: &Letter<'_>) -> impl Future<Output = Result<(), Settle>> + Send;
+
+    /// Removes it after its dead letter is stored; by default
+    /// [`ack`](Self::ack). Called again after a failure, and on a
+    /// redelivery of a message whose dead letter is stored.
+    fn discard(&self) -> impl Future<Output = Result<(), Settle>> + Send {
+        self.ack()
+    }
 
     /// Give it back for another delivery, after `delay` where the broker
     /// can wait.

@@ -3,6 +3,7 @@
 
 use std::time::Duration;
 
+use super::dead::DeadLettered;
 use super::traits::Messaging;
 use crate::broker::CancellationToken;
 use crate::broker::options::ConsumerOptions;
@@ -21,6 +22,8 @@ pub(super) struct Worker<D, R, H> {
     pub(super) shutdown: CancellationToken,
     /// Cancelled at the shutdown timeout: handlers still running let go.
     pub(super) abandon: CancellationToken,
+    /// The messages it dead-lettered, across its connections.
+    pub(super) dead: DeadLettered,
 }
 
 /// Milliseconds of `d` for a log field (saturating).

@@ -1,0 +1,119 @@
+//! The consumer's memory of the messages it dead-lettered: a redelivery of
+//! one of them (its removal lost with the connection, refused, or not
+//! known to have happened) is settled without running its handler again.
+//!
+//! A dead letter is stored in one step and the delivery removed in another
+//! (an ack, a term, an offset); no broker makes the two one transaction
+//! with the handler's database. Between them the message is both in the
+//! dead-letter destination and still at the broker: without this memory,
+//! its redelivery would run the handler, which could now succeed and
+//! commit an effect for a message already dead-lettered.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use super::traits::Delivery;
+use crate::broker::stats::DeadKind;
+
+/// How many dead-lettered messages a consumer remembers (the oldest are
+/// forgotten first). A redelivery comes within the broker's redelivery
+/// delay (a reconnect, an `ack_wait`), long before this many later dead
+/// letters; an entry is an identity and, when its publish's outcome is not
+/// known, its letter.
+pub(super) const REMEMBERED: usize = 10_000;
+
+/// The letter to publish again on a redelivery, when the publish's outcome
+/// was not known.
+#[derive(Clone)]
+pub(super) struct Unsure {
+    pub(super) kind: DeadKind,
+    pub(super) reason: String,
+    pub(super) attempts: u32,
+}
+
+/// What the consumer knows of a dead-lettered message.
+#[derive(Clone)]
+pub(super) enum Dead {
+    /// Its dead letter is stored: remove it.
+    Stored,
+    /// Its dead letter may be stored: publish it again (safe, see
+    /// [`Delivery::dead_letter`](super::traits::Delivery::dead_letter)),
+    /// then remove it.
+    Unsure(Unsure),
+}
+
+/// The memory (see the module).
+#[derive(Default)]
+pub(super) struct DeadLettered {
+    /// Something is remembered: the path of every other delivery looks at
+    /// this flag only.
+    any: AtomicBool,
+    entries: Mutex<Entries>,
+}
+
+#[derive(Default)]
+struct Entries {
+    by_identity: HashMap<String, Dead>,
+    order: VecDeque<String>,
+}
+
+impl DeadLettered {
+    /// Remembers `identity` as `dead` (a later call for the same identity
+    /// replaces what an earlier one said).
+    pub(super) fn remember(&self, identity: &str, dead: Dead) {
+        let Ok(mut entries) = self.entries.lock() else {
+            return;
+        };
+        if entries.by_identity.insert(identity.to_owned(), dead).is_none() {
+            entries.order.push_back(identity.to_owned());
+        }
+        while entries.order.len() > REMEMBERED {
+            if let Some(oldest) = entries.order.pop_front() {
+                entries.by_identity.remove(&oldest);
+            }
+        }
+        self.any.store(true, Ordering::Release);
+    }
+
+    /// What is remembered of `delivery`'s message (its identity is asked
+    /// for only once something is remembered).
+    pub(super) fn recall<Dl: Delivery>(&self, delivery: &Dl) -> Option<Dead> {
+        if !self.any.load(Ordering::Acquire) {
+            return None;
+        }
+        self.recall_identity(&delivery.identity()?)
+    }
+
+    fn recall_identity(&self, identity: &str) -> Option<Dead> {
+        self.entries.lock().ok()?.by_identity.get(identity).cloned()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Dead, DeadLettered, REMEMBERED};
+
+    #[test]
+    fn remembers_the_latest_word_on_each_identity_and_forgets_the_oldest_past_its_bound() {
+        let dead = DeadLettered::default();
+        assert!(dead.recall_identity("a").is_none());
+        dead.remember(
+            "a",
+            Dead::Unsure(super::Unsure {
+                kind: crate::broker::stats::DeadKind::Exhausted,
+                reason: "boom".into(),
+                attempts: 1,
+            }),
+        );
+        assert!(matches!(dead.recall_identity("a"), Some(Dead::Unsure(_))));
+        dead.remember("a", Dead::Stored);
+        assert!(matches!(dead.recall_identity("a"), Some(Dead::Stored)));
+        for i in 0..REMEMBERED {
+            dead.remember(&i.to_string(), Dead::Stored);
+        }
+        assert!(dead.recall_identity("a").is_none(), "the oldest is forgotten");
+        assert!(dead.recall_identity("0").is_some());
+        assert!(dead.recall_identity(&(REMEMBERED - 1).to_string()).is_some());
+    }
+}
