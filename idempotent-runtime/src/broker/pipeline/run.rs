@@ -78,7 +78,15 @@ where
     let mut stop_asked: Option<Instant> = None;
 
     'connect: while !shutdown.is_cancelled() {
-        let mut session = match broker.connect(&options).await {
+        // Raced against the shutdown: a broker that accepts the connection
+        // and never answers must not hold the stop (nothing is received
+        // before the connect returns, so nothing is dropped with it).
+        let connected = tokio::select! {
+            biased;
+            () = shutdown.cancelled() => break,
+            connected = broker.connect(&options) => connected,
+        };
+        let mut session = match connected {
             Ok(session) => session,
             Err(Connect::Fatal(err)) => {
                 fatal = Some(err);
