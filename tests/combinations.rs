@@ -46,6 +46,11 @@
 //! a tokio runtime of its own, shut down abruptly, and a new relay is
 //! started).
 //!
+//! Handlers that fail after their `#[idempotent]` call returned `Ok` (issue
+//! 43, `after-call`), from a stream of their own: about 1 message in 50, on
+//! every store, alone and in batches, where the member must leave nothing
+//! of its own in the batch's commit.
+//!
 //! The faults a newcomer met (issue 33), from a stream of their own so
 //! that the rest of a seed's schedule is what it was before them: the
 //! consumers classify errors as docs/brokers.md tells users to

@@ -160,10 +160,15 @@ pub enum FaultKind {
     /// The Redis Cluster a Redis store runs on loses a primary (SIGKILL),
     /// its replica is promoted and the node started again as a replica.
     Failover,
+    /// The handler returns `Err` after its `#[idempotent]` call returned
+    /// `Ok` (its effect made): alone, the call's commit stands and the
+    /// retry replays it; in a batch, the member leaves nothing of its own
+    /// in the batch's commit (issue 43, hole 3).
+    AfterCall,
 }
 
 impl FaultKind {
-    pub const ALL: [FaultKind; 19] = [
+    pub const ALL: [FaultKind; 20] = [
         FaultKind::HandlerError,
         FaultKind::Panic,
         FaultKind::Cancel,
@@ -183,6 +188,7 @@ impl FaultKind {
         FaultKind::Oversized,
         FaultKind::ConsumerSigkill,
         FaultKind::Failover,
+        FaultKind::AfterCall,
     ];
     pub fn name(self) -> &'static str {
         match self {
@@ -205,6 +211,7 @@ impl FaultKind {
             FaultKind::Oversized => "oversized",
             FaultKind::ConsumerSigkill => "consumer-sigkill",
             FaultKind::Failover => "failover",
+            FaultKind::AfterCall => "after-call",
         }
     }
     pub fn parse(name: &str) -> Option<FaultKind> {
@@ -222,6 +229,9 @@ pub enum BodyFault {
     /// "already done" reading of an error): on PostgreSQL the transaction
     /// is aborted and nothing may be reported committed.
     Swallow,
+    /// Nothing in the body: the handler returns `Err` once the call
+    /// returned `Ok` (`FaultKind::AfterCall`).
+    AfterCall,
 }
 
 /// A fault that fires once the handlers were called `at` times in all.
@@ -459,6 +469,17 @@ impl Config {
             for n in 0..messages {
                 if swallow.percent(3) && !schedule.doomed.contains(&id(n)) {
                     schedule.body.entry(id(n)).or_default().insert(0, BodyFault::Swallow);
+                }
+            }
+        }
+        // Failures after a successful call come from a stream of their own
+        // too (issue 43): about 1 message in 50, on every store, alone and
+        // in batches.
+        if allowed(FaultKind::AfterCall) {
+            let mut after = Rng::new(seed ^ 0x00af_7e2c);
+            for n in 0..messages {
+                if after.percent(2) && !schedule.doomed.contains(&id(n)) {
+                    schedule.body.entry(id(n)).or_default().insert(0, BodyFault::AfterCall);
                 }
             }
         }

@@ -193,6 +193,7 @@ pub struct Ctx {
     pub fired_panics: AtomicU64,
     pub fired_cancels: AtomicU64,
     pub fired_swallows: AtomicU64,
+    pub fired_after_calls: AtomicU64,
     pub fired_data_errors: AtomicU64,
     pub fired_outages: AtomicU64,
     /// In a child consumer (`child.rs`): its handler calls so far.
@@ -227,6 +228,7 @@ impl Ctx {
             fired_panics: AtomicU64::new(0),
             fired_cancels: AtomicU64::new(0),
             fired_swallows: AtomicU64::new(0),
+            fired_after_calls: AtomicU64::new(0),
             fired_data_errors: AtomicU64::new(0),
             fired_outages: AtomicU64::new(0),
             child_calls: AtomicU64::new(0),
@@ -283,8 +285,8 @@ impl Ctx {
                 Ok(())
             }
             // Done by the transactional bodies (before this), nothing on
-            // the lease stores.
-            Some(BodyFault::Swallow) => Ok(()),
+            // the lease stores; after the call by its caller.
+            Some(BodyFault::Swallow | BodyFault::AfterCall) => Ok(()),
         }
     }
 

@@ -253,7 +253,7 @@ impl HttpState {
                 tokio::time::sleep(HANG).await;
                 None
             }
-            Some(BodyFault::Swallow) | None => None,
+            Some(BodyFault::Swallow | BodyFault::AfterCall) | None => None,
         }
     }
 

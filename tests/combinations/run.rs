@@ -207,6 +207,13 @@ async fn handle(sh: Arc<Shared>, instance: usize, msg: Msg) -> Result<(), AppErr
     } else {
         ledger.apply(&msg, &ran, fault).await?
     };
+    if fault == Some(BodyFault::AfterCall) {
+        ledger.ctx().fired_after_calls.fetch_add(1, Ordering::SeqCst);
+        return Err(AppError::Failed(format!(
+            "checker: {} fails after its call returned Ok",
+            msg.id
+        )));
+    }
     let expected = sh.value.then_some(msg.amount);
     if answer != expected {
         sh.wrong_replay
@@ -1400,6 +1407,7 @@ pub async fn run(cfg: &Config, sabotage: Option<Sabotage>) -> Report {
     faults.insert(FaultKind::Panic, ctx.fired_panics.load(Ordering::SeqCst));
     faults.insert(FaultKind::Cancel, ctx.fired_cancels.load(Ordering::SeqCst));
     faults.insert(FaultKind::Swallow, ctx.fired_swallows.load(Ordering::SeqCst));
+    faults.insert(FaultKind::AfterCall, ctx.fired_after_calls.load(Ordering::SeqCst));
     faults.insert(FaultKind::Poison, cfg.schedule.poison as u64);
     faults.insert(FaultKind::DataError, ctx.fired_data_errors.load(Ordering::SeqCst));
     faults.insert(FaultKind::LoneOutage, ctx.fired_outages.load(Ordering::SeqCst));
