@@ -165,10 +165,16 @@ pub enum FaultKind {
     /// retry replays it; in a batch, the member leaves nothing of its own
     /// in the batch's commit (issue 43, hole 3).
     AfterCall,
+    /// MariaDB: the body's transaction is a deadlock's victim (a heavier
+    /// transaction locks its rows in the opposite order) and the body
+    /// swallows the error and returns `Ok`: InnoDB rolled the whole
+    /// transaction back, marker and effect, and nothing may be reported
+    /// committed (issue 43, hole 1).
+    Deadlock,
 }
 
 impl FaultKind {
-    pub const ALL: [FaultKind; 20] = [
+    pub const ALL: [FaultKind; 21] = [
         FaultKind::HandlerError,
         FaultKind::Panic,
         FaultKind::Cancel,
@@ -189,6 +195,7 @@ impl FaultKind {
         FaultKind::ConsumerSigkill,
         FaultKind::Failover,
         FaultKind::AfterCall,
+        FaultKind::Deadlock,
     ];
     pub fn name(self) -> &'static str {
         match self {
@@ -212,6 +219,7 @@ impl FaultKind {
             FaultKind::ConsumerSigkill => "consumer-sigkill",
             FaultKind::Failover => "failover",
             FaultKind::AfterCall => "after-call",
+            FaultKind::Deadlock => "deadlock",
         }
     }
     pub fn parse(name: &str) -> Option<FaultKind> {
@@ -232,6 +240,9 @@ pub enum BodyFault {
     /// Nothing in the body: the handler returns `Err` once the call
     /// returned `Ok` (`FaultKind::AfterCall`).
     AfterCall,
+    /// After the effect, the body's transaction is made a deadlock's victim
+    /// and the body swallows the error (`FaultKind::Deadlock`; MariaDB).
+    Deadlock,
 }
 
 /// A fault that fires once the handlers were called `at` times in all.
@@ -480,6 +491,15 @@ impl Config {
             for n in 0..messages {
                 if after.percent(2) && !schedule.doomed.contains(&id(n)) {
                     schedule.body.entry(id(n)).or_default().insert(0, BodyFault::AfterCall);
+                }
+            }
+        }
+        // Deadlock victims on MariaDB, from a stream of their own.
+        if store == StoreKind::MariaDb && allowed(FaultKind::Deadlock) {
+            let mut deadlock = Rng::new(seed ^ 0x00de_ad10);
+            for n in 0..messages {
+                if deadlock.percent(3) && !schedule.doomed.contains(&id(n)) {
+                    schedule.body.entry(id(n)).or_default().insert(0, BodyFault::Deadlock);
                 }
             }
         }

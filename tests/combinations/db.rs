@@ -323,13 +323,19 @@ pub async fn open(cfg: &Config, name: &str, sink: Option<String>, pg_url: &str, 
                 .unwrap();
             if create {
                 store.migrate().await.unwrap();
-                sqlx::query(AssertSqlSafe(format!(
-                    "CREATE TABLE `{effects}` (message_id VARCHAR(64) NOT NULL) ENGINE=InnoDB"
-                )))
-                .execute(&admin)
-                .await
-                .unwrap();
+                for ddl in [
+                    format!("CREATE TABLE `{effects}` (message_id VARCHAR(64) NOT NULL) ENGINE=InnoDB"),
+                    format!("CREATE TABLE `{effects}_l` (k VARCHAR(80) PRIMARY KEY) ENGINE=InnoDB"),
+                    format!("CREATE TABLE `{effects}_h` (n INT NOT NULL) ENGINE=InnoDB"),
+                ] {
+                    sqlx::query(AssertSqlSafe(ddl)).execute(&admin).await.unwrap();
+                }
             }
+            let _ = ctx.deadlock.set(DeadlockRig {
+                pool: common::mysql_pool(4).await,
+                locks: format!("`{effects}_l`"),
+                heavy: format!("`{effects}_h`"),
+            });
             let s = store.clone();
             pending = Some(Box::new(move || {
                 let s = s.clone();
@@ -799,7 +805,8 @@ impl Opened {
                         problems.push(format!("hung: the store's sessions still open: {sessions:?}"));
                     }
                 }
-                for t in [&self.effects, &self.markers, &self.outbox] {
+                let (locks, heavy) = (format!("{}_l", self.effects), format!("{}_h", self.effects));
+                for t in [&self.effects, &locks, &heavy, &self.markers, &self.outbox] {
                     common::drop_mysql_table(admin, t).await;
                 }
             }

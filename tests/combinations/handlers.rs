@@ -194,6 +194,10 @@ pub struct Ctx {
     pub fired_cancels: AtomicU64,
     pub fired_swallows: AtomicU64,
     pub fired_after_calls: AtomicU64,
+    /// Deadlocks whose victim was the body's transaction.
+    pub fired_deadlocks: AtomicU64,
+    /// MariaDB: what makes a body a deadlock's victim.
+    pub deadlock: OnceLock<DeadlockRig>,
     pub fired_data_errors: AtomicU64,
     pub fired_outages: AtomicU64,
     /// In a child consumer (`child.rs`): its handler calls so far.
@@ -229,6 +233,8 @@ impl Ctx {
             fired_cancels: AtomicU64::new(0),
             fired_swallows: AtomicU64::new(0),
             fired_after_calls: AtomicU64::new(0),
+            fired_deadlocks: AtomicU64::new(0),
+            deadlock: OnceLock::new(),
             fired_data_errors: AtomicU64::new(0),
             fired_outages: AtomicU64::new(0),
             child_calls: AtomicU64::new(0),
@@ -286,7 +292,7 @@ impl Ctx {
             }
             // Done by the transactional bodies (before this), nothing on
             // the lease stores; after the call by its caller.
-            Some(BodyFault::Swallow | BodyFault::AfterCall) => Ok(()),
+            Some(BodyFault::Swallow | BodyFault::AfterCall | BodyFault::Deadlock) => Ok(()),
         }
     }
 
@@ -314,6 +320,56 @@ impl Ctx {
             *n = 1;
         }
         Ok(())
+    }
+}
+
+/// MariaDB: a second session that takes a body's rows in the opposite
+/// order, in a transaction heavier than the body's (InnoDB rolls back the
+/// transaction that changed fewer rows).
+#[derive(Clone, Debug)]
+pub struct DeadlockRig {
+    pub pool: sqlx::MySqlPool,
+    /// `k VARCHAR PRIMARY KEY`: the two rows of each message.
+    pub locks: String,
+    /// Rows the adversary inserts to weigh more than the body.
+    pub heavy: String,
+}
+
+impl DeadlockRig {
+    /// The two rows of `id`, made to exist (autocommit).
+    async fn prepare(&self, id: &str) -> (String, String) {
+        let (a, b) = (format!("{id}:a"), format!("{id}:b"));
+        sqlx::query(AssertSqlSafe(format!(
+            "INSERT IGNORE INTO {} (k) VALUES (?), (?)",
+            self.locks
+        )))
+        .bind(&a)
+        .bind(&b)
+        .execute(&self.pool)
+        .await
+        .expect("the deadlock's rows");
+        (a, b)
+    }
+
+    /// Locks `b` (says so on `locked`), then asks for `a`, which the body
+    /// holds; rolls back once it has it or was the victim itself.
+    async fn adversary(self, a: String, b: String, locked: tokio::sync::oneshot::Sender<()>) {
+        let Ok(mut conn) = self.pool.acquire().await else {
+            return;
+        };
+        let lock = |k: String| {
+            let sql = AssertSqlSafe(format!("SELECT k FROM {} WHERE k = ? FOR UPDATE", self.locks));
+            sqlx::query(sql).bind(k)
+        };
+        let _ = sqlx::query("BEGIN").execute(&mut *conn).await;
+        let values = vec!["(1)"; 40].join(", ");
+        let _ = sqlx::query(AssertSqlSafe(format!("INSERT INTO {} (n) VALUES {values}", self.heavy)))
+            .execute(&mut *conn)
+            .await;
+        let _ = lock(b).fetch_all(&mut *conn).await;
+        let _ = locked.send(());
+        let _ = lock(a).fetch_all(&mut *conn).await;
+        let _ = sqlx::query("ROLLBACK").execute(&mut *conn).await;
     }
 }
 
@@ -368,6 +424,31 @@ macro_rules! tx_ledger {
                     self.ctx.stage(msg, outbox);
                 }
                 self.ctx.hang_mid_body(&msg.id).await;
+                if fault == Some(BodyFault::Deadlock)
+                    && let Some(rig) = self.ctx.deadlock.get()
+                {
+                    let (a, b) = rig.prepare(&msg.id).await;
+                    let lock = format!("SELECT k FROM {} WHERE k = {} FOR UPDATE", rig.locks, $ph);
+                    sqlx::query(AssertSqlSafe(lock.clone()))
+                        .bind(&a)
+                        .fetch_all(&mut *tx)
+                        .await?;
+                    let (locked, has_locked) = tokio::sync::oneshot::channel();
+                    let adversary = tokio::spawn(rig.clone().adversary(a, b.clone(), locked));
+                    let _ = has_locked.await;
+                    // A cycle: InnoDB rolls back the lighter transaction,
+                    // the body's (its marker, its effect); the body swallows
+                    // the error and goes on as if it had its row.
+                    if sqlx::query(AssertSqlSafe(lock))
+                        .bind(&b)
+                        .fetch_all(&mut *tx)
+                        .await
+                        .is_err()
+                    {
+                        self.ctx.fired_deadlocks.fetch_add(1, Ordering::SeqCst);
+                    }
+                    let _ = adversary.await;
+                }
                 if fault == Some(BodyFault::Swallow) {
                     self.ctx.fired_swallows.fetch_add(1, Ordering::SeqCst);
                     // Fails on every database; aborts a PostgreSQL transaction.

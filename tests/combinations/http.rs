@@ -253,7 +253,7 @@ impl HttpState {
                 tokio::time::sleep(HANG).await;
                 None
             }
-            Some(BodyFault::Swallow | BodyFault::AfterCall) | None => None,
+            Some(BodyFault::Swallow | BodyFault::AfterCall | BodyFault::Deadlock) | None => None,
         }
     }
 

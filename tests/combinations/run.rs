@@ -1408,6 +1408,7 @@ pub async fn run(cfg: &Config, sabotage: Option<Sabotage>) -> Report {
     faults.insert(FaultKind::Cancel, ctx.fired_cancels.load(Ordering::SeqCst));
     faults.insert(FaultKind::Swallow, ctx.fired_swallows.load(Ordering::SeqCst));
     faults.insert(FaultKind::AfterCall, ctx.fired_after_calls.load(Ordering::SeqCst));
+    faults.insert(FaultKind::Deadlock, ctx.fired_deadlocks.load(Ordering::SeqCst));
     faults.insert(FaultKind::Poison, cfg.schedule.poison as u64);
     faults.insert(FaultKind::DataError, ctx.fired_data_errors.load(Ordering::SeqCst));
     faults.insert(FaultKind::LoneOutage, ctx.fired_outages.load(Ordering::SeqCst));
