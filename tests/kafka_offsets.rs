@@ -590,6 +590,193 @@ async fn a_batch_member_that_fails_after_its_call_leaves_nothing_in_the_commit<F
     db.clean(&topic).await;
 }
 
+/// Makes the first write of one topic's row in the offsets table fail,
+/// once, with a real error from the database (a trigger on the table,
+/// whose count is a sequence: a sequence's value is not rolled back with
+/// the transaction the trigger fails), and undoes it.
+trait FailOnce: Fixture {
+    /// From now on, the first insert or update of `topic`'s offsets fails.
+    fn fail_first_offset_write(&self, topic: &str) -> impl Future<Output = ()> + Send;
+    /// How many writes of `topic`'s offsets the trigger saw (the first
+    /// refused).
+    fn offset_writes(&self, topic: &str) -> impl Future<Output = i64> + Send;
+    /// Drops the trigger and what it uses.
+    fn restore(&self, topic: &str) -> impl Future<Output = ()> + Send;
+}
+
+impl FailOnce for Postgres {
+    async fn fail_first_offset_write(&self, topic: &str) {
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+            "CREATE SEQUENCE {topic}_seq;
+             CREATE FUNCTION {topic}_fn() RETURNS trigger LANGUAGE plpgsql AS $$
+             BEGIN
+                 IF nextval('{topic}_seq') = 1 THEN
+                     RAISE EXCEPTION 'the first offset write of {topic} fails (test)';
+                 END IF;
+                 RETURN NEW;
+             END $$;
+             CREATE TRIGGER {topic}_fail BEFORE INSERT OR UPDATE ON idempotent_kafka_offsets
+                 FOR EACH ROW WHEN (NEW.topic = '{topic}') EXECUTE FUNCTION {topic}_fn();"
+        )))
+        .execute(self.store.pool())
+        .await
+        .unwrap();
+    }
+
+    async fn offset_writes(&self, topic: &str) -> i64 {
+        let select = format!("SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM {topic}_seq");
+        sqlx::query_scalar::<_, i64>(sqlx::AssertSqlSafe(select))
+            .fetch_one(self.store.pool())
+            .await
+            .unwrap()
+    }
+
+    async fn restore(&self, topic: &str) {
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+            "DROP TRIGGER IF EXISTS {topic}_fail ON idempotent_kafka_offsets;
+             DROP FUNCTION IF EXISTS {topic}_fn();
+             DROP SEQUENCE IF EXISTS {topic}_seq;"
+        )))
+        .execute(self.store.pool())
+        .await
+        .unwrap();
+    }
+}
+
+impl FailOnce for MariaDb {
+    async fn fail_first_offset_write(&self, topic: &str) {
+        let pool = self.store.pool();
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE SEQUENCE {topic}_seq NOCACHE")))
+            .execute(pool)
+            .await
+            .unwrap();
+        // One trigger per event; the topic is tested first, so that other
+        // tests' writes leave the sequence alone.
+        for event in ["INSERT", "UPDATE"] {
+            sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+                "CREATE TRIGGER {topic}_{event} BEFORE {event} ON idempotent_kafka_offsets FOR EACH ROW
+                 BEGIN
+                     IF NEW.topic = '{topic}' THEN
+                         IF NEXTVAL({topic}_seq) = 1 THEN
+                             SIGNAL SQLSTATE '45000'
+                                 SET MESSAGE_TEXT = 'the first offset write of {topic} fails (test)';
+                         END IF;
+                     END IF;
+                 END"
+            )))
+            .execute(pool)
+            .await
+            .unwrap();
+        }
+    }
+
+    async fn offset_writes(&self, topic: &str) -> i64 {
+        let select = format!("SELECT next_not_cached_value - 1 FROM {topic}_seq");
+        sqlx::query_scalar::<_, i64>(sqlx::AssertSqlSafe(select))
+            .fetch_one(self.store.pool())
+            .await
+            .unwrap()
+    }
+
+    async fn restore(&self, topic: &str) {
+        let pool = self.store.pool();
+        for drop in [
+            format!("DROP TRIGGER IF EXISTS {topic}_INSERT"),
+            format!("DROP TRIGGER IF EXISTS {topic}_UPDATE"),
+            format!("DROP SEQUENCE IF EXISTS {topic}_seq"),
+        ] {
+            sqlx::raw_sql(sqlx::AssertSqlSafe(drop)).execute(pool).await.unwrap();
+        }
+    }
+}
+
+/// Issue 43, hole 4: the dead letter of p0-0 is produced, then the write
+/// of its offset (in a transaction of its own) fails once. The write alone
+/// is tried again: the record is not handed back, so its handler, which
+/// would now succeed and commit an effect for a record already in the
+/// dead-letter topic, never runs again. Before, the refused write handed
+/// the record back at the same attempt, and its second run committed
+/// `p0-0`.
+async fn a_dead_letter_whose_offset_write_fails_is_never_handled_again<F: FailOnce>() {
+    let kafka = Kafka::start();
+    let db = Arc::new(F::open().await);
+    let topic = kafka.topic_of_steps("dlqw", 1, 2).await;
+    let group = "dlqw";
+    db.fail_first_offset_write(&topic).await;
+    let consumer = db
+        .offsets(builder(&kafka, &topic, group))
+        .kafka_commits(false)
+        .max_attempts(1)
+        .stop_when_idle(Duration::from_secs(2))
+        .build()
+        .unwrap();
+    let calls: Arc<std::sync::Mutex<BTreeMap<String, u32>>> = Arc::default();
+    let (handler_db, handler_calls) = (Arc::clone(&db), Arc::clone(&calls));
+    let stats = tokio::time::timeout(
+        WAIT,
+        consumer.run(
+            move |msg: Step| {
+                let (db, calls) = (Arc::clone(&handler_db), Arc::clone(&handler_calls));
+                async move {
+                    let call = {
+                        let mut calls = calls.lock().unwrap();
+                        let call = calls.entry(msg.message_id.clone()).or_default();
+                        *call += 1;
+                        *call
+                    };
+                    if msg.seq == 0 && call == 1 {
+                        return Err("declined the first time".to_owned());
+                    }
+                    db.apply_unmarked(msg).await.map_err(|err| err.to_string())
+                }
+            },
+            CancellationToken::new(),
+        ),
+    )
+    .await
+    .expect("stops once idle")
+    .unwrap();
+    let writes = db.offset_writes(&topic).await;
+    db.restore(&topic).await;
+    assert!(
+        writes >= 2,
+        "the first offset write was refused and another one made: {writes} writes"
+    );
+    assert_eq!(
+        *calls.lock().unwrap(),
+        BTreeMap::from([("p0-0".into(), 1), ("p0-1".into(), 1)]),
+        "the dead-lettered record's handler ran again: {stats:?}"
+    );
+    assert_eq!(
+        db.effects().await,
+        BTreeMap::from([("p0-1".into(), 1)]),
+        "an effect for a dead-lettered record: {stats:?}"
+    );
+    let dead = kafka.read_all(&format!("{topic}.dlq")).await;
+    assert_eq!(dead.len(), 1, "{dead:?}");
+    assert_eq!(dead[0].headers["x-idempotent-offset"], "0");
+    assert_eq!((stats.dead_lettered, stats.acked), (1, 1), "{stats:?}");
+    assert_eq!(db.stored(group, &topic).await, BTreeMap::from([(0, 2)]));
+    db.clean(&topic).await;
+}
+
+/// [`a_dead_letter_whose_offset_write_fails_is_never_handled_again`] on
+/// the stores whose offset write a trigger can fail once (SQLite keeps no
+/// count outside the transaction that fails).
+mod offset_write_fails_once {
+    use super::*;
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn postgres_a_dead_letter_whose_offset_write_fails_is_never_handled_again() {
+        super::a_dead_letter_whose_offset_write_fails_is_never_handled_again::<Postgres>().await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn mariadb_a_dead_letter_whose_offset_write_fails_is_never_handled_again() {
+        super::a_dead_letter_whose_offset_write_fails_is_never_handled_again::<MariaDb>().await;
+    }
+}
+
 /// The scenarios, for each store.
 macro_rules! scenarios {
     ($($module:ident: $fixture:ty;)*) => {$(

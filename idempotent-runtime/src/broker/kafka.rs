@@ -11,7 +11,7 @@
 //! | --- | --- |
 //! | `Ok` | the record is finished: its partition's offset may be committed past it, and the partition's next record (of its key, with [`Order::Key`]) starts |
 //! | `Err`, attempts left and the error retryable | after the backoff, the same record runs again as the next attempt; the partition (its key, with [`Order::Key`]) waits for it |
-//! | `Err` on the last attempt, or not retryable ([`RetryPolicy`](super::RetryPolicy)) | the record is produced to the dead-letter topic with its key, value and headers plus `x-idempotent-reason`, `-kind`, `-attempts`, `-source` and its `x-idempotent-topic`, `-partition`, `-offset`; then it is finished |
+//! | `Err` on the last attempt, or not retryable ([`RetryPolicy`](super::RetryPolicy)) | the record is produced to the dead-letter topic with its key, value and headers plus `x-idempotent-reason`, `-kind`, `-attempts`, `-source` and its `x-idempotent-topic`, `-partition`, `-offset`; then it is finished. A produce that may have been written all the same (it timed out) is produced again, and the record's handler does not run again in this process once its dead letter may be stored |
 //! | a dependency down (the `#[idempotent]` store failed, or [`Verdict::Outage`](super::Verdict::Outage)) | the handler runs again after a backoff, without spending an attempt; the partition (its key) waits |
 //! | undecodable value, or no value (poison) | dead-lettered at once |
 //! | panic | counts as a failed attempt |
@@ -391,9 +391,15 @@ impl<D, R> ConsumerBuilder<Kafka, D, R> {
     /// new owner committed the record meanwhile) is rolled back with its
     /// effect, and the record settled as a duplicate. A dead-lettered record
     /// moves the offset in a transaction of its own, after its dead letter
-    /// was produced. With [`batch`](ConsumerBuilder::batch), the batch's
-    /// transaction (begun on this `store`) stores each partition's offset
-    /// past its members that returned `Ok`.
+    /// was produced; a failure of that write (a dropped connection, a
+    /// failover) is tried again by itself, after the retry backoff, and the
+    /// record's handler does not run again (a record handed back or fetched
+    /// again meanwhile is recognised by its partition and offset). Only a
+    /// consumer that stops before the write succeeds leaves the record to
+    /// be handled again after a restart. With
+    /// [`batch`](ConsumerBuilder::batch), the batch's transaction (begun on
+    /// this `store`) stores each partition's offset past its members that
+    /// returned `Ok`.
     ///
     /// The offsets are still committed to Kafka after the transactions, as
     /// a hint for tools that show a group's lag (see
@@ -1585,6 +1591,16 @@ impl pipeline::Delivery for Delivery {
                 .is_some_and(|part| part.epoch == self.epoch)
     }
 
+    /// The topic, the partition and the record's offset: the same on every
+    /// delivery of the record (a hand back, or a fetch again from the
+    /// committed offset after a rebalance).
+    fn identity(&self) -> Option<String> {
+        Some(format!(
+            "{} partition={} offset={}",
+            self.shared.ready.topic, self.partition, self.record.offset
+        ))
+    }
+
     async fn ack(&self) -> Result<(), Settle> {
         self.finish()
     }
@@ -1631,10 +1647,15 @@ impl pipeline::Delivery for Delivery {
             .send(record, PRODUCE_TIMEOUT)
             .await
             .map_err(|(err, _)| {
-                Settle::Refused(format!(
+                let why = format!(
                     "producing the dead letter to `{}` failed: {err}",
                     ready.dead_letter_topic
-                ))
+                );
+                if possibly_stored(&err) {
+                    Settle::Unknown(why)
+                } else {
+                    Settle::Refused(why)
+                }
             })?;
         Ok(())
     }
@@ -1660,9 +1681,42 @@ impl pipeline::Delivery for Delivery {
     }
 }
 
+/// Whether a failed produce of a dead letter may have been written all the
+/// same. librdkafka retries a produce by itself until `message.timeout.ms`
+/// (`delivery.timeout.ms`); a produce that timed out there (sent, its
+/// acknowledgement lost with a connection or not in time), was purged in
+/// flight, or was refused after the leader appended it (not enough
+/// replicas) may or may not be in the topic: the idempotent producer's
+/// deduplication covers its own retries only, not a new produce. Such a
+/// failure is [`Settle::Unknown`]: the pipeline produces the dead letter
+/// again (a second copy in the dead-letter topic at worst) rather than
+/// hand the record back, whose handler would run again for a record that
+/// may already be dead-lettered. Any other failure (the record was not
+/// queued: a full queue, too large, an unknown topic; or the broker
+/// refused it) left nothing written: [`Settle::Refused`].
+fn possibly_stored(err: &KafkaError) -> bool {
+    use rdkafka::error::RDKafkaErrorCode as Code;
+    match err {
+        KafkaError::MessageProduction(code) => matches!(
+            code,
+            Code::MessageTimedOut
+                | Code::PurgeInflight
+                | Code::RequestTimedOut
+                | Code::NetworkException
+                | Code::BrokerTransportFailure
+                | Code::NotEnoughReplicasAfterAppend
+        ),
+        // The delivery report never came (the producer went away).
+        KafkaError::Canceled => true,
+        _ => false,
+    }
+}
+
 #[cfg(test)]
 mod tests {
-    use super::{Part, Record, Waiting};
+    use rdkafka::error::{KafkaError, RDKafkaErrorCode as Code};
+
+    use super::{Part, Record, Waiting, possibly_stored};
 
     fn record(offset: i64) -> Record {
         Record {
@@ -1705,5 +1759,29 @@ mod tests {
         assert_eq!(part.commit_offset(), Some(9));
         part.committed = Some(9);
         assert_eq!(part.to_commit(), None, "already committed");
+    }
+
+    #[test]
+    fn a_dead_letter_that_timed_out_may_be_stored_one_never_queued_is_not() {
+        for code in [
+            Code::MessageTimedOut,
+            Code::PurgeInflight,
+            Code::RequestTimedOut,
+            Code::NetworkException,
+            Code::BrokerTransportFailure,
+            Code::NotEnoughReplicasAfterAppend,
+        ] {
+            assert!(possibly_stored(&KafkaError::MessageProduction(code)), "{code:?}");
+        }
+        assert!(possibly_stored(&KafkaError::Canceled));
+        for code in [
+            Code::QueueFull,
+            Code::MessageSizeTooLarge,
+            Code::UnknownTopic,
+            Code::TopicAuthorizationFailed,
+            Code::PurgeQueue,
+        ] {
+            assert!(!possibly_stored(&KafkaError::MessageProduction(code)), "{code:?}");
+        }
     }
 }

@@ -806,6 +806,13 @@ impl pipeline::Delivery for Delivery {
         self.shared.alive.load(Ordering::Relaxed)
     }
 
+    /// The stream's key and the entry's id: the same on every delivery of
+    /// the entry (a claim by this consumer after its pending entry went
+    /// idle).
+    fn identity(&self) -> Option<String> {
+        Some(format!("{} {}", self.shared.ready.stream, self.id))
+    }
+
     fn heartbeat(&self) -> Option<Duration> {
         Some((self.shared.ready.claim_idle / 3).max(Duration::from_millis(10)))
     }
