@@ -664,3 +664,414 @@ async fn stop_when_idle_waits_for_a_retry_that_is_due() {
     assert_eq!((stats.retried, stats.acked), (1, 1));
     assert_eq!(backlog, (0, 0), "nothing left waiting in the server");
 }
+
+/// What [`proxy`] does to the traffic between its clients and the server,
+/// besides passing it on.
+#[derive(Clone, Default)]
+struct Rules {
+    /// Cuts the connection, the first time only, when a publish of the
+    /// client's carries this (its frame is not passed on).
+    cut_on: Option<&'static str>,
+    /// After the client's first publish to this subject, holds what the
+    /// server sends for this long.
+    hold_after_publish_to: Option<(String, Duration)>,
+}
+
+/// A TCP proxy in front of the NATS server (see [`Rules`]).
+#[derive(Clone)]
+struct Proxy {
+    address: String,
+    /// One token per connection: cancelled, the connection is cut.
+    connections: Arc<Mutex<Vec<CancellationToken>>>,
+    /// Connections cut by a rule or by [`cut`](Proxy::cut).
+    cuts: Arc<AtomicUsize>,
+    /// Times the server's bytes were held.
+    holds: Arc<AtomicUsize>,
+}
+
+impl Proxy {
+    /// Cuts every connection open now.
+    fn cut(&self) {
+        for connection in self.connections.lock().unwrap().drain(..) {
+            connection.cancel();
+        }
+        self.cuts.fetch_add(1, Ordering::SeqCst);
+    }
+
+    /// A JetStream context connected through the proxy, its requests (and
+    /// publish acknowledgements) timing out after `timeout`, and the
+    /// `worker` consumer of the fixture's stream from it.
+    async fn jetstream(&self, fx: &Fixture, timeout: Duration) -> (jetstream::Context, PullConsumer) {
+        let client = async_nats::connect(self.address.as_str()).await.unwrap();
+        let mut js = jetstream::new(client);
+        js.set_timeout(timeout);
+        let consumer = js
+            .get_stream(&fx.stream)
+            .await
+            .unwrap()
+            .get_consumer::<pull::Config>("worker")
+            .await
+            .unwrap();
+        (js, consumer)
+    }
+}
+
+async fn proxy(rules: Rules) -> Proxy {
+    use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let proxy = Proxy {
+        address: listener.local_addr().unwrap().to_string(),
+        connections: Arc::default(),
+        cuts: Arc::default(),
+        holds: Arc::default(),
+    };
+    let shared = proxy.clone();
+    // Each rule applies once, across connections.
+    let cut_armed = Arc::new(std::sync::atomic::AtomicBool::new(rules.cut_on.is_some()));
+    let hold_armed = Arc::new(std::sync::atomic::AtomicBool::new(
+        rules.hold_after_publish_to.is_some(),
+    ));
+    tokio::spawn(async move {
+        while let Ok((client, _)) = listener.accept().await {
+            let server = tokio::net::TcpStream::connect(NATS_URL).await.unwrap();
+            let token = CancellationToken::new();
+            shared.connections.lock().unwrap().push(token.clone());
+            let (client_read, mut client_write) = client.into_split();
+            let (mut server_read, mut server_write) = server.into_split();
+            let held_until: Arc<Mutex<Option<tokio::time::Instant>>> = Arc::default();
+            let (cancel, held) = (token.clone(), Arc::clone(&held_until));
+            tokio::spawn(async move {
+                let mut buf = vec![0; 64 * 1024];
+                loop {
+                    let n = tokio::select! {
+                        _ = cancel.cancelled() => break,
+                        n = server_read.read(&mut buf) => match n {
+                            Ok(0) | Err(_) => break,
+                            Ok(n) => n,
+                        },
+                    };
+                    let until = *held.lock().unwrap();
+                    if let Some(until) = until {
+                        tokio::select! {
+                            _ = cancel.cancelled() => break,
+                            _ = tokio::time::sleep_until(until) => {}
+                        }
+                    }
+                    if client_write.write_all(&buf[..n]).await.is_err() {
+                        break;
+                    }
+                }
+                cancel.cancel();
+            });
+            let (rules, shared) = (rules.clone(), shared.clone());
+            let (cut_armed, hold_armed) = (Arc::clone(&cut_armed), Arc::clone(&hold_armed));
+            tokio::spawn(async move {
+                let mut reader = BufReader::new(client_read);
+                let mut line = String::new();
+                loop {
+                    line.clear();
+                    let read = tokio::select! {
+                        _ = token.cancelled() => return,
+                        read = reader.read_line(&mut line) => read.unwrap_or(0),
+                    };
+                    if read == 0 {
+                        token.cancel();
+                        return;
+                    }
+                    let mut frame = line.clone().into_bytes();
+                    let words: Vec<&str> = line.split_whitespace().collect();
+                    if matches!(words.first(), Some(&"PUB") | Some(&"HPUB")) {
+                        // The payload (and its CRLF) follows the line.
+                        let size: usize = words.last().and_then(|w| w.parse().ok()).unwrap_or(0);
+                        let mut payload = vec![0; size + 2];
+                        if reader.read_exact(&mut payload).await.is_err() {
+                            token.cancel();
+                            return;
+                        }
+                        if let Some(cut_on) = rules.cut_on
+                            && payload.windows(cut_on.len()).any(|w| w == cut_on.as_bytes())
+                            && cut_armed.swap(false, Ordering::SeqCst)
+                        {
+                            shared.cuts.fetch_add(1, Ordering::SeqCst);
+                            token.cancel();
+                            return;
+                        }
+                        if let Some((subject, hold)) = &rules.hold_after_publish_to
+                            && words.get(1) == Some(&subject.as_str())
+                            && hold_armed.swap(false, Ordering::SeqCst)
+                        {
+                            shared.holds.fetch_add(1, Ordering::SeqCst);
+                            *held_until.lock().unwrap() = Some(tokio::time::Instant::now() + *hold);
+                        }
+                        frame.extend_from_slice(&payload);
+                    }
+                    if server_write.write_all(&frame).await.is_err() {
+                        token.cancel();
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    proxy
+}
+
+/// Waits until the consumer has nothing pending or unacknowledged.
+async fn wait_for_empty_backlog(fx: &Fixture) {
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        let backlog = fx.backlog().await;
+        if backlog == (0, 0) {
+            return;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "backlog still {backlog:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Runs `consumer` with a handler that fails on its first call and
+/// succeeds (one effect each) on any later one, until its dead letter is
+/// counted, the consumer's backlog is empty and twice `ack_wait` passed
+/// (a redelivery would have run the handler by then); returns (handler
+/// calls, effects).
+async fn fail_once_then_succeed(fx: &Fixture, consumer: JetStreamConsumer, ack_wait: Duration) -> (usize, usize) {
+    let (calls, effects) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+    let stats = consumer.stats();
+    let shutdown = CancellationToken::new();
+    let (handler_calls, handler_effects) = (Arc::clone(&calls), Arc::clone(&effects));
+    let run = tokio::spawn(consumer.run(
+        move |_: Payment| {
+            let first = handler_calls.fetch_add(1, Ordering::SeqCst) == 0;
+            let effects = Arc::clone(&handler_effects);
+            async move {
+                if first {
+                    return Err("fails once".to_owned());
+                }
+                effects.fetch_add(1, Ordering::SeqCst);
+                Ok(())
+            }
+        },
+        shutdown.clone(),
+    ));
+    wait_until("the dead letter or an effect", || {
+        stats.snapshot().dead_lettered == 1 || effects.load(Ordering::SeqCst) > 0
+    })
+    .await;
+    wait_for_empty_backlog(fx).await;
+    tokio::time::sleep(ack_wait * 2).await;
+    shutdown.cancel();
+    run.await.unwrap().unwrap();
+    (calls.load(Ordering::SeqCst), effects.load(Ordering::SeqCst))
+}
+
+/// The `+TERM` after the stored dead letter is lost with the connection
+/// (the proxy cuts it instead of passing the `+TERM` on): it is sent again
+/// on the client's new connection, and the message is not redelivered to
+/// the handler (which would now succeed and commit an effect).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_term_lost_with_the_connection_is_sent_again_and_the_handler_not_run_again() {
+    let fx = Fixture::new("term_lost").await;
+    let ack_wait = Duration::from_secs(1);
+    fx.consumer(ack_wait, -1).await;
+    fx.publish_payment("term-lost-1", 1).await;
+    let proxy = proxy(Rules {
+        cut_on: Some("+TERM"),
+        ..Rules::default()
+    })
+    .await;
+    let (js, pull) = proxy.jetstream(&fx, Duration::from_millis(500)).await;
+    let consumer = JetStreamConsumer::builder(js, pull)
+        .dead_letter_subject(&fx.dlq_subject)
+        .max_attempts(1)
+        .retry_backoff(fast_retries())
+        .fetch_expiry(Duration::from_millis(300))
+        .build()
+        .unwrap();
+    let (calls, effects) = fail_once_then_succeed(&fx, consumer, ack_wait).await;
+    let (dead, backlog) = (fx.dead_letters().await.len(), fx.backlog().await);
+    fx.cleanup().await;
+    assert_eq!(proxy.cuts.load(Ordering::SeqCst), 1, "the first +TERM was cut");
+    assert_eq!((calls, effects), (1, 0), "the handler ran once, no effect");
+    assert_eq!(dead, 1);
+    assert_eq!(backlog, (0, 0), "terminated");
+}
+
+/// The dead letter's publish acknowledgement comes after the context's
+/// timeout (the proxy holds what the server sends): the dead letter is
+/// stored, so the timeout is not a refusal; it is published again (the
+/// server answers a duplicate) and the message terminated, not handed back
+/// to the handler.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_letter_acknowledged_after_the_timeout_is_not_handed_back() {
+    let fx = Fixture::new("late_pub_ack").await;
+    let ack_wait = Duration::from_secs(1);
+    fx.consumer(ack_wait, -1).await;
+    fx.publish_payment("late-ack-1", 1).await;
+    let proxy = proxy(Rules {
+        hold_after_publish_to: Some((fx.dlq_subject.clone(), Duration::from_secs(2))),
+        ..Rules::default()
+    })
+    .await;
+    let (js, pull) = proxy.jetstream(&fx, Duration::from_millis(500)).await;
+    let consumer = JetStreamConsumer::builder(js, pull)
+        .dead_letter_subject(&fx.dlq_subject)
+        .max_attempts(1)
+        .retry_backoff(fast_retries())
+        .fetch_expiry(Duration::from_millis(300))
+        .build()
+        .unwrap();
+    let (calls, effects) = fail_once_then_succeed(&fx, consumer, ack_wait).await;
+    let (dead, backlog) = (fx.dead_letters().await.len(), fx.backlog().await);
+    fx.cleanup().await;
+    assert_eq!(
+        proxy.holds.load(Ordering::SeqCst),
+        1,
+        "the publish acknowledgement was held"
+    );
+    assert_eq!((calls, effects), (1, 0), "the handler ran once, no effect");
+    assert_eq!(dead, 1, "stored once: published again with the same Nats-Msg-Id");
+    assert_eq!(backlog, (0, 0), "terminated");
+}
+
+/// A handler's `#[idempotent]` body, for the last-delivery check.
+#[idempotent_runtime::idempotent(key = "msg.message_id", store = store, scope = "nats.checked")]
+async fn checked(store: &MemoryStore, bodies: &AtomicUsize, msg: &Payment) -> Result<(), idempotent_runtime::Error> {
+    bodies.fetch_add(1, Ordering::SeqCst);
+    Ok(())
+}
+
+/// Delivers the fixture's one message once, without settling it: its next
+/// delivery, after `ack_wait`, is the last of a consumer with
+/// `max_deliver` 2.
+async fn spend_first_delivery(fx: &Fixture, ack_wait: Duration) {
+    use futures_util::StreamExt;
+    let pull = fx.consumer(ack_wait, 2).await;
+    let mut messages = pull.fetch().max_messages(1).messages().await.unwrap();
+    let first = messages.next().await.unwrap().unwrap();
+    assert_eq!(first.info().unwrap().delivered, 1);
+}
+
+/// A message on its last delivery (`max_deliver` 2) is being checked when
+/// the client's connection is cut (and made again): JetStream would not
+/// deliver it again, so its dead letter is published and it is terminated
+/// on the new connection, not given up as "redelivered by the broker".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_last_delivery_checked_across_a_reconnect_is_dead_lettered_and_terminated() {
+    let fx = Fixture::new("last_reconnect").await;
+    let ack_wait = Duration::from_secs(1);
+    fx.publish_payment("last-reconnect-1", 1).await;
+    spend_first_delivery(&fx, ack_wait).await;
+    let proxy = proxy(Rules::default()).await;
+    let (js, pull) = proxy.jetstream(&fx, Duration::from_secs(2)).await;
+    let client = js.client();
+    let consumer = JetStreamConsumer::builder(js, pull)
+        .dead_letter_subject(&fx.dlq_subject)
+        .retry_backoff(fast_retries())
+        .fetch_expiry(Duration::from_millis(300))
+        .build()
+        .unwrap();
+    let stats = consumer.stats();
+    let (store, checks, bodies) = (
+        MemoryStore::new(),
+        Arc::new(AtomicUsize::new(0)),
+        Arc::new(AtomicUsize::new(0)),
+    );
+    let shutdown = CancellationToken::new();
+    let (handler_checks, handler_bodies, cutter) = (Arc::clone(&checks), Arc::clone(&bodies), proxy.clone());
+    let run = tokio::spawn(consumer.run_with_info(
+        move |msg: Payment, info: DeliveryInfo| {
+            let (store, checks, bodies, proxy, client) = (
+                store.clone(),
+                Arc::clone(&handler_checks),
+                Arc::clone(&handler_bodies),
+                cutter.clone(),
+                client.clone(),
+            );
+            async move {
+                assert_eq!(info.attempt, 2, "the last delivery");
+                if checks.fetch_add(1, Ordering::SeqCst) == 0 {
+                    // The connection is lost while the message is checked,
+                    // and made again.
+                    let connects = client.statistics().connects.load(Ordering::SeqCst);
+                    proxy.cut();
+                    let deadline = tokio::time::Instant::now() + WAIT;
+                    while client.statistics().connects.load(Ordering::SeqCst) == connects
+                        || client.connection_state() != async_nats::connection::State::Connected
+                    {
+                        assert!(tokio::time::Instant::now() < deadline, "not reconnected");
+                        tokio::time::sleep(Duration::from_millis(20)).await;
+                    }
+                }
+                checked(&store, &bodies, &msg).await
+            }
+        },
+        shutdown.clone(),
+    ));
+    wait_until("the last delivery's settlement", || {
+        let stats = stats.snapshot();
+        stats.dead_lettered + stats.released + stats.acked > 0
+    })
+    .await;
+    shutdown.cancel();
+    let stats = run.await.unwrap().unwrap();
+    let (dead, backlog) = (fx.dead_letters().await, fx.backlog().await);
+    fx.cleanup().await;
+    assert_eq!(proxy.cuts.load(Ordering::SeqCst), 1);
+    assert_eq!(checks.load(Ordering::SeqCst), 1, "checked once");
+    assert_eq!(
+        bodies.load(Ordering::SeqCst),
+        0,
+        "its body not run on its last delivery"
+    );
+    assert_eq!(dead.len(), 1, "dead-lettered on the new connection: {stats:?}");
+    assert_eq!(header(&dead[0], HEADER_KIND), "exhausted");
+    assert_eq!((stats.dead_lettered, stats.released), (1, 0));
+    assert_eq!(backlog, (0, 0), "terminated");
+}
+
+/// A message on its last delivery whose check does not end before the
+/// shutdown timeout is released: JetStream would never deliver it again
+/// after a `-NAK`, so it is dead-lettered (its processing not known) and
+/// terminated instead.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_last_delivery_released_at_shutdown_is_dead_lettered_not_lost() {
+    let fx = Fixture::new("last_shutdown").await;
+    let ack_wait = Duration::from_secs(1);
+    fx.publish_payment("last-shutdown-1", 1).await;
+    spend_first_delivery(&fx, ack_wait).await;
+    let pull = fx
+        .js
+        .get_stream(&fx.stream)
+        .await
+        .unwrap()
+        .get_consumer::<pull::Config>("worker")
+        .await
+        .unwrap();
+    let consumer = JetStreamConsumer::builder(fx.js.clone(), pull)
+        .dead_letter_subject(&fx.dlq_subject)
+        .fetch_expiry(Duration::from_millis(300))
+        .shutdown_timeout(Duration::from_millis(200))
+        .build()
+        .unwrap();
+    let checks = Arc::new(AtomicUsize::new(0));
+    let shutdown = CancellationToken::new();
+    let handler_checks = Arc::clone(&checks);
+    let run = tokio::spawn(consumer.run(
+        move |_: Payment| {
+            handler_checks.fetch_add(1, Ordering::SeqCst);
+            // A check that cannot tell (its store unreachable).
+            std::future::pending::<Result<(), String>>()
+        },
+        shutdown.clone(),
+    ));
+    wait_until("the check", || checks.load(Ordering::SeqCst) == 1).await;
+    shutdown.cancel();
+    let stats = run.await.unwrap().unwrap();
+    let (dead, backlog) = (fx.dead_letters().await, fx.backlog().await);
+    fx.cleanup().await;
+    assert_eq!(stats.released, 1, "{stats:?}");
+    assert_eq!(dead.len(), 1, "dead-lettered at its release");
+    assert_eq!(header(&dead[0], HEADER_KIND), "exhausted");
+    assert!(header(&dead[0], HEADER_REASON).contains("not known"));
+    assert_eq!(backlog, (0, 0), "terminated");
+}

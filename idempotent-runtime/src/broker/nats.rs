@@ -33,9 +33,9 @@
 //! delivery (a handler with none runs entirely).
 //!
 //! The dead-letter subject must be captured by a stream: the dead letter is
-//! published with a JetStream acknowledgement, and when that fails the
-//! message is `nak`ed instead of terminated, never dropped. The dead letter
-//! does not carry the original's `Nats-Msg-Id` (that id goes in
+//! published with a JetStream acknowledgement, and when the server refuses
+//! it the message is `nak`ed instead of terminated, never dropped. The dead
+//! letter does not carry the original's `Nats-Msg-Id` (that id goes in
 //! `x-idempotent-msg-id`): its own id is derived from the stream, consumer
 //! and stream sequence, so JetStream's duplicate window can never drop a
 //! dead letter as a copy of another message, while a dead letter published
@@ -53,9 +53,22 @@
 //! fail, or the client's connection count moves), reports it, waits for the
 //! client to be connected again, gets its JetStream consumer back (creating
 //! it again from its configuration if the server lost it) and resumes.
-//! Messages in flight on the lost connection are not acknowledged on the
-//! new one: the server redelivers them after `ack_wait` and the idempotent
-//! handler recognises the duplicates.
+//! Messages in flight on the lost connection are still settled on the new
+//! one: JetStream settles a delivery by a publish to its reply subject,
+//! which does not depend on the connection. This matters for a message on
+//! its last delivery, which the server would not deliver again, and for the
+//! `+TERM` after a stored dead letter, tried again until confirmed. Each
+//! delivery is known by its stream and stream sequence: a redelivery of a
+//! message whose dead letter this consumer stored is terminated without
+//! running its handler.
+//!
+//! A dead letter's publish whose acknowledgement does not come within the
+//! context's timeout (a slow server) may have been stored: it is published
+//! again (its derived `Nats-Msg-Id` makes the server answer a duplicate),
+//! not taken for a refusal. At shutdown, a message released on its last
+//! delivery (its check could not finish) is dead-lettered (`exhausted`) and
+//! terminated, not handed back to a server that would never deliver it
+//! again.
 //!
 //! ```no_run
 //! use idempotent_runtime::async_nats::jetstream::{self, consumer::PullConsumer};
@@ -93,6 +106,7 @@ use std::time::Duration;
 use async_nats::HeaderMap;
 use async_nats::jetstream::consumer::pull::{self, Batch};
 use async_nats::jetstream::consumer::{AckPolicy, FromConsumer, PullConsumer};
+use async_nats::jetstream::context::{PublishError, PublishErrorKind};
 use async_nats::jetstream::{self, AckKind};
 use futures_util::StreamExt;
 
@@ -136,6 +150,10 @@ pub struct JetStream {
 #[derive(Clone)]
 struct Ready {
     dead_letter_subject: String,
+    /// `stream/consumer`, the `x-idempotent-source` of a dead letter the
+    /// adapter publishes by itself ([`Delivery::release`](pipeline::Delivery::release)
+    /// of a last delivery).
+    source: String,
     prefetch: usize,
     max_deliver: Option<u32>,
     progress: Option<Duration>,
@@ -259,6 +277,7 @@ impl Broker for JetStream {
         }
         self.ready = Some(Ready {
             dead_letter_subject,
+            source: format!("{}/{}", info.stream_name, info.name),
             prefetch: self.prefetch.unwrap_or_else(|| {
                 let per_task = options.batch.as_ref().map_or(1, |batch| batch.max);
                 options.concurrency.saturating_mul(per_task)
@@ -382,8 +401,10 @@ fn valid_publish_subject(subject: &str) -> bool {
 struct Shared {
     context: jetstream::Context,
     client: async_nats::Client,
-    /// The client's connection count when the session started: a message
-    /// of an earlier connection is not settled on a later one.
+    /// The client's connection count when the session started: the
+    /// session ends when it moves (its pull requests went with the
+    /// connection). Its deliveries are still settled on the new connection
+    /// ([`Delivery::is_current`](pipeline::Delivery::is_current)).
     generation: u64,
     ready: Ready,
     due: Arc<Due>,
@@ -644,6 +665,25 @@ pub struct Delivery {
     dead_letter_id: Option<String>,
     /// Its stream sequence (0 when its reply subject did not say).
     sequence: u64,
+    /// `stream/sequence`, the same on every delivery of the message
+    /// (`None` when its reply subject did not say).
+    identity: Option<String>,
+    /// What became of its dead letter so far.
+    letter: std::sync::Mutex<DeadLetter>,
+}
+
+/// What became of a delivery's dead letter: [`release`](pipeline::Delivery::release)
+/// does not hand back a message whose dead letter may be stored.
+#[derive(Clone, Default)]
+enum DeadLetter {
+    /// None published.
+    #[default]
+    None,
+    /// Published, its acknowledgement not received (these headers: the
+    /// same `Nats-Msg-Id` if published again).
+    Unsure(HeaderMap),
+    /// Stored.
+    Stored,
 }
 
 impl Drop for Delivery {
@@ -654,7 +694,7 @@ impl Drop for Delivery {
 
 impl Delivery {
     fn new(shared: Arc<Shared>, msg: jetstream::Message) -> Delivery {
-        let (delivered, stream_sequence, dead_letter_id) = match msg.info() {
+        let (delivered, stream_sequence, dead_letter_id, identity) = match msg.info() {
             Ok(info) => (
                 info.delivered,
                 info.stream_sequence,
@@ -664,8 +704,9 @@ impl Delivery {
                     info.stream_sequence,
                     &format!("{:?}", info.published),
                 )),
+                Some(format!("{}/{}", info.stream, info.stream_sequence)),
             ),
-            Err(_) => (1, 0, None),
+            Err(_) => (1, 0, None, None),
         };
         let attempt = u32::try_from(delivered.max(1)).unwrap_or(u32::MAX);
         let message_id = msg
@@ -693,12 +734,110 @@ impl Delivery {
             meta,
             dead_letter_id,
             sequence: stream_sequence,
+            identity,
+            letter: std::sync::Mutex::default(),
         }
+    }
+
+    fn letter(&self) -> std::sync::MutexGuard<'_, DeadLetter> {
+        self.letter.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// The dead letter's headers: the original's (but its `Nats-*` ones),
+    /// the dead letter's own `Nats-Msg-Id` and the `x-idempotent-*` ones.
+    fn letter_headers(&self, letter: &Letter<'_>) -> HeaderMap {
+        let mut headers = HeaderMap::new();
+        if let Some(original) = &self.msg.headers {
+            for (name, values) in original.iter() {
+                let name_str: &str = name.as_ref();
+                // The original's id, publish expectations, TTLs, rollups...
+                // must not apply to the dead letter: above all its id, or
+                // the duplicate window could swallow the dead letter.
+                if name_str.starts_with("Nats-") || name_str.eq_ignore_ascii_case(HEADER_MSG_ID) {
+                    continue;
+                }
+                for value in values {
+                    headers.append(name.clone(), value.clone());
+                }
+            }
+        }
+        let one_line = |s: &str| s.replace(['\r', '\n'], " ");
+        if let Some(id) = &self.meta.message_id {
+            headers.insert(HEADER_MSG_ID, one_line(id));
+        }
+        if let Some(id) = &self.dead_letter_id {
+            headers.insert(async_nats::header::NATS_MESSAGE_ID, id.as_str());
+        }
+        headers.insert(HEADER_REASON, letter.reason);
+        headers.insert(HEADER_KIND, letter.kind);
+        headers.insert(HEADER_ATTEMPTS, letter.attempts.to_string());
+        headers.insert(HEADER_SOURCE, one_line(letter.source));
+        headers.insert("x-idempotent-subject", one_line(self.msg.subject.as_str()));
+        headers
+    }
+
+    /// Publishes the dead letter with `headers`, and notes what became of
+    /// it: `Ok` once stored; [`Settle::Unknown`] when its acknowledgement
+    /// did not come in time (the server may have stored it: publishing it
+    /// again with the same `Nats-Msg-Id` is answered as a duplicate);
+    /// [`Settle::Refused`] otherwise.
+    async fn publish_letter(&self, headers: HeaderMap) -> Result<(), Settle> {
+        let before = std::mem::replace(&mut *self.letter(), DeadLetter::Unsure(headers.clone()));
+        let published = self.publish_once(headers).await;
+        let mut letter = self.letter();
+        match &published {
+            Ok(()) => *letter = DeadLetter::Stored,
+            // Not stored by this publish; an earlier one's outcome stands.
+            Err(Settle::Refused(_)) => *letter = before,
+            Err(_) => {}
+        }
+        published
+    }
+
+    async fn publish_once(&self, headers: HeaderMap) -> Result<(), Settle> {
+        let ready = &self.shared.ready;
+        let ack = self
+            .shared
+            .context
+            .publish_with_headers(ready.dead_letter_subject.clone(), headers, self.msg.payload.clone())
+            .await
+            .map_err(publish_failed)?
+            .await
+            .map_err(publish_failed)?;
+        // A duplicate counts as stored only for the id derived here (this
+        // very dead letter was stored by an earlier attempt).
+        if ack.duplicate && self.dead_letter_id.is_none() {
+            return Err(Settle::Refused(format!(
+                "stream `{}` took the dead letter for a duplicate and did not store it",
+                ack.stream
+            )));
+        }
+        Ok(())
+    }
+
+    /// `-NAK`, after `delay` when not zero.
+    async fn nak(&self, delay: Duration) -> Result<(), Settle> {
+        let nak = (!delay.is_zero()).then_some(delay);
+        self.msg.ack_with(AckKind::Nak(nak)).await.map_err(lost)?;
+        self.shared.due.naked(self.sequence, delay, None);
+        Ok(())
     }
 }
 
 fn lost(err: impl fmt::Display) -> Settle {
     Settle::Lost(format!("NATS: {err}"))
+}
+
+/// A failed dead-letter publish: [`Settle::Unknown`] when its
+/// acknowledgement did not come (in time, or at all), which may have been
+/// stored; [`Settle::Refused`] when the server or the client said no.
+fn publish_failed(err: PublishError) -> Settle {
+    match err.kind() {
+        PublishErrorKind::TimedOut | PublishErrorKind::BrokenPipe => Settle::Unknown(format!(
+            "NATS: the dead letter's publish acknowledgement did not come: {err}"
+        )),
+        _ => Settle::Refused(err.to_string()),
+    }
 }
 
 impl pipeline::Delivery for Delivery {
@@ -710,8 +849,15 @@ impl pipeline::Delivery for Delivery {
         &self.meta
     }
 
+    /// Always: JetStream settles a delivery by a publish to its reply
+    /// subject, which names the consumer, the stream sequence and the
+    /// delivery, not the connection; the client publishes it on whatever
+    /// connection it has (waiting for one while it reconnects). A delivery
+    /// of a lost connection is still settled: above all the last one
+    /// (`max_deliver`), which JetStream would not deliver again, and the
+    /// `+TERM` of a message whose dead letter is stored.
     fn is_current(&self) -> bool {
-        self.shared.is_current()
+        true
     }
 
     fn heartbeat(&self) -> Option<Duration> {
@@ -741,53 +887,16 @@ impl pipeline::Delivery for Delivery {
         Ok(())
     }
 
-    async fn dead_letter(&self, letter: &Letter<'_>) -> Result<(), Settle> {
-        let mut headers = HeaderMap::new();
-        if let Some(original) = &self.msg.headers {
-            for (name, values) in original.iter() {
-                let name_str: &str = name.as_ref();
-                // The original's id, publish expectations, TTLs, rollups...
-                // must not apply to the dead letter: above all its id, or
-                // the duplicate window could swallow the dead letter.
-                if name_str.starts_with("Nats-") || name_str.eq_ignore_ascii_case(HEADER_MSG_ID) {
-                    continue;
-                }
-                for value in values {
-                    headers.append(name.clone(), value.clone());
-                }
-            }
-        }
-        let one_line = |s: &str| s.replace(['\r', '\n'], " ");
-        if let Some(id) = &self.meta.message_id {
-            headers.insert(HEADER_MSG_ID, one_line(id));
-        }
-        if let Some(id) = &self.dead_letter_id {
-            headers.insert(async_nats::header::NATS_MESSAGE_ID, id.as_str());
-        }
-        headers.insert(HEADER_REASON, letter.reason);
-        headers.insert(HEADER_KIND, letter.kind);
-        headers.insert(HEADER_ATTEMPTS, letter.attempts.to_string());
-        headers.insert(HEADER_SOURCE, one_line(letter.source));
-        headers.insert("x-idempotent-subject", one_line(self.msg.subject.as_str()));
+    /// `stream/sequence`.
+    fn identity(&self) -> Option<String> {
+        self.identity.clone()
+    }
 
-        let ready = &self.shared.ready;
-        let ack = self
-            .shared
-            .context
-            .publish_with_headers(ready.dead_letter_subject.clone(), headers, self.msg.payload.clone())
-            .await
-            .map_err(|err| Settle::Refused(err.to_string()))?
-            .await
-            .map_err(|err| Settle::Refused(err.to_string()))?;
-        // A duplicate counts as stored only for the id derived here (this
-        // very dead letter was stored by an earlier attempt).
-        if ack.duplicate && self.dead_letter_id.is_none() {
-            return Err(Settle::Refused(format!(
-                "stream `{}` took the dead letter for a duplicate and did not store it",
-                ack.stream
-            )));
-        }
-        Ok(())
+    /// Publishes it with a JetStream acknowledgement; an acknowledgement
+    /// that does not come in time is [`Settle::Unknown`] (published again,
+    /// the derived `Nats-Msg-Id` makes the server answer a duplicate).
+    async fn dead_letter(&self, letter: &Letter<'_>) -> Result<(), Settle> {
+        self.publish_letter(self.letter_headers(letter)).await
     }
 
     /// `+TERM`, confirmed by the server.
@@ -798,11 +907,70 @@ impl pipeline::Delivery for Delivery {
             .map_err(|err| Settle::Unknown(format!("NATS: terminating the message was not confirmed: {err}")))
     }
 
+    /// `-NAK`, except for a message JetStream must not or would not deliver
+    /// again, which is dead-lettered and terminated instead (`+TERM`):
+    ///
+    /// - one whose dead letter may be stored (its publish not confirmed,
+    ///   the consumer stopping): published once more, with the same
+    ///   `Nats-Msg-Id` (the server answers a duplicate if the first was
+    ///   stored); handed back only if that is not confirmed either and
+    ///   attempts are left (its redelivery to this consumer publishes it
+    ///   again);
+    /// - the last delivery (`max_deliver`), released at shutdown while its
+    ///   check ran: JetStream would never deliver it again, so it is
+    ///   dead-lettered (`exhausted`) with a reason saying whether it was
+    ///   processed is not known.
     async fn release(&self, delay: Duration) -> Result<(), Settle> {
-        let nak = (!delay.is_zero()).then_some(delay);
-        self.msg.ack_with(AckKind::Nak(nak)).await.map_err(lost)?;
-        self.shared.due.naked(self.sequence, delay, None);
-        Ok(())
+        let state = self.letter().clone();
+        let headers = match state {
+            DeadLetter::Stored => None,
+            DeadLetter::Unsure(headers) => Some(headers),
+            DeadLetter::None if self.meta.last => {
+                let reason = format!(
+                    "delivered {} times (as often as the broker allows), and the consumer stopped before its last \
+                     delivery was settled: whether it was processed is not known (its check could not tell in \
+                     time); JetStream would not deliver it again",
+                    self.meta.attempt
+                );
+                Some(self.letter_headers(&Letter {
+                    kind: crate::broker::stats::DeadKind::Exhausted.as_str(),
+                    reason: &reason,
+                    attempts: self.meta.attempt.saturating_sub(1),
+                    source: &self.shared.ready.source,
+                }))
+            }
+            DeadLetter::None => return self.nak(delay).await,
+        };
+        if let Some(headers) = headers {
+            match self.publish_letter(headers).await {
+                Ok(()) => {}
+                // JetStream delivers it again: to this consumer, which
+                // remembers it and publishes its dead letter again.
+                Err(err) if !self.meta.last => {
+                    tracing::warn!(
+                        target: TRACING_TARGET,
+                        error = %err,
+                        "the dead letter of a message released could not be confirmed: handing it back"
+                    );
+                    return self.nak(delay).await;
+                }
+                Err(err) => {
+                    tracing::error!(
+                        target: TRACING_TARGET,
+                        error = %err,
+                        "the dead letter of a message released on its last delivery could not be confirmed: \
+                         JetStream keeps it but will not deliver it again (see its max-deliveries advisory)"
+                    );
+                    return Err(err);
+                }
+            }
+        }
+        tracing::warn!(
+            target: TRACING_TARGET,
+            last = self.meta.last,
+            "released with its dead letter stored: terminating it instead of handing it back"
+        );
+        pipeline::Delivery::discard(self).await
     }
 }
 

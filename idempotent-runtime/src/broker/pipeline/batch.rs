@@ -97,7 +97,7 @@ where
     let mut ready = Vec::with_capacity(deliveries.len());
     for (index, delivery) in deliveries.iter().enumerate() {
         // A redelivery of a dead-lettered message too: it is not run.
-        let dead = worker.dead.recall(delivery).is_some();
+        let dead = worker.dead.recall(&worker.source, delivery).is_some();
         let decoded = match (delivery.meta().last || dead, worker.refused_body(delivery)) {
             (false, None) => worker.decoder.decode(delivery.body()).ok(),
             _ => None,

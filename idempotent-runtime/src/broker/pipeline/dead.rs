@@ -8,10 +8,15 @@
 //! dead-letter destination and still at the broker: without this memory,
 //! its redelivery would run the handler, which could now succeed and
 //! commit an effect for a message already dead-lettered.
+//!
+//! One memory for the process, by source and identity: a consumer that
+//! is stopped or aborted and run again in the same process (a supervisor
+//! restarting its task) still recognises what it dead-lettered. What it
+//! does not cover is a process that dies between the two steps.
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{LazyLock, Mutex};
 
 use super::traits::Delivery;
 use crate::broker::stats::DeadKind;
@@ -58,15 +63,24 @@ struct Entries {
     order: VecDeque<String>,
 }
 
+/// The process's memory.
+static PROCESS: LazyLock<DeadLettered> = LazyLock::new(DeadLettered::default);
+
 impl DeadLettered {
-    /// Remembers `identity` as `dead` (a later call for the same identity
-    /// replaces what an earlier one said).
-    pub(super) fn remember(&self, identity: &str, dead: Dead) {
+    /// The memory every consumer of the process shares.
+    pub(super) fn process() -> &'static DeadLettered {
+        &PROCESS
+    }
+
+    /// Remembers `identity` of `source` as `dead` (a later call for the
+    /// same message replaces what an earlier one said).
+    pub(super) fn remember(&self, source: &str, identity: &str, dead: Dead) {
+        let key = key(source, identity);
         let Ok(mut entries) = self.entries.lock() else {
             return;
         };
-        if entries.by_identity.insert(identity.to_owned(), dead).is_none() {
-            entries.order.push_back(identity.to_owned());
+        if entries.by_identity.insert(key.clone(), dead).is_none() {
+            entries.order.push_back(key);
         }
         while entries.order.len() > REMEMBERED {
             if let Some(oldest) = entries.order.pop_front() {
@@ -76,18 +90,28 @@ impl DeadLettered {
         self.any.store(true, Ordering::Release);
     }
 
-    /// What is remembered of `delivery`'s message (its identity is asked
-    /// for only once something is remembered).
-    pub(super) fn recall<Dl: Delivery>(&self, delivery: &Dl) -> Option<Dead> {
+    /// What is remembered of `delivery`'s message, consumed from `source`
+    /// (its identity is asked for only once something is remembered).
+    pub(super) fn recall<Dl: Delivery>(&self, source: &str, delivery: &Dl) -> Option<Dead> {
         if !self.any.load(Ordering::Acquire) {
             return None;
         }
-        self.recall_identity(&delivery.identity()?)
+        self.recall_identity(source, &delivery.identity()?)
     }
 
-    fn recall_identity(&self, identity: &str) -> Option<Dead> {
-        self.entries.lock().ok()?.by_identity.get(identity).cloned()
+    fn recall_identity(&self, source: &str, identity: &str) -> Option<Dead> {
+        self.entries
+            .lock()
+            .ok()?
+            .by_identity
+            .get(&key(source, identity))
+            .cloned()
     }
+}
+
+/// The entry of `identity` from `source` (a source's name holds no NUL).
+fn key(source: &str, identity: &str) -> String {
+    format!("{source}\0{identity}")
 }
 
 #[cfg(test)]
@@ -97,8 +121,9 @@ mod tests {
     #[test]
     fn remembers_the_latest_word_on_each_identity_and_forgets_the_oldest_past_its_bound() {
         let dead = DeadLettered::default();
-        assert!(dead.recall_identity("a").is_none());
+        assert!(dead.recall_identity("q", "a").is_none());
         dead.remember(
+            "q",
             "a",
             Dead::Unsure(super::Unsure {
                 kind: crate::broker::stats::DeadKind::Exhausted,
@@ -106,14 +131,15 @@ mod tests {
                 attempts: 1,
             }),
         );
-        assert!(matches!(dead.recall_identity("a"), Some(Dead::Unsure(_))));
-        dead.remember("a", Dead::Stored);
-        assert!(matches!(dead.recall_identity("a"), Some(Dead::Stored)));
+        assert!(matches!(dead.recall_identity("q", "a"), Some(Dead::Unsure(_))));
+        dead.remember("q", "a", Dead::Stored);
+        assert!(dead.recall_identity("other", "a").is_none(), "another source's message");
+        assert!(matches!(dead.recall_identity("q", "a"), Some(Dead::Stored)));
         for i in 0..REMEMBERED {
-            dead.remember(&i.to_string(), Dead::Stored);
+            dead.remember("q", &i.to_string(), Dead::Stored);
         }
-        assert!(dead.recall_identity("a").is_none(), "the oldest is forgotten");
-        assert!(dead.recall_identity("0").is_some());
-        assert!(dead.recall_identity(&(REMEMBERED - 1).to_string()).is_some());
+        assert!(dead.recall_identity("q", "a").is_none(), "the oldest is forgotten");
+        assert!(dead.recall_identity("q", "0").is_some());
+        assert!(dead.recall_identity("q", &(REMEMBERED - 1).to_string()).is_some());
     }
 }

@@ -477,7 +477,7 @@ impl<D, R, H> Worker<D, R, H> {
     /// [`dead`](super::dead)): settles it without running its handler, and
     /// says so. Costs one flag's load on every other delivery.
     pub(super) async fn settled_as_dead<Dl: Delivery>(&self, delivery: &Dl) -> bool {
-        let Some(dead) = self.dead.recall(delivery) else {
+        let Some(dead) = self.dead.recall(&self.source, delivery) else {
             return false;
         };
         tracing::warn!(
@@ -526,7 +526,7 @@ impl<D, R, H> Worker<D, R, H> {
                     reason: reason.clone(),
                     attempts,
                 };
-                self.dead.remember(identity, Dead::Unsure(letter));
+                self.dead.remember(&self.source, identity, Dead::Unsure(letter));
             }
         };
         let last = delivery.meta().last;
@@ -584,10 +584,12 @@ impl<D, R, H> Worker<D, R, H> {
                     tracing::error!(
                         target: TRACING_TARGET,
                         error = %why,
-                        "could not publish the dead letter of a message on its last delivery before shutdown: the \
-                         broker keeps it but will not deliver it again (see its max-deliveries advisory)"
+                        "could not publish the dead letter of a message on its last delivery before shutdown: \
+                         handing it to the broker, which may not deliver it again (see its max-deliveries advisory)"
                     );
-                    self.recorder.outcome(Outcome::Released);
+                    // The broker's own last word on it (JetStream tries its
+                    // dead letter once more).
+                    self.let_go(delivery).await;
                     return;
                 }
                 Err(Settle::Refused(why)) => {
@@ -602,7 +604,7 @@ impl<D, R, H> Worker<D, R, H> {
             }
         }
         if let Some(identity) = &identity {
-            self.dead.remember(identity, Dead::Stored);
+            self.dead.remember(&self.source, identity, Dead::Stored);
         }
         self.discard(delivery, outcome).await;
     }

@@ -55,7 +55,7 @@ where
         recorder: recorder.clone(),
         shutdown: shutdown.clone(),
         abandon: CancellationToken::new(),
-        dead: DeadLettered::default(),
+        dead: DeadLettered::process(),
     });
     let concurrency = options.concurrency;
     #[cfg(feature = "sqlx")]

@@ -22,8 +22,8 @@ pub(super) struct Worker<D, R, H> {
     pub(super) shutdown: CancellationToken,
     /// Cancelled at the shutdown timeout: handlers still running let go.
     pub(super) abandon: CancellationToken,
-    /// The messages it dead-lettered, across its connections.
-    pub(super) dead: DeadLettered,
+    /// The messages the process's consumers dead-lettered.
+    pub(super) dead: &'static DeadLettered,
 }
 
 /// Milliseconds of `d` for a log field (saturating).
