@@ -1163,3 +1163,218 @@ async fn shutdown_returns_in_time_while_reconnecting_to_a_silent_broker() {
     assert_eq!(stats.acked, 1);
     assert!(took < limit, "took {took:?}");
 }
+
+/// A TCP proxy in front of the broker that loses the first `basic.ack` a
+/// client sends: it forwards the client's frames up to it, then closes the
+/// connection on both sides instead of forwarding it (the broker requeues
+/// the message, as when the acknowledgement is lost with the connection).
+/// Every later connection and acknowledgement is forwarded.
+struct AckCuttingProxy {
+    address: String,
+    /// Set until the first `basic.ack` is cut.
+    armed: Arc<std::sync::atomic::AtomicBool>,
+    accepted: Arc<std::sync::atomic::AtomicUsize>,
+    stop: CancellationToken,
+}
+
+impl AckCuttingProxy {
+    async fn start() -> AckCuttingProxy {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let proxy = AckCuttingProxy {
+            address: listener.local_addr().unwrap().to_string(),
+            armed: Arc::new(AtomicBool::new(true)),
+            accepted: Arc::default(),
+            stop: CancellationToken::new(),
+        };
+        let (armed, accepted, stop) = (
+            Arc::clone(&proxy.armed),
+            Arc::clone(&proxy.accepted),
+            proxy.stop.clone(),
+        );
+        tokio::spawn(async move {
+            loop {
+                let client = tokio::select! {
+                    _ = stop.cancelled() => return,
+                    accepted = listener.accept() => match accepted {
+                        Ok((client, _)) => client,
+                        Err(_) => return,
+                    },
+                };
+                accepted.fetch_add(1, Ordering::SeqCst);
+                let Ok(server) = tokio::net::TcpStream::connect("127.0.0.1:5672").await else {
+                    continue;
+                };
+                // Cancelled when either direction ends: both sockets close.
+                let cut = stop.child_token();
+                let (client_read, client_write) = client.into_split();
+                let (server_read, server_write) = server.into_split();
+                tokio::spawn(pump_cutting_first_ack(
+                    client_read,
+                    server_write,
+                    Arc::clone(&armed),
+                    cut.clone(),
+                ));
+                tokio::spawn(async move {
+                    pump(server_read, client_write, Arc::default(), cut.clone()).await;
+                    cut.cancel();
+                });
+            }
+        });
+        proxy
+    }
+
+    fn url(&self) -> String {
+        format!("amqp://guest:guest@{}/%2f", self.address)
+    }
+
+    /// Whether the first `basic.ack` was cut.
+    fn cut(&self) -> bool {
+        !self.armed.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    fn accepted(&self) -> usize {
+        self.accepted.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+impl Drop for AckCuttingProxy {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
+}
+
+/// Forwards a client's AMQP frames to the broker, whole frames at a time;
+/// the first `basic.ack` (a method frame, type 1, of 13 bytes: class 60,
+/// method 80, the delivery tag and the `multiple` bit) while `armed` is not
+/// forwarded: the connection is closed on both sides instead.
+async fn pump_cutting_first_ack(
+    mut from: tokio::net::tcp::OwnedReadHalf,
+    mut to: tokio::net::tcp::OwnedWriteHalf,
+    armed: Arc<std::sync::atomic::AtomicBool>,
+    cut: CancellationToken,
+) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    // The protocol header, `AMQP 0 0 9 1`, comes before the frames.
+    let mut header_left = 8usize;
+    let mut pending: Vec<u8> = Vec::new();
+    let mut buf = vec![0u8; 64 * 1024];
+    loop {
+        let read = tokio::select! {
+            _ = cut.cancelled() => return,
+            read = from.read(&mut buf) => read,
+        };
+        let n = match read {
+            Ok(0) | Err(_) => break,
+            Ok(n) => n,
+        };
+        pending.extend_from_slice(&buf[..n]);
+        let mut at = header_left.min(pending.len());
+        header_left -= at;
+        // Whole frames: type (1), channel (2), size (4), payload, frame end.
+        while pending.len() >= at + 7 {
+            let size = u32::from_be_bytes(pending[at + 3..at + 7].try_into().unwrap()) as usize;
+            let end = at + 7 + size + 1;
+            if pending.len() < end {
+                break;
+            }
+            let payload = &pending[at + 7..at + 7 + size];
+            let is_ack = pending[at] == 1 && size == 13 && payload[..4] == [0x00, 0x3C, 0x00, 0x50];
+            if is_ack && armed.swap(false, std::sync::atomic::Ordering::SeqCst) {
+                let _ = to.write_all(&pending[..at]).await;
+                cut.cancel();
+                return;
+            }
+            at = end;
+        }
+        if to.write_all(&pending[..at]).await.is_err() {
+            break;
+        }
+        pending.drain(..at);
+    }
+    cut.cancel();
+}
+
+/// The issue: the dead letter is published and confirmed, and the
+/// `basic.ack` of the original that follows is lost with the connection;
+/// RabbitMQ requeues the original. The reconnected consumer must settle
+/// the redelivery without running its handler (which would now succeed and
+/// commit an effect for a message already dead-lettered): one dead letter,
+/// no effect, the queue empty.
+async fn a_lost_ack_after_a_dead_letter_does_not_run_the_handler_again(name: &str, args: FieldTable) {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    let quorum = !args.inner().is_empty();
+    let fx = Fixture::with_args(name, args).await;
+    let proxy = AckCuttingProxy::start().await;
+    let calls = Arc::new(AtomicU32::new(0));
+    let effects = Arc::new(AtomicU32::new(0));
+    let consumer = RabbitConsumer::builder(proxy.url(), &fx.queue)
+        .dead_letter_queue(&fx.dlq)
+        .declare_queue(!quorum)
+        .declare_dead_letter_queue(!quorum)
+        .retry_backoff(fast_retries())
+        .reconnect(Reconnect::forever(Backoff::new(
+            Duration::from_millis(10),
+            Duration::from_millis(50),
+        )))
+        .classify(|_: &String| Verdict::Reject)
+        .build()
+        .unwrap();
+    let stats = consumer.stats();
+    let shutdown = CancellationToken::new();
+    let (handler_calls, handler_effects) = (Arc::clone(&calls), Arc::clone(&effects));
+    let run = tokio::spawn(consumer.run(
+        move |_: Payment| {
+            // Fails the first time (rejected: dead-lettered at once), works
+            // afterwards.
+            let first = handler_calls.fetch_add(1, Ordering::SeqCst) == 0;
+            if !first {
+                handler_effects.fetch_add(1, Ordering::SeqCst);
+            }
+            std::future::ready(if first {
+                Err("refused the first time".to_owned())
+            } else {
+                Ok(())
+            })
+        },
+        shutdown.clone(),
+    ));
+    fx.publish_payment("lost-ack-1", 1).await;
+    wait_until("the acknowledgement cut", || proxy.cut()).await;
+    wait_until("the redelivery settled on a new connection", || {
+        let s = stats.snapshot();
+        s.dead_lettered + s.acked >= 2
+    })
+    .await;
+    assert!(proxy.accepted() >= 2, "reconnected");
+    shutdown.cancel();
+    let stats = tokio::time::timeout(WAIT, run).await.unwrap().unwrap().unwrap();
+    // What the consumer left unacknowledged is requeued by the close.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let dead = fx.drain(&fx.dlq).await;
+    let left = fx.ready(&fx.queue).await;
+    let (calls, effects) = (calls.load(Ordering::SeqCst), effects.load(Ordering::SeqCst));
+    drop(proxy);
+    fx.cleanup().await;
+    assert_eq!(
+        (calls, effects),
+        (1, 0),
+        "the handler ran again on the redelivery: {stats:?}"
+    );
+    assert_eq!(dead.len(), 1, "{stats:?}");
+    assert_eq!(header_text(&dead[0], HEADER_KIND), "rejected");
+    assert_eq!(left, 0, "the original is still in its queue: {stats:?}");
+    assert_eq!(stats.acked, 0, "{stats:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_ack_after_a_dead_letter_does_not_run_the_handler_again_classic() {
+    a_lost_ack_after_a_dead_letter_does_not_run_the_handler_again("lost-ack", FieldTable::default()).await;
+}
+
+/// The same on quorum queues, whose redelivery carries delivery counts in
+/// its headers (left out of the message's identity).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_ack_after_a_dead_letter_does_not_run_the_handler_again_quorum() {
+    a_lost_ack_after_a_dead_letter_does_not_run_the_handler_again("lost-ack-quorum", quorum()).await;
+}

@@ -63,6 +63,17 @@
 //! connection cannot be acknowledged on the new one: RabbitMQ requeues them
 //! and the idempotent handler recognises the duplicates.
 //!
+//! A dead letter is published and confirmed, then the original
+//! acknowledged: when the acknowledgement is lost with the connection,
+//! RabbitMQ delivers the original again. The process remembers the
+//! messages its consumers dead-lettered, by a digest of what a redelivery
+//! keeps (exchange, routing key, properties and body; see [`Delivery`]),
+//! and settles such a redelivery (flagged `redelivered`) without running
+//! its handler again: it acknowledges it, or first publishes its dead
+//! letter again when the first publish's outcome was not known. A process
+//! that ends between the two steps does not remember: the message is
+//! handled again after the restart.
+//!
 //! ```no_run
 //! use idempotent_runtime::broker::shutdown_on_signal;
 //! use idempotent_runtime::rabbitmq::RabbitConsumer;
@@ -115,6 +126,11 @@ pub(crate) mod publisher;
 
 /// Header RabbitMQ quorum queues set to the number of earlier deliveries.
 const DELIVERY_COUNT: &str = "x-delivery-count";
+
+/// Header recent RabbitMQ quorum queues may set to the number of times a
+/// message was handed to a consumer: like [`DELIVERY_COUNT`], it changes
+/// from one delivery of a message to the next.
+const ACQUIRED_COUNT: &str = "x-acquired-count";
 
 /// Default prefetch (`basic.qos`).
 pub const DEFAULT_PREFETCH: u16 = 32;
@@ -782,6 +798,16 @@ impl Delivery {
     /// Publishes the delivery's body with `mandatory` and waits for the
     /// broker's confirmation of this very message ([`publisher`]): `Ok` only
     /// once the broker stored it in a queue.
+    ///
+    /// A message returned as unroutable or refused (`basic.nack`) is
+    /// [`Refused`](Settle::Refused): the broker does not hold it. One the
+    /// channel answered without a confirmation is
+    /// [`Unknown`](Settle::Unknown): the broker may hold it. One whose
+    /// channel or connection failed before the confirmation is
+    /// [`Lost`](Settle::Lost) (the broker may hold it too, and redelivers
+    /// the original). The wait has no time limit of its own: the broker
+    /// confirms every message it takes, and a connection that stops
+    /// answering fails at its heartbeat timeout, as lost.
     async fn publish(
         &self,
         exchange: &ShortString,
@@ -801,7 +827,9 @@ impl Delivery {
             Err(Unconfirmed::Nacked) => Err(Settle::Refused(format!(
                 "the broker refused the message for `{routing_key}` (nack)"
             ))),
-            Err(unconfirmed @ Unconfirmed::NotConfirmed) => Err(Settle::Refused(unconfirmed.to_string())),
+            // The message went out on a channel that answered without a
+            // confirmation: the broker may hold it or not.
+            Err(unconfirmed @ Unconfirmed::NotConfirmed) => Err(Settle::Unknown(unconfirmed.to_string())),
             Err(Unconfirmed::Failed(why)) => {
                 // The publishing channel failed (an exchange deleted since
                 // the consumer connected closes it). Start over on a new
@@ -838,6 +866,23 @@ impl pipeline::Delivery for Delivery {
 
     fn is_current(&self) -> bool {
         self.shared.channel.status().connected()
+    }
+
+    /// A digest of what RabbitMQ keeps identical when it delivers the
+    /// message again, on this connection or another (its exchange, routing
+    /// key, properties and body; not the counts quorum queues add).
+    /// The pipeline asks for it only when it dead-letters the message, and
+    /// for each delivery once it has dead-lettered something; never on the
+    /// way of a message acknowledged before any dead letter.
+    fn identity(&self) -> Option<String> {
+        Some(identity_of(&self.delivery))
+    }
+
+    /// RabbitMQ's `redelivered` flag is clear: a message published anew
+    /// (a dead letter sent back as it was) is never taken for the
+    /// redelivery of a dead-lettered one.
+    fn first_delivery(&self) -> bool {
+        !self.delivery.redelivered
     }
 
     async fn ack(&self) -> Result<(), Settle> {
@@ -959,6 +1004,65 @@ impl pipeline::Delivery for Delivery {
     }
 }
 
+/// What names a message across its deliveries (see
+/// [`Delivery::identity`](pipeline::Delivery::identity)): a SHA-256 digest
+/// of the exchange and routing key it was published with, its properties
+/// (its `message_id` among them) and its body, which RabbitMQ keeps as they
+/// are when it delivers the message again. What changes from one delivery
+/// to the next is left out: the delivery tag (per channel), the
+/// `redelivered` flag, and the headers quorum queues set to count the
+/// deliveries ([`DELIVERY_COUNT`], [`ACQUIRED_COUNT`]).
+///
+/// The `message_id` alone would not do: it is the producer's name for the
+/// message, which other messages can share (the retry copies this consumer
+/// publishes, a message replayed from the dead-letter queue, a producer that
+/// reuses its ids). A redelivery of a remembered message is settled without
+/// its handler, so a replayed message recognised by its `message_id` would
+/// be acknowledged without being processed while its dead letter was gone.
+///
+/// Two distinct messages that are identical in all of the above (no
+/// `message_id`, or the same one, the same headers and body, published to
+/// the same exchange and routing key) have the same identity. Only a
+/// delivery RabbitMQ flags `redelivered` is looked up
+/// ([`first_delivery`](pipeline::Delivery::first_delivery)), so a new
+/// message of the same bytes (a dead letter sent back exactly as it was
+/// first published) is handled; the collision that remains is a second
+/// such message that is itself redelivered (its consumer's connection
+/// lost before its ack) while the process remembers the first as
+/// dead-lettered: it is settled as the first was, without its handler,
+/// and acknowledged.
+fn identity_of(delivery: &AmqpDelivery) -> String {
+    use sha2::{Digest, Sha256};
+    // The headers apart, without the counts: no headers and an empty table
+    // are the same (a quorum queue's redelivery carries a table for its
+    // counts alone). The debug form of the same values is the same within
+    // a process, which is as long as the consumer remembers.
+    let mut headers = delivery
+        .properties
+        .headers()
+        .as_ref()
+        .map(|h| h.inner().clone())
+        .unwrap_or_default();
+    headers.remove(DELIVERY_COUNT);
+    headers.remove(ACQUIRED_COUNT);
+    let headers = format!("{headers:?}");
+    let props = format!("{:?}", delivery.properties.clone().with_headers(FieldTable::default()));
+    let mut hash = Sha256::new();
+    for part in [
+        delivery.exchange.as_str().as_bytes(),
+        delivery.routing_key.as_str().as_bytes(),
+        props.as_bytes(),
+        headers.as_bytes(),
+        delivery.data.as_slice(),
+    ] {
+        hash.update((part.len() as u64).to_be_bytes());
+        hash.update(part);
+    }
+    let digest = hash.finalize();
+    let hex: String = digest[..16].iter().map(|b| format!("{b:02x}")).collect();
+    format!("rabbitmq:{hex}")
+}
+
 /// The attempt number of a delivery: our header (1 when absent) plus the
 /// quorum queues' count of earlier deliveries of this copy.
 fn attempt_of(props: &BasicProperties) -> u32 {
@@ -1009,6 +1113,35 @@ mod tests {
         assert_eq!(destination_name("events", "", "audit"), "events:audit");
         // An exchange whose routing key is the queue's name.
         assert_eq!(destination_name("direct", "billing", "billing"), "direct:billing");
+    }
+
+    #[test]
+    fn a_message_keeps_its_identity_across_deliveries_and_only_its_own() {
+        let delivery = |tag: u64, redelivered: bool, body: &[u8], props: BasicProperties| {
+            let mut delivery = AmqpDelivery::mock(tag, "orders".into(), "paid".into(), redelivered, body.to_vec());
+            delivery.properties = props;
+            delivery
+        };
+        let props = BasicProperties::default().with_message_id("m-1".into());
+        let first = identity_of(&delivery(1, false, b"{}", props.clone()));
+        // Another tag, redelivered, with a quorum queue's counts (in a
+        // table the first delivery did not have).
+        let counted = edit_headers(&props, |h| {
+            h.insert(ShortString::from(DELIVERY_COUNT), AMQPValue::LongInt(1));
+            h.insert(ShortString::from(ACQUIRED_COUNT), AMQPValue::LongInt(2));
+        });
+        assert_eq!(identity_of(&delivery(7, true, b"{}", counted)), first);
+        // What the producer set tells messages apart.
+        assert_ne!(identity_of(&delivery(1, false, b"{ }", props.clone())), first);
+        let other_id = BasicProperties::default().with_message_id("m-2".into());
+        assert_ne!(identity_of(&delivery(1, false, b"{}", other_id)), first);
+        let other_header = edit_headers(&props, |h| {
+            h.insert(ShortString::from("x-shovelled"), AMQPValue::Boolean(true));
+        });
+        assert_ne!(identity_of(&delivery(1, false, b"{}", other_header)), first);
+        let mut routed = delivery(1, false, b"{}", props);
+        routed.routing_key = "shipped".into();
+        assert_ne!(identity_of(&routed), first);
     }
 
     #[test]

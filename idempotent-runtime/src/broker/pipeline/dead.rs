@@ -93,7 +93,7 @@ impl DeadLettered {
     /// What is remembered of `delivery`'s message, consumed from `source`
     /// (its identity is asked for only once something is remembered).
     pub(super) fn recall<Dl: Delivery>(&self, source: &str, delivery: &Dl) -> Option<Dead> {
-        if !self.any.load(Ordering::Acquire) {
+        if !self.any.load(Ordering::Acquire) || delivery.first_delivery() {
             return None;
         }
         self.recall_identity(source, &delivery.identity()?)

@@ -251,6 +251,16 @@ pub trait Delivery: Send + Sync + 'static {
         None
     }
 
+    /// The broker says this is the message's first delivery (RabbitMQ's
+    /// `redelivered` flag clear): it cannot be the redelivery of a
+    /// dead-lettered message, and is not looked up. A broker whose
+    /// [`identity`](Self::identity) is the message's content rather than
+    /// its place says so, so that a new message of the same bytes (a dead
+    /// letter sent back by an operator) is handled. By default `false`.
+    fn first_delivery(&self) -> bool {
+        false
+    }
+
     /// Publish it to the dead-letter destination; `Ok` once the broker
     /// stored the dead letter. The pipeline then removes the delivery
     /// ([`discard`](Self::discard)), as a step of its own that it retries
