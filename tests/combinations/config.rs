@@ -171,10 +171,15 @@ pub enum FaultKind {
     /// transaction back, marker and effect, and nothing may be reported
     /// committed (issue 43, hole 1).
     Deadlock,
+    /// HTTP, `InProgress::Wait`: copies of a key in progress whose client
+    /// goes away at a drawn moment of their life (before their claim,
+    /// while they wait, once handed the key); at the end the layer's
+    /// in-flight map is empty (issue 43, hole 6).
+    WaiterDrop,
 }
 
 impl FaultKind {
-    pub const ALL: [FaultKind; 21] = [
+    pub const ALL: [FaultKind; 22] = [
         FaultKind::HandlerError,
         FaultKind::Panic,
         FaultKind::Cancel,
@@ -196,6 +201,7 @@ impl FaultKind {
         FaultKind::Failover,
         FaultKind::AfterCall,
         FaultKind::Deadlock,
+        FaultKind::WaiterDrop,
     ];
     pub fn name(self) -> &'static str {
         match self {
@@ -220,6 +226,7 @@ impl FaultKind {
             FaultKind::Failover => "failover",
             FaultKind::AfterCall => "after-call",
             FaultKind::Deadlock => "deadlock",
+            FaultKind::WaiterDrop => "waiter-drop",
         }
     }
     pub fn parse(name: &str) -> Option<FaultKind> {

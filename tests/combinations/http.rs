@@ -39,8 +39,11 @@
 //!
 //! Of its own (the same stream): how many keys are also sent as a burst of
 //! concurrent copies (2 to 8, and 1 or 2 keys with 24), whether a key in
-//! progress is answered `409` or waited for (`InProgress::Wait`), and the
-//! client's concurrency.
+//! progress is answered `409` or waited for (`InProgress::Wait`), the
+//! client's concurrency, and, with `InProgress::Wait` on transactional
+//! stores, copies of half the burst keys whose client goes away after 1,
+//! 30, 300 or 1 500 ms (`waiter-drop`: before their claim, while they
+//! wait, once handed the key, mid-body).
 //!
 //! # The checks (DESIGN.md's invariants, read for HTTP)
 //!
@@ -59,6 +62,8 @@
 //!    delivered at the sink, by its id (re-publications counted apart),
 //!    none of an effect that rolled back, no row left pending.
 //! 5. PostgreSQL commits are durable (`synchronous_commit` at `COMMIT`).
+//! 6. Once every request ended, no key is left in a layer's in-flight map
+//!    (issue 43, hole 6).
 //!
 //! On the lease stores (Redis, memory) an effect made again is the
 //! documented limit when the server died with a request in flight (the
@@ -132,6 +137,10 @@ pub struct Plan {
     in_progress: InProgress,
     /// Requests in flight at once (each with its retries).
     concurrency: usize,
+    /// Burst keys with copies whose client goes away after this long
+    /// (`FaultKind::WaiterDrop`; with `InProgress::Wait` on transactional
+    /// stores, where a request dropped mid-body leaves nothing).
+    dropped: BTreeMap<usize, Vec<Duration>>,
 }
 
 impl Plan {
@@ -166,12 +175,26 @@ impl Plan {
                 timeout: Duration::from_secs(2),
             }
         };
+        let concurrency = rng.pick(&[4, 8, 16]);
+        // Drawn last, from the same stream: what came before is unchanged.
+        let mut dropped = BTreeMap::new();
+        if matches!(in_progress, InProgress::Wait { .. }) && cfg.store.transactional() {
+            for (&key, _) in &bursts {
+                if rng.percent(50) {
+                    let copies = (0..1 + rng.below(3))
+                        .map(|_| Duration::from_millis(rng.pick(&[1, 30, 300, 1_500])))
+                        .collect();
+                    dropped.insert(key, copies);
+                }
+            }
+        }
         Plan {
             bursts,
             mismatched,
             later,
             in_progress,
-            concurrency: rng.pick(&[4, 8, 16]),
+            concurrency,
+            dropped,
         }
     }
 
@@ -210,6 +233,8 @@ struct HttpState {
     aborts_after_commit: AtomicU64,
     /// Bumped to kill every request in flight.
     kill: watch::Sender<u64>,
+    /// The in-flight key counts of the layers served so far.
+    layers: Mutex<Vec<Box<dyn Fn() -> usize + Send + Sync>>>,
 }
 
 impl HttpState {
@@ -410,19 +435,25 @@ async fn outer(State(st): State<Arc<HttpState>>, request: Request, next: Next) -
     answer
 }
 
-fn layer<S: Store + 'static>(store: S, plan: &Plan) -> IdempotencyLayer<S> {
-    IdempotencyLayer::builder(store)
+fn layer<S: Store + 'static>(store: S, plan: &Plan, st: &HttpState) -> IdempotencyLayer<S> {
+    let layer = IdempotencyLayer::builder(store)
         .caller(|parts| parts.headers.get("x-tenant")?.to_str().ok().map(str::to_owned))
         .body_limit(BODY_LIMIT)
         .in_progress(plan.in_progress)
         .lease(Duration::from_secs(3))
-        .build()
+        .build();
+    let counted = layer.clone();
+    st.layers
+        .lock()
+        .unwrap()
+        .push(Box::new(move || counted.in_flight_keys()));
+    layer
 }
 
 fn tx_router<S: TxStore>(store: S, plan: &Plan, st: &Arc<HttpState>) -> Router {
     Router::new()
         .route("/payments", post(tx_handler::<S>))
-        .route_layer(layer(store, plan))
+        .route_layer(layer(store, plan, st))
         .layer(middleware::from_fn_with_state(Arc::clone(st), outer))
         .with_state(Arc::clone(st))
 }
@@ -430,7 +461,7 @@ fn tx_router<S: TxStore>(store: S, plan: &Plan, st: &Arc<HttpState>) -> Router {
 fn lease_router<S: Store<Guard: 'static> + 'static>(store: S, plan: &Plan, st: &Arc<HttpState>) -> Router {
     Router::new()
         .route("/payments", post(lease_handler))
-        .route_layer(layer(store, plan))
+        .route_layer(layer(store, plan, st))
         .layer(middleware::from_fn_with_state(Arc::clone(st), outer))
         .with_state(Arc::clone(st))
 }
@@ -511,6 +542,9 @@ struct Job {
     body: Vec<u8>,
     /// What it is, for the checks.
     kind: JobKind,
+    /// Sent once, its client gone after this long, its answer ignored
+    /// (`FaultKind::WaiterDrop`).
+    drop_after: Option<Duration>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -549,6 +583,8 @@ struct Seen {
     /// attempts).
     given_up: Mutex<Vec<String>>,
     requests: AtomicU64,
+    /// Requests whose client went away (`FaultKind::WaiterDrop`).
+    dropped: AtomicU64,
 }
 
 /// How the client retries.
@@ -567,6 +603,21 @@ struct Retries {
 /// is retried up to `retries.attempts` times, a lost connection, a timeout or a
 /// `409` until `GIVE_UP`.
 async fn send(client: &reqwest::Client, servers: &Servers, job: &Job, retries: Retries, opened: &Opened, seen: &Seen) {
+    if let Some(after) = job.drop_after {
+        // Sent once; the client goes away after `after`, whatever the
+        // request is doing then.
+        seen.requests.fetch_add(1, Ordering::SeqCst);
+        seen.dropped.fetch_add(1, Ordering::SeqCst);
+        let request = client
+            .post(servers.pick())
+            .header("idempotency-key", format!("\"{}\"", job.key))
+            .header("x-tenant", &job.tenant)
+            .header("content-type", "application/json")
+            .body(job.body.clone())
+            .send();
+        let _ = tokio::time::timeout(after, request).await;
+        return;
+    }
     let attempts = retries.attempts;
     let started = Instant::now();
     let mut failures = 0;
@@ -657,9 +708,19 @@ fn jobs(cfg: &Config, plan: &Plan) -> (Vec<Vec<Job>>, Vec<Job>) {
         })
         .unwrap(),
         kind: JobKind::Payment,
+        drop_after: None,
     };
     let mut first: Vec<Vec<Job>> = (0..cfg.messages)
-        .map(|n| vec![payment(n); plan.bursts.get(&n).copied().unwrap_or(1)])
+        .map(|n| {
+            let mut copies = vec![payment(n); plan.bursts.get(&n).copied().unwrap_or(1)];
+            for after in plan.dropped.get(&n).into_iter().flatten() {
+                copies.push(Job {
+                    drop_after: Some(*after),
+                    ..payment(n)
+                });
+            }
+            copies
+        })
         .collect();
     for p in 0..cfg.schedule.poison {
         first.push(vec![Job {
@@ -667,6 +728,7 @@ fn jobs(cfg: &Config, plan: &Plan) -> (Vec<Vec<Job>>, Vec<Job>) {
             tenant: "t0".into(),
             body: format!("{{not json {p}").into_bytes(),
             kind: JobKind::Poison,
+            drop_after: None,
         }]);
     }
     for b in 0..cfg.schedule.oversized {
@@ -677,6 +739,7 @@ fn jobs(cfg: &Config, plan: &Plan) -> (Vec<Vec<Job>>, Vec<Job>) {
             tenant: "t0".into(),
             body: serde_json::to_vec(&body).unwrap(),
             kind: JobKind::Oversized,
+            drop_after: None,
         }]);
     }
     let mut then: Vec<Job> = plan.later.iter().map(|n| payment(*n)).collect();
@@ -697,6 +760,7 @@ fn jobs(cfg: &Config, plan: &Plan) -> (Vec<Vec<Job>>, Vec<Job>) {
             tenant: "t0".into(),
             body: format!("{{not json {p}").into_bytes(),
             kind: JobKind::Poison,
+            drop_after: None,
         });
     }
     (first, then)
@@ -786,6 +850,7 @@ fn state(cfg: &Config, opened: &Arc<Opened>, sink: Option<String>) -> Arc<HttpSt
         abort_after_commit: Mutex::new(cfg.schedule.abort_after_commit.iter().cloned().collect()),
         aborts_after_commit: AtomicU64::new(0),
         kill: watch::Sender::new(0),
+        layers: Mutex::default(),
     })
 }
 
@@ -1055,6 +1120,18 @@ pub async fn run(cfg: &Config, sabotage: Option<Sabotage>) -> Report {
     };
     let (fired, (), sigkills) = tokio::join!(drive_faults(cfg, &st, &opened, &private, &done), clients, sigkills);
     violations.extend(child_violations.into_inner().unwrap());
+    // Every request ended: no key may stay in a layer's in-flight map.
+    let in_flight = || st.layers.lock().unwrap().iter().map(|count| count()).sum::<usize>();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while in_flight() > 0 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    if in_flight() > 0 {
+        violations.push(format!(
+            "the layer's in-flight map holds {} key(s) after every request ended",
+            in_flight()
+        ));
+    }
     if fired.setting_changes > 0 {
         opened.change_setting(false).await;
     }
@@ -1341,6 +1418,7 @@ pub async fn run(cfg: &Config, sabotage: Option<Sabotage>) -> Report {
     let ctx = opened.ledger.ctx();
     let mut faults: BTreeMap<FaultKind, u64> = BTreeMap::new();
     faults.insert(FaultKind::HandlerError, ctx.fired_errors.load(Ordering::SeqCst));
+    faults.insert(FaultKind::WaiterDrop, seen.dropped.load(Ordering::SeqCst));
     faults.insert(FaultKind::Panic, ctx.fired_panics.load(Ordering::SeqCst));
     faults.insert(FaultKind::Cancel, ctx.fired_cancels.load(Ordering::SeqCst));
     faults.insert(FaultKind::Swallow, ctx.fired_swallows.load(Ordering::SeqCst));
