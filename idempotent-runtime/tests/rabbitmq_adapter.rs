@@ -1115,6 +1115,44 @@ async fn shutdown_returns_in_time_on_a_stalled_connection() {
 
 /// Shutdown while reconnecting to a broker that accepts TCP but never
 /// answers: the connect does not hold the shutdown.
+/// A cancel while a connection attempt waits on a broker that accepted TCP
+/// and never answers returns at once, not after the attempt's timeout: the
+/// pipeline races every broker's connect against the shutdown (issue 43,
+/// hole 8). Before, `run` waited out the connect timeout (30 s here).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancel_during_a_connect_returns_at_once() {
+    let fx = Fixture::new("connect-cancel").await;
+    let proxy = FreezingProxy::start().await;
+    proxy.freeze();
+    let consumer = RabbitConsumer::builder(proxy.url(), &fx.queue)
+        .connect_timeout(Duration::from_secs(30))
+        .build()
+        .unwrap();
+    let shutdown = CancellationToken::new();
+    let ledger = Ledger::default();
+    let run = tokio::spawn(consumer.run(
+        move |msg: Payment| {
+            let ledger = ledger.clone();
+            async move { ledger.process(&msg.message_id).await }
+        },
+        shutdown.clone(),
+    ));
+    wait_until("a connect attempt held by the silent broker", || proxy.accepted() > 0).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let asked = tokio::time::Instant::now();
+    shutdown.cancel();
+    let stopped = tokio::time::timeout(Duration::from_secs(5), run).await;
+    let took = asked.elapsed();
+    drop(proxy);
+    fx.cleanup().await;
+    let stats = stopped
+        .unwrap_or_else(|_| panic!("run did not return within 5 s of a cancel during a connect"))
+        .unwrap()
+        .unwrap();
+    assert_eq!(stats.acked, 0);
+    assert!(took < Duration::from_secs(5), "took {took:?}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shutdown_returns_in_time_while_reconnecting_to_a_silent_broker() {
     let fx = Fixture::new("silent").await;
