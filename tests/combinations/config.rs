@@ -176,10 +176,14 @@ pub enum FaultKind {
     /// while they wait, once handed the key); at the end the layer's
     /// in-flight map is empty (issue 43, hole 6).
     WaiterDrop,
+    /// PostgreSQL, ordering keys on the outbox: a transaction sleeps 150 ms
+    /// at its `COMMIT`, its outgoing rows inserted, while others stage the
+    /// same key (issue 43, hole 2).
+    SlowCommit,
 }
 
 impl FaultKind {
-    pub const ALL: [FaultKind; 22] = [
+    pub const ALL: [FaultKind; 23] = [
         FaultKind::HandlerError,
         FaultKind::Panic,
         FaultKind::Cancel,
@@ -202,6 +206,7 @@ impl FaultKind {
         FaultKind::AfterCall,
         FaultKind::Deadlock,
         FaultKind::WaiterDrop,
+        FaultKind::SlowCommit,
     ];
     pub fn name(self) -> &'static str {
         match self {
@@ -227,6 +232,7 @@ impl FaultKind {
             FaultKind::AfterCall => "after-call",
             FaultKind::Deadlock => "deadlock",
             FaultKind::WaiterDrop => "waiter-drop",
+            FaultKind::SlowCommit => "slow-commit",
         }
     }
     pub fn parse(name: &str) -> Option<FaultKind> {
@@ -324,6 +330,12 @@ pub struct Schedule {
     /// Consumers run in a child process and SIGKILLed (every store but
     /// memory), in the order of their `at`.
     pub sigkill: Vec<Sigkill>,
+    /// PostgreSQL with ordering keys on the outbox: messages whose
+    /// transaction sleeps at its `COMMIT` (a deferred trigger), after its
+    /// outgoing rows were inserted, so that a transaction staging the same
+    /// key overlaps it (`FaultKind::SlowCommit`).
+    #[serde(default)]
+    pub slow_commit: Vec<String>,
 }
 
 /// The first seed that draws restarts (broker and database): the long
@@ -389,7 +401,17 @@ pub struct Config {
     /// completion and renewal (`wait_for_replicas(1, 500ms)`).
     #[serde(default)]
     pub wait_replicas: bool,
+    /// With the outbox: each outgoing message is staged with an ordering
+    /// key (`k0`..`k2`, by message number), so that transactions staging
+    /// one key overlap; drawn from a stream of its own
+    /// (`ORDERED_OUTBOX_STREAM`). Checked: per key, the sink receives the
+    /// messages in the order their transactions committed.
+    #[serde(default)]
+    pub ordered_outbox: bool,
 }
+
+/// The stream of `Config::ordered_outbox`.
+pub const ORDERED_OUTBOX_STREAM: u64 = 0x0bde_0e3d;
 
 /// The stream the offsets-in-the-database coin is drawn from (`seed ^` it).
 pub const KAFKA_OFFSETS_STREAM: u64 = 0x0ff5_e7db;
@@ -642,6 +664,15 @@ impl Config {
                 schedule.sigkill.sort_by_key(|k| k.at);
             }
         }
+        let ordered_outbox = Rng::new(seed ^ ORDERED_OUTBOX_STREAM).percent(50);
+        if ordered_outbox && store.is_pg() && outbox != OutboxMode::Off && allowed(FaultKind::SlowCommit) {
+            let mut slow = Rng::new(seed ^ 0x0510_c0de);
+            for n in 0..messages {
+                if slow.percent(10) {
+                    schedule.slow_commit.push(id(n));
+                }
+            }
+        }
         Config {
             seed,
             store,
@@ -662,7 +693,15 @@ impl Config {
             kafka_key_order: Rng::new(seed ^ KAFKA_ORDER_STREAM).percent(50),
             cluster,
             wait_replicas,
+            ordered_outbox,
         }
+    }
+
+    /// The ordering key a message is staged with on the outbox, when
+    /// `ordered_outbox`.
+    pub fn ordering_key(&self, id: &str) -> Option<String> {
+        let n: u64 = id.trim_start_matches('m').parse().ok()?;
+        (self.ordered_outbox && self.sink().is_some()).then(|| format!("k{}", n % 3))
     }
 
     /// The Kafka consumers keep their offsets in the database: drawn
@@ -752,5 +791,6 @@ impl Config {
             if self.failover() { ", failover" } else { "" },
         ) + if self.offsets_in_db() { ", offsets in db" } else { "" }
             + if self.key_order() { ", key order" } else { "" }
+            + if self.ordering_key("m0").is_some() { ", ordered outbox" } else { "" }
     }
 }

@@ -261,12 +261,21 @@ pub async fn open(cfg: &Config, name: &str, sink: Option<String>, pg_url: &str, 
             // Each effect row records, at COMMIT (a deferred constraint
             // trigger fires there), the `synchronous_commit` its commit ran
             // with: invariant 5 made observable without a server crash.
+            // The slow commits (`FaultKind::SlowCommit`) sleep there too.
+            let slow = cfg
+                .schedule
+                .slow_commit
+                .iter()
+                .map(|id| format!("'{id}'"))
+                .collect::<Vec<_>>()
+                .join(",");
             let ddls = [
                 format!("CREATE TABLE {effects} (message_id TEXT NOT NULL)"),
                 format!("CREATE TABLE {effects}_c (message_id TEXT NOT NULL, setting TEXT NOT NULL)"),
                 format!(
                     "CREATE FUNCTION {effects}_f() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN \
                      INSERT INTO {effects}_c VALUES (NEW.message_id, current_setting('synchronous_commit')); \
+                     IF NEW.message_id = ANY (ARRAY[{slow}]::text[]) THEN PERFORM pg_sleep(0.15); END IF; \
                      RETURN NULL; END $$"
                 ),
                 format!(
@@ -549,6 +558,24 @@ impl Opened {
             }
             Admin::Memory => self.ledger.ctx().mem_effects.lock().unwrap().clone(),
         }
+    }
+
+    /// The outbox's rows staged with an ordering key, as (key, payload), in
+    /// the order of their ids: per key, the order their transactions
+    /// committed in (a transaction staging a key holds the key's lock from
+    /// its rows' insert to its end).
+    pub async fn outbox_order(&self) -> Vec<(String, Vec<u8>)> {
+        let sql = format!(
+            "SELECT ordering_key, payload FROM {} WHERE ordering_key IS NOT NULL ORDER BY id",
+            self.outbox
+        );
+        let rows = match &self.admin {
+            Admin::Pg { admin, .. } => sqlx::query_as(AssertSqlSafe(sql)).fetch_all(admin).await,
+            Admin::My { admin, .. } => sqlx::query_as(AssertSqlSafe(sql)).fetch_all(admin).await,
+            Admin::Lite { pool, .. } => sqlx::query_as(AssertSqlSafe(sql)).fetch_all(pool).await,
+            Admin::Redis { .. } | Admin::Memory => Ok(Vec::new()),
+        };
+        rows.unwrap_or_default()
     }
 
     /// PostgreSQL: the effects whose transaction committed with
@@ -839,3 +866,45 @@ type MySession = (u64, String, i64, Option<String>, Option<String>);
 
 /// How long the store's pool may take to close at the end of a run.
 const POOL_CLOSE: Duration = Duration::from_secs(20);
+
+/// Where the sink received an ordering key's messages out of the order
+/// their transactions committed in: `order` is the outbox's keyed rows in
+/// commit order per key ([`Opened::outbox_order`]), `delivered` what the
+/// sink holds, in its order (a message published again counts where it
+/// first arrived). One line per key out of order.
+pub fn out_of_commit_order(order: &[(String, Vec<u8>)], delivered: &[(String, Vec<u8>)]) -> Vec<String> {
+    use std::collections::{BTreeMap, HashSet};
+    let key_of: HashMap<&[u8], &str> = order.iter().map(|(k, p)| (p.as_slice(), k.as_str())).collect();
+    let mut expected: BTreeMap<&str, Vec<&[u8]>> = BTreeMap::new();
+    let mut staged = HashSet::new();
+    for (key, payload) in order {
+        if staged.insert(payload.as_slice()) {
+            expected.entry(key.as_str()).or_default().push(payload.as_slice());
+        }
+    }
+    let mut got: BTreeMap<&str, Vec<&[u8]>> = BTreeMap::new();
+    let mut arrived = HashSet::new();
+    for (_, payload) in delivered {
+        if let Some(key) = key_of.get(payload.as_slice())
+            && arrived.insert(payload.as_slice())
+        {
+            got.entry(key).or_default().push(payload.as_slice());
+        }
+    }
+    let text = |p: &&[u8]| String::from_utf8_lossy(p).into_owned();
+    let mut violations = Vec::new();
+    for (key, committed) in expected {
+        let received = got.remove(key).unwrap_or_default();
+        let received_set: HashSet<&[u8]> = received.iter().copied().collect();
+        let committed: Vec<&[u8]> = committed.into_iter().filter(|p| received_set.contains(p)).collect();
+        if let Some(at) = committed.iter().zip(&received).position(|(a, b)| a != b) {
+            let end = (at + 3).min(committed.len());
+            violations.push(format!(
+                "outbox: key {key} received out of commit order at position {at}: committed {:?}, received {:?}",
+                committed[at..end].iter().map(text).collect::<Vec<_>>(),
+                received[at..end].iter().map(text).collect::<Vec<_>>(),
+            ));
+        }
+    }
+    violations
+}

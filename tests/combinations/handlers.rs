@@ -181,6 +181,8 @@ pub struct Ctx {
     doomed: HashSet<String>,
     data_error: HashSet<String>,
     lone_outage: HashSet<String>,
+    /// Outgoing messages carry an ordering key (`Config::ordered_outbox`).
+    ordered: bool,
     /// Effects of the memory store, per id.
     pub mem_effects: Mutex<HashMap<String, i64>>,
     /// The Redis store's effects: a hash (`HSETNX` per id), and a counter
@@ -225,6 +227,7 @@ impl Ctx {
             doomed: cfg.schedule.doomed.iter().cloned().collect(),
             data_error: cfg.schedule.data_error.iter().cloned().collect(),
             lone_outage: cfg.schedule.lone_outage.iter().cloned().collect(),
+            ordered: cfg.ordering_key("m0").is_some(),
             mem_effects: Mutex::default(),
             redis_effects: OnceLock::new(),
             reapplied: AtomicU64::new(0),
@@ -298,7 +301,17 @@ impl Ctx {
 
     fn stage(&self, msg: &Msg, outbox: &mut Outbox) {
         if let Some(sink) = &self.sink {
-            outbox.publish(Outgoing::new(sink.clone(), msg.id.as_bytes().to_vec()));
+            outbox.publish(self.outgoing(sink, &msg.id));
+        }
+    }
+
+    /// The outgoing message of `id` to `sink`, with its ordering key when
+    /// the configuration has them.
+    pub fn outgoing(&self, sink: &str, id: &str) -> Outgoing {
+        let outgoing = Outgoing::new(sink.to_owned(), id.as_bytes().to_vec());
+        match self.ordered.then(|| id.trim_start_matches('m').parse::<u64>().ok()).flatten() {
+            Some(n) => outgoing.ordered_by(format!("k{}", n % 3)),
+            None => outgoing,
         }
     }
 

@@ -84,7 +84,6 @@ use idempotent_runtime::axum::response::{IntoResponse, Response};
 use idempotent_runtime::axum::routing::post;
 use idempotent_runtime::axum::{self, Router};
 use idempotent_runtime::http::{IdempotencyLayer, IdempotentTx, InProgress, NotKept};
-use idempotent_runtime::outbox::Outgoing;
 use idempotent_runtime::sqlx::{self, AssertSqlSafe};
 use idempotent_runtime::store::{StagesOutbox, Store, TransactionalStore};
 use idempotent_runtime::{CachedStore, MemoryStore, MySqlStore, PgStore, RedisStore, SqliteStore};
@@ -371,7 +370,7 @@ async fn tx_handler<S: TxStore>(State(st): State<Arc<HttpState>>, mut tx: Idempo
         }
     }
     if let Some(sink) = &st.sink {
-        tx.publish(Outgoing::new(sink.clone(), msg.id.as_bytes().to_vec()));
+        tx.publish(st.ctx().outgoing(sink, &msg.id));
     }
     if let Some(answer) = st.fault(&msg.id, fault).await {
         return answer;
@@ -1394,6 +1393,10 @@ pub async fn run(cfg: &Config, sabotage: Option<Sabotage>) -> Report {
         several.sort();
         counts.outbox_missing = missing.len() as u64;
         counts.outbox_rolled_back = rolled_back.len() as u64;
+        if cfg.ordering_key("m0").is_some() {
+            let order = opened.outbox_order().await;
+            violations.extend(super::db::out_of_commit_order(&order, &sink_rows));
+        }
         if !missing.is_empty() {
             violations.push(format!(
                 "outbox: committed effects whose message never arrived: {missing:?}"
@@ -1419,6 +1422,7 @@ pub async fn run(cfg: &Config, sabotage: Option<Sabotage>) -> Report {
     let mut faults: BTreeMap<FaultKind, u64> = BTreeMap::new();
     faults.insert(FaultKind::HandlerError, ctx.fired_errors.load(Ordering::SeqCst));
     faults.insert(FaultKind::WaiterDrop, seen.dropped.load(Ordering::SeqCst));
+    faults.insert(FaultKind::SlowCommit, cfg.schedule.slow_commit.len() as u64);
     faults.insert(FaultKind::Panic, ctx.fired_panics.load(Ordering::SeqCst));
     faults.insert(FaultKind::Cancel, ctx.fired_cancels.load(Ordering::SeqCst));
     faults.insert(FaultKind::Swallow, ctx.fired_swallows.load(Ordering::SeqCst));

@@ -1385,6 +1385,10 @@ pub async fn run(cfg: &Config, sabotage: Option<Sabotage>) -> Report {
         rolled_back.sort();
         counts.outbox_missing = missing.len() as u64;
         counts.outbox_rolled_back = rolled_back.len() as u64;
+        if cfg.ordering_key("m0").is_some() {
+            let order = opened.outbox_order().await;
+            violations.extend(super::db::out_of_commit_order(&order, &sink_rows));
+        }
         if !missing.is_empty() {
             violations.push(format!(
                 "outbox: committed effects whose message never arrived: {missing:?}"
@@ -1409,6 +1413,7 @@ pub async fn run(cfg: &Config, sabotage: Option<Sabotage>) -> Report {
     faults.insert(FaultKind::Swallow, ctx.fired_swallows.load(Ordering::SeqCst));
     faults.insert(FaultKind::AfterCall, ctx.fired_after_calls.load(Ordering::SeqCst));
     faults.insert(FaultKind::Deadlock, ctx.fired_deadlocks.load(Ordering::SeqCst));
+    faults.insert(FaultKind::SlowCommit, cfg.schedule.slow_commit.len() as u64);
     faults.insert(FaultKind::Poison, cfg.schedule.poison as u64);
     faults.insert(FaultKind::DataError, ctx.fired_data_errors.load(Ordering::SeqCst));
     faults.insert(FaultKind::LoneOutage, ctx.fired_outages.load(Ordering::SeqCst));
