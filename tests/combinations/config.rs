@@ -791,6 +791,10 @@ impl Config {
             if self.failover() { ", failover" } else { "" },
         ) + if self.offsets_in_db() { ", offsets in db" } else { "" }
             + if self.key_order() { ", key order" } else { "" }
-            + if self.ordering_key("m0").is_some() { ", ordered outbox" } else { "" }
+            + if self.ordering_key("m0").is_some() {
+                ", ordered outbox"
+            } else {
+                ""
+            }
     }
 }

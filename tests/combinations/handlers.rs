@@ -309,7 +309,11 @@ impl Ctx {
     /// the configuration has them.
     pub fn outgoing(&self, sink: &str, id: &str) -> Outgoing {
         let outgoing = Outgoing::new(sink.to_owned(), id.as_bytes().to_vec());
-        match self.ordered.then(|| id.trim_start_matches('m').parse::<u64>().ok()).flatten() {
+        match self
+            .ordered
+            .then(|| id.trim_start_matches('m').parse::<u64>().ok())
+            .flatten()
+        {
             Some(n) => outgoing.ordered_by(format!("k{}", n % 3)),
             None => outgoing,
         }
