@@ -178,7 +178,7 @@ impl Plan {
         // Drawn last, from the same stream: what came before is unchanged.
         let mut dropped = BTreeMap::new();
         if matches!(in_progress, InProgress::Wait { .. }) && cfg.store.transactional() {
-            for (&key, _) in &bursts {
+            for &key in bursts.keys() {
                 if rng.percent(50) {
                     let copies = (0..1 + rng.below(3))
                         .map(|_| Duration::from_millis(rng.pick(&[1, 30, 300, 1_500])))
