@@ -64,6 +64,14 @@
 //! 10 of them sleeps 150 ms at its `COMMIT`, its rows inserted
 //! (`slow-commit`, a deferred trigger): without the per-key lock
 //! (`outbox::ordering_keys`), seed 1017 receives key `k1` out of order.
+//! About 1 message in 50 relapses (`relapse`, a stream of its own): its
+//! body fails on each of its attempts and would succeed after, so a run
+//! after its dead letter was stored (an ack, a term or an offset lost to a
+//! fault of the settlement: a restart, a killed connection, an aborted
+//! consumer) commits an effect for a dead-lettered message, which the
+//! checks report; after a child's SIGKILL it counts as made again (a
+//! process that dies between the dead letter and its ack, the documented
+//! limit).
 //!
 //! The faults a newcomer met (issue 33), from a stream of their own so
 //! that the rest of a seed's schedule is what it was before them: the

@@ -180,10 +180,15 @@ pub enum FaultKind {
     /// at its `COMMIT`, its outgoing rows inserted, while others stage the
     /// same key (issue 43, hole 2).
     SlowCommit,
+    /// A message that fails on each of its attempts and would succeed
+    /// after: a redelivery handled after its dead letter was stored (an
+    /// ack, a term, an offset lost in a fault of the settlement) commits an
+    /// effect for a dead-lettered message (issue 43, holes 4 and 5).
+    Relapse,
 }
 
 impl FaultKind {
-    pub const ALL: [FaultKind; 23] = [
+    pub const ALL: [FaultKind; 24] = [
         FaultKind::HandlerError,
         FaultKind::Panic,
         FaultKind::Cancel,
@@ -207,6 +212,7 @@ impl FaultKind {
         FaultKind::Deadlock,
         FaultKind::WaiterDrop,
         FaultKind::SlowCommit,
+        FaultKind::Relapse,
     ];
     pub fn name(self) -> &'static str {
         match self {
@@ -233,6 +239,7 @@ impl FaultKind {
             FaultKind::Deadlock => "deadlock",
             FaultKind::WaiterDrop => "waiter-drop",
             FaultKind::SlowCommit => "slow-commit",
+            FaultKind::Relapse => "relapse",
         }
     }
     pub fn parse(name: &str) -> Option<FaultKind> {
@@ -336,6 +343,11 @@ pub struct Schedule {
     /// key overlaps it (`FaultKind::SlowCommit`).
     #[serde(default)]
     pub slow_commit: Vec<String>,
+    /// Messages whose body fails on each of its first `max_attempts` runs
+    /// and succeeds after (`FaultKind::Relapse`): dead-lettered, a run
+    /// after its dead letter commits an effect the checks see.
+    #[serde(default)]
+    pub relapse: Vec<String>,
 }
 
 /// The first seed that draws restarts (broker and database): the long
@@ -662,6 +674,21 @@ impl Config {
                     });
                 }
                 schedule.sigkill.sort_by_key(|k| k.at);
+            }
+        }
+        // Relapses, from a stream of their own: about 1 message in 50 that
+        // has no other fate drawn.
+        if allowed(FaultKind::Relapse) {
+            let mut relapse = Rng::new(seed ^ 0x0e1a_95e0);
+            for n in 0..messages {
+                let free = !schedule.doomed.contains(&id(n))
+                    && !schedule.data_error.contains(&id(n))
+                    && !schedule.lone_outage.contains(&id(n))
+                    && !schedule.abort_after_commit.contains(&id(n));
+                if relapse.percent(2) && free {
+                    schedule.body.insert(id(n), vec![BodyFault::Error; max_attempts as usize]);
+                    schedule.relapse.push(id(n));
+                }
             }
         }
         let ordered_outbox = Rng::new(seed ^ ORDERED_OUTBOX_STREAM).percent(50);

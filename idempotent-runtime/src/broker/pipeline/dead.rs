@@ -90,6 +90,18 @@ impl DeadLettered {
         self.any.store(true, Ordering::Release);
     }
 
+    /// Forgets `identity` of `source` (its dead letter was refused: nothing
+    /// is stored).
+    pub(super) fn forget(&self, source: &str, identity: &str) {
+        let key = key(source, identity);
+        if let Ok(mut entries) = self.entries.lock()
+            && entries.by_identity.remove(&key).is_some()
+        {
+            // Rare (a refused dead letter): a scan of the order is fine.
+            entries.order.retain(|k| *k != key);
+        }
+    }
+
     /// What is remembered of `delivery`'s message, consumed from `source`
     /// (its identity is asked for only once something is remembered).
     pub(super) fn recall<Dl: Delivery>(&self, source: &str, delivery: &Dl) -> Option<Dead> {
@@ -141,5 +153,14 @@ mod tests {
         assert!(dead.recall_identity("q", "a").is_none(), "the oldest is forgotten");
         assert!(dead.recall_identity("q", "0").is_some());
         assert!(dead.recall_identity("q", &(REMEMBERED - 1).to_string()).is_some());
+        dead.forget("q", "0");
+        assert!(dead.recall_identity("q", "0").is_none(), "forgotten");
+        assert!(dead.recall_identity("q", "1").is_some(), "only it");
+        // Its place in the order went with it: remembered again, it is
+        // the newest, and one more entry evicts "1", not it.
+        dead.remember("q", "0", Dead::Stored);
+        dead.remember("q", "new", Dead::Stored);
+        assert!(dead.recall_identity("q", "0").is_some());
+        assert!(dead.recall_identity("q", "1").is_none());
     }
 }

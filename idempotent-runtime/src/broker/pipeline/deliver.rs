@@ -519,24 +519,28 @@ impl<D, R, H> Worker<D, R, H> {
             source: &self.source,
         };
         let identity = delivery.identity();
-        let unsure = || {
-            if let Some(identity) = &identity {
-                let letter = Unsure {
-                    kind,
-                    reason: reason.clone(),
-                    attempts,
-                };
-                self.dead.remember(&self.source, identity, Dead::Unsure(letter));
-            }
-        };
+        // Remembered before the first publish: the task may be dropped
+        // while it waits for the broker's answer (a consumer aborted, its
+        // shutdown timeout run out), the dead letter stored all the same.
+        if let Some(identity) = &identity {
+            let letter = Unsure {
+                kind,
+                reason: reason.clone(),
+                attempts,
+            };
+            self.dead.remember(&self.source, identity, Dead::Unsure(letter));
+        }
         let last = delivery.meta().last;
         let mut failures = 0u32;
+        // A publish whose outcome was not known happened: the dead letter
+        // may be stored.
+        let mut maybe_stored = false;
         loop {
             let published = on_own_connection(delivery, || delivery.dead_letter(&letter)).await;
+            maybe_stored |= matches!(published, Err(Settle::Unknown(_)));
             match published {
                 Ok(()) => break,
                 Err(Settle::Lost(why)) => {
-                    unsure();
                     tracing::warn!(
                         target: TRACING_TARGET,
                         error = %why,
@@ -547,7 +551,6 @@ impl<D, R, H> Worker<D, R, H> {
                     return;
                 }
                 Err(Settle::Unknown(why)) if !self.shutdown.is_cancelled() => {
-                    unsure();
                     failures = failures.saturating_add(1);
                     tracing::warn!(
                         target: TRACING_TARGET,
@@ -559,7 +562,6 @@ impl<D, R, H> Worker<D, R, H> {
                     sleep_unless_cancelled(self.options.retry_backoff.delay(failures), &self.shutdown).await;
                 }
                 Err(Settle::Unknown(why)) => {
-                    unsure();
                     tracing::error!(
                         target: TRACING_TARGET,
                         error = %why,
@@ -598,6 +600,10 @@ impl<D, R, H> Worker<D, R, H> {
                         error = %why,
                         "could not publish the dead letter: handing the message back"
                     );
+                    // Nothing stored: its redelivery is handled as any.
+                    if let Some(identity) = identity.as_deref().filter(|_| !maybe_stored) {
+                        self.dead.forget(&self.source, identity);
+                    }
                     self.release(delivery).await;
                     return;
                 }
