@@ -686,7 +686,9 @@ impl Config {
                     && !schedule.lone_outage.contains(&id(n))
                     && !schedule.abort_after_commit.contains(&id(n));
                 if relapse.percent(2) && free {
-                    schedule.body.insert(id(n), vec![BodyFault::Error; max_attempts as usize]);
+                    schedule
+                        .body
+                        .insert(id(n), vec![BodyFault::Error; max_attempts as usize]);
                     schedule.relapse.push(id(n));
                 }
             }
