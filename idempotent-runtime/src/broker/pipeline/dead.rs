@@ -111,7 +111,8 @@ impl DeadLettered {
         self.recall_identity(source, &delivery.identity()?)
     }
 
-    fn recall_identity(&self, source: &str, identity: &str) -> Option<Dead> {
+    /// What is remembered of `identity` from `source`.
+    pub(super) fn recall_identity(&self, source: &str, identity: &str) -> Option<Dead> {
         self.entries
             .lock()
             .ok()?

@@ -473,9 +473,10 @@ impl<D, R, H> Worker<D, R, H> {
         self.recorder.outcome(Outcome::Released);
     }
 
-    /// A redelivery of a message this consumer dead-lettered (see
-    /// [`dead`](super::dead)): settles it without running its handler, and
-    /// says so. Costs one flag's load on every other delivery.
+    /// A redelivery of a message a consumer of this source dead-lettered in
+    /// this process (see [`dead`](super::dead)): settles it without running
+    /// its handler, and says so. Costs one flag's load on every delivery
+    /// until the process dead-letters something.
     pub(super) async fn settled_as_dead<Dl: Delivery>(&self, delivery: &Dl) -> bool {
         let Some(dead) = self.dead.recall(&self.source, delivery) else {
             return false;
@@ -519,6 +520,11 @@ impl<D, R, H> Worker<D, R, H> {
             source: &self.source,
         };
         let identity = delivery.identity();
+        // An earlier publish of it (on a delivery before this one) may have
+        // stored it.
+        let mut maybe_stored = identity
+            .as_deref()
+            .is_some_and(|identity| self.dead.recall_identity(&self.source, identity).is_some());
         // Remembered before the first publish: the task may be dropped
         // while it waits for the broker's answer (a consumer aborted, its
         // shutdown timeout run out), the dead letter stored all the same.
@@ -532,11 +538,9 @@ impl<D, R, H> Worker<D, R, H> {
         }
         let last = delivery.meta().last;
         let mut failures = 0u32;
-        // A publish whose outcome was not known happened: the dead letter
-        // may be stored.
-        let mut maybe_stored = false;
         loop {
             let published = on_own_connection(delivery, || delivery.dead_letter(&letter)).await;
+            // A publish whose outcome is not known may have stored it.
             maybe_stored |= matches!(published, Err(Settle::Unknown(_)));
             match published {
                 Ok(()) => break,
