@@ -5,6 +5,22 @@ use std::borrow::Cow;
 
 use crate::Error;
 
+/// 32 hex digits (128 bits of SHA-256) naming `parts`, each prefixed by
+/// its length so that no two lists of parts run together: the derived ids
+/// of the outbox's messages and of the brokers' dead letters and
+/// deliveries.
+#[cfg_attr(not(any(feature = "sqlx", feature = "rabbitmq", feature = "nats")), allow(dead_code))]
+pub(crate) fn digest_hex(parts: &[&[u8]]) -> String {
+    use sha2::{Digest, Sha256};
+    let mut hash = Sha256::new();
+    for part in parts {
+        hash.update((part.len() as u64).to_be_bytes());
+        hash.update(part);
+    }
+    let digest = hash.finalize();
+    digest[..16].iter().map(|b| format!("{b:02x}")).collect()
+}
+
 /// The longest key, in bytes of UTF-8, that every store accepts.
 ///
 /// Longer keys are refused with [`Error::InvalidKey`], never truncated

@@ -977,14 +977,12 @@ impl pipeline::Delivery for Delivery {
 /// The `Nats-Msg-Id` of the dead letter of one stream message as seen by
 /// one consumer.
 fn dead_letter_id(stream: &str, consumer: &str, stream_sequence: u64, published: &str) -> String {
-    use sha2::{Digest, Sha256};
-    let mut hash = Sha256::new();
-    for part in [stream, consumer, &stream_sequence.to_string(), published] {
-        hash.update((part.len() as u64).to_be_bytes());
-        hash.update(part.as_bytes());
-    }
-    let digest = hash.finalize();
-    let hex: String = digest[..16].iter().map(|b| format!("{b:02x}")).collect();
+    let hex = crate::key::digest_hex(&[
+        stream.as_bytes(),
+        consumer.as_bytes(),
+        stream_sequence.to_string().as_bytes(),
+        published.as_bytes(),
+    ]);
     format!("idempotent-dead-letter-{hex}")
 }
 

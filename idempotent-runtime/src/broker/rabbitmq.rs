@@ -1032,7 +1032,6 @@ impl pipeline::Delivery for Delivery {
 /// dead-lettered: it is settled as the first was, without its handler,
 /// and acknowledged.
 fn identity_of(delivery: &AmqpDelivery) -> String {
-    use sha2::{Digest, Sha256};
     // The headers apart, without the counts: no headers and an empty table
     // are the same (a quorum queue's redelivery carries a table for its
     // counts alone). The debug form of the same values is the same within
@@ -1047,19 +1046,13 @@ fn identity_of(delivery: &AmqpDelivery) -> String {
     headers.remove(ACQUIRED_COUNT);
     let headers = format!("{headers:?}");
     let props = format!("{:?}", delivery.properties.clone().with_headers(FieldTable::default()));
-    let mut hash = Sha256::new();
-    for part in [
+    let hex = crate::key::digest_hex(&[
         delivery.exchange.as_str().as_bytes(),
         delivery.routing_key.as_str().as_bytes(),
         props.as_bytes(),
         headers.as_bytes(),
         delivery.data.as_slice(),
-    ] {
-        hash.update((part.len() as u64).to_be_bytes());
-        hash.update(part);
-    }
-    let digest = hash.finalize();
-    let hex: String = digest[..16].iter().map(|b| format!("{b:02x}")).collect();
+    ]);
     format!("rabbitmq:{hex}")
 }
 

@@ -61,7 +61,6 @@
 use std::fmt;
 
 use serde::Serialize;
-use sha2::{Digest, Sha256};
 
 use crate::Error;
 
@@ -272,13 +271,7 @@ pub(crate) fn ordering_keys(rows: &[StagedRow]) -> Vec<&str> {
 
 /// The id of the `index`-th message staged by `scope` for `key`.
 fn derived_message_id(scope: &str, key: &str, index: usize) -> String {
-    let mut hash = Sha256::new();
-    for part in [scope.as_bytes(), key.as_bytes(), index.to_string().as_bytes()] {
-        hash.update((part.len() as u64).to_be_bytes());
-        hash.update(part);
-    }
-    let digest = hash.finalize();
-    digest[..16].iter().map(|b| format!("{b:02x}")).collect()
+    crate::key::digest_hex(&[scope.as_bytes(), key.as_bytes(), index.to_string().as_bytes()])
 }
 
 #[cfg(test)]
