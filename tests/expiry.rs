@@ -463,6 +463,34 @@ async fn postgres_a_batch_member_gets_its_whole_ttl_from_the_commit() {
     common::drop_pg_table(store.pool(), &table).await;
 }
 
+/// A `PgStore` with the partitioned marker layout (partitions of a second).
+/// Its claims never join a batch (each takes its own transaction), so only
+/// the wait applies.
+async fn partitioned_store() -> (PgStore, String) {
+    let table = common::unique("expiry_part");
+    let store = PgStore::builder(common::pg_pool(4).await)
+        .table(&table)
+        .partitioned(Duration::from_secs(1))
+        .partition_horizon(Duration::from_secs(10))
+        .build()
+        .unwrap();
+    store.migrate().await.unwrap();
+    (store, table)
+}
+
+/// Drops a partitioned marker table (its partitions go with it).
+async fn drop_partitioned(store: &PgStore, table: &str) {
+    let sql = format!("DROP TABLE IF EXISTS \"{table}\" CASCADE");
+    let _ = sqlx::query(AssertSqlSafe(sql)).execute(store.pool()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_partitioned_a_claim_that_waited_gets_its_whole_ttl() {
+    let (store, table) = partitioned_store().await;
+    a_claim_that_waited_gets_its_whole_ttl(store.clone(), pg_remaining(&store)).await;
+    drop_partitioned(&store, &table).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mysql_a_claim_that_waited_gets_its_whole_ttl() {
     let (store, table) = mysql_store(common::settings::MY_SERVER_DEFAULT).await;

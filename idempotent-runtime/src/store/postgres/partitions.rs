@@ -97,13 +97,19 @@ impl Partitions {
         let seed = seed(table);
         Ok(Partitions {
             claim_lock: format!("SELECT pg_advisory_xact_lock(hashtextextended($1 || chr(31) || $2, {seed}))").into(),
+            // By the statement's clock, not the transaction's start: the
+            // advisory lock may have waited on a holder that then rolled
+            // back, and the marker lives its ttl from the end of that wait
+            // (issue 43, hole 7). Its expiry is not set again at the commit
+            // (that would move the row to another partition): a marker of
+            // this layout counts its ttl from its claim.
             claim: format!(
                 "WITH live AS (\
                    SELECT fingerprint, result FROM {t} \
-                   WHERE scope = $1 AND message_id = $2 AND expires_at > now() LIMIT 1\
+                   WHERE scope = $1 AND message_id = $2 AND expires_at > clock_timestamp() LIMIT 1\
                  ), fresh AS (\
                    INSERT INTO {t} (scope, message_id, processed_at, expires_at, fingerprint) \
-                   SELECT $1, $2, now(), now() + $3 * interval '1 millisecond', $4 \
+                   SELECT $1, $2, clock_timestamp(), clock_timestamp() + $3 * interval '1 millisecond', $4 \
                    WHERE NOT EXISTS (SELECT 1 FROM live) \
                    RETURNING true AS fresh\
                  ) \
@@ -112,7 +118,7 @@ impl Partitions {
             )
             .into(),
             // Only the claim's own marker is live (the advisory lock made sure
-            // of it); its expiry is `now() + ttl` of this same transaction.
+            // of it), its expiry after the transaction's start plus the ttl.
             write_result: format!(
                 "UPDATE {t} SET result = $1 WHERE scope = $2 AND message_id = $3 AND expires_at >= now()"
             )
