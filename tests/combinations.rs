@@ -73,6 +73,49 @@
 //! process that dies between the dead letter and its ack, the documented
 //! limit).
 //!
+//! The consumers' connection to the broker (issue 43, `conn-cut`,
+//! `conn-stall`, `settle-cut`), from a stream of its own
+//! (`config::CONN_STREAM`): about 4 in 10 configurations on RabbitMQ,
+//! NATS JetStream or Redis Streams on a single server (not Kafka, whose
+//! clients follow the addresses its metadata advertises, not the Redis
+//! Cluster, not a broker restarted) run their in-process consumers through
+//! a TCP proxy (`combinations/proxy.rs`; the checker's own connections and
+//! child consumers connect directly). The proxy cuts every connection 0 to
+//! 2 times at drawn handler-call counts (`conn-cut`: the consumers see
+//! their connections closed and connect again) and stalls them 0 or 1
+//! time for 0.3 to 2.5 s (`conn-stall`: no byte either way, no reset, new
+//! connections held too). Half of these configurations drop every byte
+//! the consumers send from 0 to 3 ms after a message failed on the run
+//! that gets it dead-lettered, and cut the connections 200 ms later
+//! (`settle-cut`, up to 5 a run: a doomed, relapse or lone-outage message
+//! on its last attempt, a data error): a dead letter published before is
+//! stored and confirmed, the original's ack or term after it is lost; a
+//! relapse handled again commits an effect for a dead-lettered message,
+//! which the checks report. With the pipeline's memory of stored dead
+//! letters switched off (`pipeline/dead.rs`, `recall`), seed 1180
+//! (JetStream) reports `m0130: every delivery dead-lettered (1), yet 1
+//! effect(s)`; with it, none. About 3 in 10 stall the connections
+//! right before the drain stops the consumers, for longer than the stop
+//! bound, and each consumer must still stop within it (`STOP_BOUND`,
+//! counted from the shutdown; a stall at shutdown counts as a
+//! `conn-stall`). `IDEMPOTENT_CHECKER_FORCE=proxy=off` leaves the proxy
+//! out, `proxy=only` runs only the seeds that draw it.
+//!
+//! Short ttls (issue 43, `short-ttl`), from a stream of their own
+//! (`config::SHORT_TTL_STREAM`): about 3 in 10 configurations call
+//! handlers with `ttl = "2s"`. About 1 message in 12 of them holds its
+//! claim 900 ms after its effect on its first run and then fails (a copy
+//! published right after it waits on the claim and gets it once it is
+//! rolled back), and those and about 1 message in 33 more are published
+//! again 1.3 to 2.7 s after their first `Ok` (around the ttl). Every
+//! effect records when it was made (the process clock, in the body's
+//! transaction on the SQL stores); one made again less than a ttl (minus
+//! 100 ms) after the previous one of its message is "twice", one made
+//! after it is counted as "after ttl" (allowed). Before the partitioned
+//! layout's claims counted their expiry from the end of their wait
+//! (`clock_timestamp()`), seeds 3074 and 3091 applied 4 and 3 messages
+//! twice this way.
+//!
 //! The faults a newcomer met (issue 33), from a stream of their own so
 //! that the rest of a seed's schedule is what it was before them: the
 //! consumers classify errors as docs/brokers.md tells users to
@@ -414,7 +457,7 @@
 //!   (names: `error panic cancel swallow poison doomed consumer-kill
 //!   abort-after-commit db-kill relay-kill-before relay-kill-after
 //!   setting-change broker-restart db-restart data-error lone-outage
-//!   oversized consumer-sigkill failover`).
+//!   oversized consumer-sigkill failover conn-cut conn-stall settle-cut`).
 //! - `IDEMPOTENT_CHECKER_FORCE=store=pg|partitioned|mariadb,outbox=off,batch=off,cache=off,settings=default,..`:
 //!   overrides parts of the configuration, to minimise a failing seed
 //!   (see `force` for the keys). `restart=broker` and `restart=db` add a
@@ -463,6 +506,8 @@ mod db;
 mod handlers;
 #[path = "combinations/http.rs"]
 mod http;
+#[path = "combinations/proxy.rs"]
+mod proxy;
 #[path = "combinations/run.rs"]
 mod run;
 
@@ -548,7 +593,7 @@ fn redelivery_summary(report_redelivery: &[Duration], settled: &[Duration], not_
 fn print_report(report: &Report) {
     let c = &report.counts;
     println!(
-        "{}\n    {:.1}s: applied {} lost {} twice {} dead-lettered {} left {} early {} reapplied {} outbox dupes {}; faults {:?}",
+        "{}\n    {:.1}s: applied {} lost {} twice {} dead-lettered {} left {} early {} reapplied {} after ttl {} outbox dupes {}; faults {:?}",
         report.config.summary(),
         report.elapsed.as_secs_f64(),
         c.applied,
@@ -558,6 +603,7 @@ fn print_report(report: &Report) {
         c.left,
         c.early,
         c.reapplied,
+        c.expired,
         c.outbox_dupes,
         report.faults.iter().map(|(k, v)| (k.name(), *v)).collect::<Vec<_>>(),
     );
@@ -718,6 +764,17 @@ fn force(cfg: &mut Config) {
                 cfg.schedule.timed.sort_by_key(|(at, _)| *at);
             }
             ("cluster", "on" | "only") | ("wait", "on") | ("failover", "on") => {}
+            // The consumers' proxy and its faults (issue 43): `proxy=off`
+            // drops them; `proxy=only` is read by `run_seeds`.
+            ("proxy", "off") => {
+                cfg.proxied = false;
+                cfg.settle_cut = false;
+                cfg.stall_at_shutdown = false;
+                cfg.schedule
+                    .timed
+                    .retain(|(_, f)| !matches!(f, config::TimedFault::ConnCut | config::TimedFault::ConnStall(_)));
+            }
+            ("proxy", "only") => {}
             other => panic!("IDEMPOTENT_CHECKER_FORCE: unknown {other:?}"),
         }
     }
@@ -762,6 +819,7 @@ fn wanted(seed: u64, without: &[FaultKind]) -> bool {
         && (!only("sigkill=only") || !cfg.schedule.sigkill.is_empty())
         && (!only("kafka=only") || kafka)
         && (!only("cluster=only") || cfg.cluster)
+        && (!only("proxy=only") || cfg.through_proxy())
 }
 
 fn print_table(reports: &[Report]) {
@@ -891,7 +949,12 @@ async fn every_combination_keeps_the_invariants() {
         run_seeds([seed], false).await
     } else if env("IDEMPOTENT_CHECKER").as_deref() == Some("long") {
         let configs = env_u64("IDEMPOTENT_CHECKER_CONFIGS", 200);
-        if only("restart=only") || only("sigkill=only") || only("kafka=only") || only("cluster=only") {
+        if only("restart=only")
+            || only("sigkill=only")
+            || only("kafka=only")
+            || only("cluster=only")
+            || only("proxy=only")
+        {
             let without = without();
             let seeds: Vec<u64> = (start..)
                 .filter(|seed| wanted(*seed, &without))
@@ -944,6 +1007,12 @@ async fn the_checker_catches_each_sabotage() {
         cfg.schedule.timed.clear();
         cfg.schedule.relay.clear();
         cfg.schedule.sigkill.clear();
+        cfg.short_ttl = false;
+        cfg.schedule.hold.clear();
+        cfg.schedule.late.clear();
+        for faults in cfg.schedule.body.values_mut() {
+            faults.retain(|f| *f != config::BodyFault::Hold);
+        }
         let report = run::run(&cfg, Some(sabotage)).await;
         println!("sabotage {sabotage:?} (a modified seed {SABOTAGE_SEED}): the violations below are expected");
         print_report(&report);

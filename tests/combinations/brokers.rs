@@ -110,6 +110,9 @@ pub enum Source {
         admin: tokio::sync::Mutex<(Connection, Channel)>,
         queue: String,
         dlq: String,
+        /// Where the consumers connect: `url`, or the proxy's
+        /// (`Source::through`).
+        consumer_url: String,
     },
     Js {
         js: jetstream::Context,
@@ -118,6 +121,9 @@ pub enum Source {
         subject: String,
         dlq_subject: String,
         consumer: PullConsumer,
+        /// The consumers' context and consumer handle on a connection
+        /// through the proxy (`Source::through`), if any.
+        via: Option<(jetstream::Context, PullConsumer)>,
     },
     Redis {
         client: StreamsClient,
@@ -126,6 +132,9 @@ pub enum Source {
         conn: RedisConn,
         stream: String,
         dlq: String,
+        /// The consumers' client through the proxy (`Source::through`),
+        /// if any.
+        via: Option<redis::Client>,
     },
     Kafka {
         bootstrap: String,
@@ -212,6 +221,7 @@ impl Source {
                     subject: format!("{name}.in"),
                     dlq_subject: format!("{name}.dlq"),
                     consumer,
+                    via: None,
                 }
             }
         }
@@ -234,6 +244,7 @@ impl Source {
                     admin: tokio::sync::Mutex::new((conn, admin)),
                     queue,
                     dlq,
+                    consumer_url: at.amqp.clone(),
                 }
             }
             BrokerKind::JetStream => {
@@ -266,6 +277,7 @@ impl Source {
                     subject,
                     dlq_subject,
                     consumer,
+                    via: None,
                 }
             }
             BrokerKind::RedisStreams if !at.cluster.is_empty() => {
@@ -278,6 +290,7 @@ impl Source {
                     conn: RedisConn::Cluster(conn),
                     stream: format!("{{{name}}}.in"),
                     dlq: format!("{{{name}}}.dlq"),
+                    via: None,
                 }
             }
             BrokerKind::RedisStreams => {
@@ -288,6 +301,7 @@ impl Source {
                     conn: RedisConn::One(conn),
                     stream: format!("{name}.in"),
                     dlq: format!("{name}.dlq"),
+                    via: None,
                 }
             }
             BrokerKind::Kafka => {
@@ -323,9 +337,65 @@ impl Source {
         }
     }
 
+    /// Where the in-process consumers' connections go: through the proxy
+    /// at `addr` (`127.0.0.1:port`, in front of this source's broker)
+    /// instead of to the broker. The checker's own connections (backlog,
+    /// dead letters, publishes) stay direct; child consumers
+    /// (`Source::attach`) connect directly too.
+    pub async fn through(&mut self, addr: &str) {
+        match self {
+            Source::Rabbit { url, consumer_url, .. } => *consumer_url = super::proxy::via(url, addr),
+            Source::Js {
+                via,
+                stream: stream_name,
+                ..
+            } => {
+                let client = async_nats::connect(addr).await.expect("NATS through the proxy");
+                let js = jetstream::new(client);
+                let consumer: PullConsumer = js
+                    .get_stream(stream_name.as_str())
+                    .await
+                    .expect("the stream, through the proxy")
+                    .get_consumer("worker")
+                    .await
+                    .expect("the consumer, through the proxy");
+                *via = Some((js, consumer));
+            }
+            Source::Redis {
+                client: StreamsClient::One(client),
+                via,
+                ..
+            } => {
+                let url = match client.get_connection_info().redis_settings().db() {
+                    0 => format!("redis://{addr}/"),
+                    db => format!("redis://{addr}/{db}"),
+                };
+                *via = Some(redis::Client::open(url).expect("a Redis client through the proxy"));
+            }
+            // Never drawn (`Config::through_proxy`).
+            Source::Redis { .. } | Source::Kafka { .. } => {}
+        }
+    }
+
+    /// The broker address (`host:port`) the proxy forwards to.
+    pub fn broker_addr(kind: BrokerKind, at: &Endpoints) -> String {
+        let url = match kind {
+            BrokerKind::Rabbit => &at.amqp,
+            BrokerKind::JetStream => &at.nats,
+            BrokerKind::RedisStreams => &at.redis,
+            BrokerKind::Kafka => &at.kafka,
+        };
+        super::proxy::host_port(url).to_owned()
+    }
+
     pub fn rabbit(&self, prefetch: u16) -> ConsumerBuilder<Rabbit> {
         match self {
-            Source::Rabbit { url, queue, dlq, .. } => RabbitConsumer::builder(url, queue)
+            Source::Rabbit {
+                consumer_url: url,
+                queue,
+                dlq,
+                ..
+            } => RabbitConsumer::builder(url, queue)
                 .prefetch(prefetch)
                 .dead_letter_queue(dlq)
                 .retry_backoff(fast())
@@ -341,14 +411,21 @@ impl Source {
                 js,
                 consumer,
                 dlq_subject,
+                via,
                 ..
-            } => JetStreamConsumer::builder(js.clone(), consumer.clone())
-                .dead_letter_subject(dlq_subject)
-                .prefetch(prefetch)
-                .fetch_expiry(Duration::from_millis(300))
-                .retry_backoff(fast())
-                .outage_backoff(fast())
-                .shutdown_timeout(Duration::from_secs(5)),
+            } => {
+                // Through the proxy: the context and the consumer handle
+                // (which keeps a context of its own) of the proxied
+                // connection.
+                let (js, consumer) = via.as_ref().map_or((js, consumer), |(js, consumer)| (js, consumer));
+                JetStreamConsumer::builder(js.clone(), consumer.clone())
+                    .dead_letter_subject(dlq_subject)
+                    .prefetch(prefetch)
+                    .fetch_expiry(Duration::from_millis(300))
+                    .retry_backoff(fast())
+                    .outage_backoff(fast())
+                    .shutdown_timeout(Duration::from_secs(5))
+            }
             _ => unreachable!(),
         }
     }
@@ -356,9 +433,16 @@ impl Source {
     pub fn streams(&self) -> ConsumerBuilder<RedisStream> {
         match self {
             Source::Redis {
-                client, stream, dlq, ..
+                client,
+                stream,
+                dlq,
+                via,
+                ..
             } => match client {
-                StreamsClient::One(client) => StreamConsumer::builder(client.clone(), stream, "workers"),
+                // Through the proxy, if the run has one.
+                StreamsClient::One(client) => {
+                    StreamConsumer::builder(via.as_ref().unwrap_or(client).clone(), stream, "workers")
+                }
                 StreamsClient::Cluster(client) => StreamConsumer::cluster_builder(client.clone(), stream, "workers"),
             }
             .dead_letter_stream(dlq)
@@ -644,7 +728,9 @@ impl Source {
     /// them out; the others count them in `backlog`).
     pub async fn teardown(self) {
         match self {
-            Source::Rabbit { url, admin, queue, dlq } => {
+            Source::Rabbit {
+                url, admin, queue, dlq, ..
+            } => {
                 let channel = live_channel(&url, &admin).await;
                 for q in [&queue, &dlq] {
                     let _ = channel

@@ -190,6 +190,9 @@ async fn join_retrying(spec: &ChildSpec) -> (Opened, Source) {
                 let _ = db::CLUSTER_URLS.set(spec.at.cluster.clone());
             }
             let opened = db::open(cfg, &spec.name, spec.sink.clone(), &spec.at.pg, Some(&attach)).await;
+            // Directly to the broker, also when the configuration's
+            // in-process consumers go through the proxy
+            // (`Config::through_proxy`): its cuts and stalls are theirs.
             let source = Source::attach(cfg.broker, &spec.name, &spec.at).await;
             (opened, source)
         })

@@ -185,10 +185,26 @@ pub enum FaultKind {
     /// ack, a term, an offset lost in a fault of the settlement) commits an
     /// effect for a dead-lettered message (issue 43, holes 4 and 5).
     Relapse,
+    /// Handlers with a ttl of seconds (`ttl = "2s"`), bodies that hold
+    /// their claim for a while after their effect (so that copies wait on
+    /// it) and copies published again across the ttl: no copy that comes
+    /// within a ttl of an effect's commit runs the body again, and one
+    /// that comes after it may (issue 43, hole 7).
+    ShortTtl,
+    /// The consumers' connections to the broker (through a proxy) are cut
+    /// at a drawn moment and reconnect (issue 43, hole 8).
+    ConnCut,
+    /// The consumers' connections to the broker (through a proxy) stall:
+    /// no byte goes through for a drawn while, no reset (issue 43, hole 8).
+    ConnStall,
+    /// The consumers' connections to the broker are cut right after a
+    /// message's last failing attempt, while its dead letter or retry copy
+    /// is published and the original settled (issue 43, hole 5).
+    SettleCut,
 }
 
 impl FaultKind {
-    pub const ALL: [FaultKind; 24] = [
+    pub const ALL: [FaultKind; 28] = [
         FaultKind::HandlerError,
         FaultKind::Panic,
         FaultKind::Cancel,
@@ -213,6 +229,10 @@ impl FaultKind {
         FaultKind::WaiterDrop,
         FaultKind::SlowCommit,
         FaultKind::Relapse,
+        FaultKind::ShortTtl,
+        FaultKind::ConnCut,
+        FaultKind::ConnStall,
+        FaultKind::SettleCut,
     ];
     pub fn name(self) -> &'static str {
         match self {
@@ -240,6 +260,10 @@ impl FaultKind {
             FaultKind::WaiterDrop => "waiter-drop",
             FaultKind::SlowCommit => "slow-commit",
             FaultKind::Relapse => "relapse",
+            FaultKind::ShortTtl => "short-ttl",
+            FaultKind::ConnCut => "conn-cut",
+            FaultKind::ConnStall => "conn-stall",
+            FaultKind::SettleCut => "settle-cut",
         }
     }
     pub fn parse(name: &str) -> Option<FaultKind> {
@@ -263,7 +287,18 @@ pub enum BodyFault {
     /// After the effect, the body's transaction is made a deadlock's victim
     /// and the body swallows the error (`FaultKind::Deadlock`; MariaDB).
     Deadlock,
+    /// After the effect, the body holds its claim for [`HOLD`] and then
+    /// fails (`FaultKind::ShortTtl`): a copy waiting on the claim gets it
+    /// once it is rolled back, and its marker must live its ttl from then.
+    Hold,
 }
+
+/// The ttl of the short-ttl handlers (`ttl = "2s"` in
+/// `combinations/handlers.rs`), in milliseconds.
+pub const SHORT_TTL_MS: u64 = 2000;
+
+/// How long a [`BodyFault::Hold`] holds its claim.
+pub const HOLD: Duration = Duration::from_millis(900);
 
 /// A fault that fires once the handlers were called `at` times in all.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -278,6 +313,12 @@ pub enum TimedFault {
     /// The primary of this hash slot of the Redis Cluster is SIGKILLed,
     /// its replica promoted, and the node started again (a replica).
     Failover(u16),
+    /// The proxy between the consumers and their broker cuts every
+    /// connection (`Config::proxied`; `FaultKind::ConnCut`).
+    ConnCut,
+    /// The proxy forwards nothing for this long, no reset
+    /// (`Config::proxied`; `FaultKind::ConnStall`).
+    ConnStall(Duration),
 }
 
 /// Where a child consumer is killed with SIGKILL.
@@ -348,6 +389,22 @@ pub struct Schedule {
     /// after its dead letter commits an effect the checks see.
     #[serde(default)]
     pub relapse: Vec<String>,
+    /// With `Config::short_ttl`: messages whose first run holds its claim
+    /// and fails (`BodyFault::Hold`), each published a second time right
+    /// after its first copy, so that the copy waits on the claim.
+    #[serde(default)]
+    pub hold: Vec<String>,
+    /// With `Config::short_ttl`: copies published again this many ms after
+    /// the first `Ok` of their message (around the ttl: before it they are
+    /// duplicates, after it they may run again).
+    #[serde(default)]
+    pub late: Vec<(String, u64)>,
+    /// With `Config::settle_cut`: the delays (ms, 0 to 30) after a
+    /// message's last failing run at which the proxy cuts the consumers'
+    /// connections, one per such run until they are spent
+    /// (`FaultKind::SettleCut`).
+    #[serde(default)]
+    pub settle_cut_ms: Vec<u64>,
 }
 
 /// The first seed that draws restarts (broker and database): the long
@@ -420,10 +477,47 @@ pub struct Config {
     /// messages in the order their transactions committed.
     #[serde(default)]
     pub ordered_outbox: bool,
+    /// The in-process consumers reach their broker through a TCP proxy
+    /// (`combinations/proxy.rs`) that the `ConnCut` and `ConnStall` timed
+    /// faults, the settle cuts and the stall at shutdown act on: drawn from
+    /// a stream of its own (`CONN_STREAM`), for RabbitMQ, NATS JetStream
+    /// and Redis Streams on a single server (not Kafka, whose clients
+    /// follow the addresses its metadata advertises; not the Redis Cluster;
+    /// not a broker restarted). The checker's own connections stay direct.
+    #[serde(default)]
+    pub proxied: bool,
+    /// Through the proxy: when a message fails on the run that gets it
+    /// dead-lettered (a doomed, relapse or lone-outage message on its last
+    /// attempt, a data error), the proxy drops every byte the consumers
+    /// send from a drawn 0 to 3 ms later (`Schedule::settle_cut_ms`) and
+    /// cuts the connections 200 ms after: a dead letter published before
+    /// it is stored and confirmed, and the original's ack or term after it
+    /// is lost (`FaultKind::SettleCut`).
+    #[serde(default)]
+    pub settle_cut: bool,
+    /// Through the proxy: right before the drain stops the consumers, the
+    /// proxy stalls for longer than the stop bound, and each consumer must
+    /// still stop within it (`FaultKind::ConnStall`).
+    #[serde(default)]
+    pub stall_at_shutdown: bool,
+    /// The handlers have a ttl of [`SHORT_TTL_MS`] (`FaultKind::ShortTtl`):
+    /// drawn from a stream of its own (`SHORT_TTL_STREAM`). Checked: an
+    /// effect made again within the ttl of the previous one is "twice"; one
+    /// made after it is counted as expired (allowed).
+    #[serde(default)]
+    pub short_ttl: bool,
 }
+
+/// The stream of the consumers' proxy and its faults (`Config::proxied`,
+/// `settle_cut`, `stall_at_shutdown`, the `ConnCut` and `ConnStall` timed
+/// faults; issue 43).
+pub const CONN_STREAM: u64 = 0x0c0e_c7ed;
 
 /// The stream of `Config::ordered_outbox`.
 pub const ORDERED_OUTBOX_STREAM: u64 = 0x0bde_0e3d;
+
+/// The stream of `Config::short_ttl` and its schedule.
+pub const SHORT_TTL_STREAM: u64 = 0x0005_4077;
 
 /// The stream the offsets-in-the-database coin is drawn from (`seed ^` it).
 pub const KAFKA_OFFSETS_STREAM: u64 = 0x0ff5_e7db;
@@ -693,12 +787,71 @@ impl Config {
                 }
             }
         }
+        // The consumers' proxy and its faults, from a stream of their own
+        // (issue 43): RabbitMQ, NATS JetStream and Redis Streams on a
+        // single server, not restarted.
+        let conn_allowed = [FaultKind::ConnCut, FaultKind::ConnStall, FaultKind::SettleCut]
+            .into_iter()
+            .any(allowed);
+        let mut conn = Rng::new(seed ^ CONN_STREAM);
+        let proxiable = broker != BrokerKind::Kafka
+            && !cluster
+            && !schedule
+                .timed
+                .iter()
+                .any(|(_, f)| matches!(f, TimedFault::BrokerRestart(_)));
+        let proxied = conn.percent(40) && proxiable && conn_allowed;
+        let (mut settle_cut, mut stall_at_shutdown) = (false, false);
+        if proxied {
+            if allowed(FaultKind::ConnCut) {
+                for _ in 0..conn.below(3) {
+                    schedule
+                        .timed
+                        .push((calls / 10 + conn.below(calls * 7 / 10), TimedFault::ConnCut));
+                }
+            }
+            if allowed(FaultKind::ConnStall) && conn.percent(50) {
+                let stall = Duration::from_millis(300 + conn.below(2201));
+                schedule
+                    .timed
+                    .push((calls / 10 + conn.below(calls * 7 / 10), TimedFault::ConnStall(stall)));
+            }
+            settle_cut = allowed(FaultKind::SettleCut) && conn.percent(50);
+            if settle_cut {
+                schedule.settle_cut_ms = (0..5).map(|_| conn.below(4)).collect();
+            }
+            stall_at_shutdown = allowed(FaultKind::ConnStall) && conn.percent(30);
+            schedule.timed.sort_by_key(|(at, _)| *at);
+        }
         let ordered_outbox = Rng::new(seed ^ ORDERED_OUTBOX_STREAM).percent(50);
         if ordered_outbox && store.is_pg() && outbox != OutboxMode::Off && allowed(FaultKind::SlowCommit) {
             let mut slow = Rng::new(seed ^ 0x0510_c0de);
             for n in 0..messages {
                 if slow.percent(10) {
                     schedule.slow_commit.push(id(n));
+                }
+            }
+        }
+        // Short ttls, from a stream of their own (issue 43, hole 7).
+        let mut short = Rng::new(seed ^ SHORT_TTL_STREAM);
+        let short_ttl = allowed(FaultKind::ShortTtl) && short.percent(30);
+        if short_ttl {
+            let ttl = SHORT_TTL_MS;
+            for n in 0..messages {
+                let free = !schedule.doomed.contains(&id(n))
+                    && !schedule.data_error.contains(&id(n))
+                    && !schedule.lone_outage.contains(&id(n))
+                    && !schedule.relapse.contains(&id(n));
+                if !free {
+                    continue;
+                }
+                let roll = short.below(100);
+                if roll < 8 {
+                    schedule.body.entry(id(n)).or_default().insert(0, BodyFault::Hold);
+                    schedule.hold.push(id(n));
+                }
+                if !(8..97).contains(&roll) {
+                    schedule.late.push((id(n), ttl - 700 + short.below(1400)));
                 }
             }
         }
@@ -723,6 +876,10 @@ impl Config {
             cluster,
             wait_replicas,
             ordered_outbox,
+            proxied,
+            settle_cut,
+            stall_at_shutdown,
+            short_ttl,
         }
     }
 
@@ -775,6 +932,13 @@ impl Config {
             .any(|(_, f)| matches!(f, TimedFault::DbRestart(_)))
     }
 
+    /// The in-process consumers go through the proxy: drawn (`proxied`),
+    /// on a broker that can (what `IDEMPOTENT_CHECKER_FORCE` made of the
+    /// configuration may not).
+    pub fn through_proxy(&self) -> bool {
+        self.proxied && self.broker != BrokerKind::Kafka && !self.cluster && !self.broker_restart()
+    }
+
     /// The sink's broker when the outbox is on.
     pub fn sink(&self) -> Option<BrokerKind> {
         match self.outbox {
@@ -782,6 +946,33 @@ impl Config {
             OutboxMode::SameBroker => Some(self.broker),
             OutboxMode::OtherBroker(b) => Some(b),
         }
+    }
+
+    /// `, proxied (2 cuts, 1 stall, settle cuts, stall at shutdown)`, or
+    /// nothing.
+    fn proxy_summary(&self) -> String {
+        if !self.through_proxy() {
+            return String::new();
+        }
+        let count = |cut: bool| {
+            self.schedule
+                .timed
+                .iter()
+                .filter(|(_, f)| match f {
+                    TimedFault::ConnCut => cut,
+                    TimedFault::ConnStall(_) => !cut,
+                    _ => false,
+                })
+                .count()
+        };
+        let mut parts = vec![format!("{} cuts", count(true)), format!("{} stalls", count(false))];
+        if self.settle_cut {
+            parts.push("settle cuts".into());
+        }
+        if self.stall_at_shutdown {
+            parts.push("stall at shutdown".into());
+        }
+        format!(", proxied ({})", parts.join(", "))
     }
 
     /// One line: what is combined.
@@ -824,6 +1015,17 @@ impl Config {
                 ", ordered outbox"
             } else {
                 ""
+            }
+            + &self.proxy_summary()
+            + &if self.short_ttl {
+                format!(
+                    ", ttl {} ms ({} held, {} late copies)",
+                    SHORT_TTL_MS,
+                    self.schedule.hold.len(),
+                    self.schedule.late.len()
+                )
+            } else {
+                String::new()
             }
     }
 }

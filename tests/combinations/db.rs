@@ -210,10 +210,28 @@ fn variant(cfg: &Config) -> Variant {
         fingerprint: cfg.fingerprint,
         value: cfg.value_result,
         outbox: cfg.sink().is_some(),
+        short: cfg.short_ttl,
     }
 }
 
 const CACHE: usize = 10_000;
+
+/// The effects per message id from `(message_id, at_ms)` rows in that
+/// order, and how many were made after the previous one's ttl (`ttl_ms`,
+/// when short): those are allowed and not counted per id.
+pub fn tally(rows: &[(String, i64)], ttl_ms: Option<u64>) -> (HashMap<String, i64>, u64) {
+    let mut effects: HashMap<String, i64> = HashMap::new();
+    let mut expired = 0;
+    let mut last: Option<(&str, i64)> = None;
+    for (id, at) in rows {
+        match last {
+            Some((previous, t)) if previous == id && super::handlers::after_ttl(at - t, ttl_ms) => expired += 1,
+            _ => *effects.entry(id.clone()).or_default() += 1,
+        }
+        last = Some((id, *at));
+    }
+    (effects, expired)
+}
 
 /// The addresses of the Redis Cluster a configuration's Redis store runs
 /// on (`Config::cluster`): the checker run's shared cluster in the test
@@ -270,7 +288,7 @@ pub async fn open(cfg: &Config, name: &str, sink: Option<String>, pg_url: &str, 
                 .collect::<Vec<_>>()
                 .join(",");
             let ddls = [
-                format!("CREATE TABLE {effects} (message_id TEXT NOT NULL)"),
+                format!("CREATE TABLE {effects} (message_id TEXT NOT NULL, at_ms BIGINT NOT NULL DEFAULT 0)"),
                 format!("CREATE TABLE {effects}_c (message_id TEXT NOT NULL, setting TEXT NOT NULL)"),
                 format!(
                     "CREATE FUNCTION {effects}_f() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN \
@@ -333,7 +351,10 @@ pub async fn open(cfg: &Config, name: &str, sink: Option<String>, pg_url: &str, 
             if create {
                 store.migrate().await.unwrap();
                 for ddl in [
-                    format!("CREATE TABLE `{effects}` (message_id VARCHAR(64) NOT NULL) ENGINE=InnoDB"),
+                    format!(
+                        "CREATE TABLE `{effects}` (message_id VARCHAR(64) NOT NULL, at_ms BIGINT NOT NULL DEFAULT 0) \
+                         ENGINE=InnoDB"
+                    ),
                     format!("CREATE TABLE `{effects}_l` (k VARCHAR(80) PRIMARY KEY) ENGINE=InnoDB"),
                     format!("CREATE TABLE `{effects}_h` (n INT NOT NULL) ENGINE=InnoDB"),
                 ] {
@@ -397,7 +418,7 @@ pub async fn open(cfg: &Config, name: &str, sink: Option<String>, pg_url: &str, 
             if create {
                 store.migrate().await.unwrap();
                 sqlx::query(AssertSqlSafe(format!(
-                    "CREATE TABLE {effects} (message_id TEXT NOT NULL)"
+                    "CREATE TABLE {effects} (message_id TEXT NOT NULL, at_ms BIGINT NOT NULL DEFAULT 0)"
                 )))
                 .execute(&pool)
                 .await
@@ -526,28 +547,52 @@ impl Opened {
         }
     }
 
-    /// Effects per message id.
+    /// Effects per message id: on the transactional stores an effect made
+    /// after the previous one's ttl (`Config::short_ttl`) is not counted
+    /// (see [`Opened::expired_effects`]).
     pub async fn effects(&self) -> HashMap<String, i64> {
-        let sql = format!("SELECT message_id, COUNT(*) FROM {} GROUP BY message_id", self.effects);
+        let sql = format!(
+            "SELECT message_id, at_ms FROM {} ORDER BY message_id, at_ms",
+            self.effects
+        );
+        let rows: Vec<(String, i64)> = match &self.admin {
+            Admin::Pg { admin, .. } => sqlx::query_as(AssertSqlSafe(sql)).fetch_all(admin).await.unwrap(),
+            Admin::My { admin, .. } => sqlx::query_as(AssertSqlSafe(sql)).fetch_all(admin).await.unwrap(),
+            Admin::Lite { pool, .. } => sqlx::query_as(AssertSqlSafe(sql)).fetch_all(pool).await.unwrap(),
+            Admin::Redis { .. } | Admin::Memory => return self.lease_effects().await,
+        };
+        tally(&rows, self.ledger.ctx().short_ttl).0
+    }
+
+    /// Effects made again after the previous one's ttl had passed
+    /// (`Config::short_ttl`): allowed, counted apart.
+    pub async fn expired_effects(&self) -> u64 {
+        let sql = format!(
+            "SELECT message_id, at_ms FROM {} ORDER BY message_id, at_ms",
+            self.effects
+        );
+        let rows: Vec<(String, i64)> = match &self.admin {
+            Admin::Pg { admin, .. } => sqlx::query_as(AssertSqlSafe(sql)).fetch_all(admin).await.unwrap(),
+            Admin::My { admin, .. } => sqlx::query_as(AssertSqlSafe(sql)).fetch_all(admin).await.unwrap(),
+            Admin::Lite { pool, .. } => sqlx::query_as(AssertSqlSafe(sql)).fetch_all(pool).await.unwrap(),
+            Admin::Redis { conn } => {
+                let mut conn = conn.clone();
+                let n: Option<u64> = redis::cmd("GET")
+                    .arg(format!("{}:expired", self.redis_effects_key()))
+                    .query_async(&mut conn)
+                    .await
+                    .unwrap_or(None);
+                return n.unwrap_or(0);
+            }
+            Admin::Memory => return self.ledger.ctx().expired.load(Ordering::SeqCst),
+        };
+        tally(&rows, self.ledger.ctx().short_ttl).1
+    }
+
+    /// The lease stores' effects per message id.
+    async fn lease_effects(&self) -> HashMap<String, i64> {
         match &self.admin {
-            Admin::Pg { admin, .. } => sqlx::query_as::<_, (String, i64)>(AssertSqlSafe(sql))
-                .fetch_all(admin)
-                .await
-                .unwrap()
-                .into_iter()
-                .collect(),
-            Admin::My { admin, .. } => sqlx::query_as::<_, (String, i64)>(AssertSqlSafe(sql))
-                .fetch_all(admin)
-                .await
-                .unwrap()
-                .into_iter()
-                .collect(),
-            Admin::Lite { pool, .. } => sqlx::query_as::<_, (String, i64)>(AssertSqlSafe(sql))
-                .fetch_all(pool)
-                .await
-                .unwrap()
-                .into_iter()
-                .collect(),
+            Admin::Pg { .. } | Admin::My { .. } | Admin::Lite { .. } => HashMap::new(),
             Admin::Redis { conn } => {
                 let mut conn = conn.clone();
                 redis::cmd("HGETALL")
@@ -645,9 +690,14 @@ impl Opened {
                 format!("DELETE FROM {t} WHERE message_id = ? LIMIT 1"),
             )
         } else {
+            // At the same time as the effect it doubles: within any ttl.
             (
-                format!("INSERT INTO {t} (message_id) VALUES ($1)"),
-                format!("INSERT INTO {t} (message_id) VALUES (?)"),
+                format!(
+                    "INSERT INTO {t} (message_id, at_ms) SELECT $1, COALESCE(MAX(at_ms), 0) FROM {t} WHERE message_id = $1"
+                ),
+                format!(
+                    "INSERT INTO {t} (message_id, at_ms) SELECT ?, COALESCE(MAX(at_ms), 0) FROM {t} WHERE message_id = ?"
+                ),
             )
         };
         match &self.admin {
@@ -655,7 +705,9 @@ impl Opened {
                 sqlx::query(AssertSqlSafe(pg)).bind(id).execute(admin).await.unwrap();
             }
             Admin::My { admin, .. } => {
-                sqlx::query(AssertSqlSafe(other)).bind(id).execute(admin).await.unwrap();
+                let query = sqlx::query(AssertSqlSafe(other)).bind(id);
+                let query = if delete { query } else { query.bind(id) };
+                query.execute(admin).await.unwrap();
             }
             Admin::Lite { pool, .. } => {
                 let sql = if delete {
@@ -663,7 +715,9 @@ impl Opened {
                 } else {
                     other
                 };
-                sqlx::query(AssertSqlSafe(sql)).bind(id).execute(pool).await.unwrap();
+                let query = sqlx::query(AssertSqlSafe(sql)).bind(id);
+                let query = if delete { query } else { query.bind(id) };
+                query.execute(pool).await.unwrap();
             }
             Admin::Redis { conn } => {
                 let mut conn = conn.clone();

@@ -21,7 +21,26 @@ use idempotent_runtime::outbox::{Outbox, Outgoing};
 use idempotent_runtime::sqlx::{self, AssertSqlSafe};
 use idempotent_runtime::{CachedStore, MemoryStore, MySqlStore, PgStore, RedisStore, SqliteStore, idempotent};
 
-use super::config::{BodyFault, Config};
+use super::config::{BodyFault, Config, HOLD, SHORT_TTL_MS};
+
+/// The process clock in ms since the epoch: when an effect was made.
+pub fn now_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as i64)
+}
+
+/// How much earlier than a ttl after the previous effect an effect made
+/// again may come and still count as after the ttl: the stores leave a
+/// claim's expiry alone when it is younger than a thousandth of the ttl
+/// (at least 10 ms) at completion, and MariaDB's clock has milliseconds.
+pub const EXPIRY_SLACK_MS: i64 = 100;
+
+/// Whether an effect made `gap_ms` after the previous one of its message
+/// came after that one's marker expired (`ttl_ms`): allowed, not "twice".
+pub fn after_ttl(gap_ms: i64, ttl_ms: Option<u64>) -> bool {
+    ttl_ms.is_some_and(|ttl| gap_ms >= ttl as i64 - EXPIRY_SLACK_MS)
+}
 
 pub type BoxFut<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
@@ -110,7 +129,7 @@ impl RedisEffects {
     /// made, nor make the checker's own effects store fail the message (the
     /// user's effects store, not the library's markers, is what this makes
     /// durable).
-    pub async fn record(&self, id: &str) -> Result<(), String> {
+    pub async fn record(&self, id: &str, ttl_ms: Option<u64>) -> Result<(), String> {
         use idempotent_runtime::redis;
         let RedisEffects { conn, key } = self;
         let mut conn = conn.clone();
@@ -155,9 +174,34 @@ impl RedisEffects {
                 .await
                 .map_err(|e| format!("checker: the effect of {id}: {e}"))?
         };
+        let at = format!("{key}:at");
+        let previous: Option<i64> = if fresh {
+            None
+        } else {
+            redis::cmd("HGET")
+                .arg(&at)
+                .arg(id)
+                .query_async(&mut conn)
+                .await
+                .unwrap_or(None)
+        };
+        let now = now_ms();
+        if fresh || previous.is_some_and(|t| after_ttl(now - t, ttl_ms)) {
+            let _: Result<i64, _> = redis::cmd("HSET")
+                .arg(&at)
+                .arg(id)
+                .arg(now)
+                .query_async(&mut conn)
+                .await;
+        }
         if !fresh {
+            let counter = if previous.is_some_and(|t| after_ttl(now - t, ttl_ms)) {
+                "expired"
+            } else {
+                "again"
+            };
             let _: Result<i64, _> = redis::cmd("INCR")
-                .arg(format!("{key}:again"))
+                .arg(format!("{key}:{counter}"))
                 .query_async(&mut conn)
                 .await;
         }
@@ -191,6 +235,13 @@ pub struct Ctx {
     pub redis_effects: OnceLock<RedisEffects>,
     /// Lease-store effects made again for an id that had one.
     pub reapplied: AtomicU64,
+    /// The handlers' ttl when it is short (`Config::short_ttl`).
+    pub short_ttl: Option<u64>,
+    /// The memory store's effects: when each id's last one was made.
+    pub mem_effect_at: Mutex<HashMap<String, i64>>,
+    /// Lease-store effects made again after the previous one's ttl.
+    pub expired: AtomicU64,
+    pub fired_holds: AtomicU64,
     pub fired_errors: AtomicU64,
     pub fired_panics: AtomicU64,
     pub fired_cancels: AtomicU64,
@@ -231,6 +282,10 @@ impl Ctx {
             mem_effects: Mutex::default(),
             redis_effects: OnceLock::new(),
             reapplied: AtomicU64::new(0),
+            short_ttl: cfg.short_ttl.then_some(SHORT_TTL_MS),
+            mem_effect_at: Mutex::default(),
+            expired: AtomicU64::new(0),
+            fired_holds: AtomicU64::new(0),
             fired_errors: AtomicU64::new(0),
             fired_panics: AtomicU64::new(0),
             fired_cancels: AtomicU64::new(0),
@@ -293,6 +348,11 @@ impl Ctx {
                 std::future::pending::<()>().await;
                 Ok(())
             }
+            Some(BodyFault::Hold) => {
+                self.fired_holds.fetch_add(1, Ordering::SeqCst);
+                tokio::time::sleep(HOLD).await;
+                Err(AppError::Failed(format!("checker: {id} held its claim and failed")))
+            }
             // Done by the transactional bodies (before this), nothing on
             // the lease stores; after the call by its caller.
             Some(BodyFault::Swallow | BodyFault::AfterCall | BodyFault::Deadlock) => Ok(()),
@@ -324,17 +384,27 @@ impl Ctx {
         ran.store(true, Ordering::SeqCst);
         self.fault(&msg.id, fault).await?;
         if let Some(effects) = self.redis_effects.get() {
-            effects.record(&msg.id).await.map_err(AppError::Failed)?;
+            effects
+                .record(&msg.id, self.short_ttl)
+                .await
+                .map_err(AppError::Failed)?;
             // A child killed mid-body: the effect made, the lease held.
             self.hang_mid_body(&msg.id).await;
             return Ok(());
         }
         let mut effects = self.mem_effects.lock().unwrap();
+        let mut at = self.mem_effect_at.lock().unwrap();
         let n = effects.entry(msg.id.clone()).or_default();
-        if *n > 0 {
-            self.reapplied.fetch_add(1, Ordering::SeqCst);
-        } else {
+        let now = now_ms();
+        let previous = at.get(&msg.id).copied();
+        if *n == 0 {
             *n = 1;
+            at.insert(msg.id.clone(), now);
+        } else if previous.is_some_and(|t| after_ttl(now - t, self.short_ttl)) {
+            self.expired.fetch_add(1, Ordering::SeqCst);
+            at.insert(msg.id.clone(), now);
+        } else {
+            self.reapplied.fetch_add(1, Ordering::SeqCst);
         }
         Ok(())
     }
@@ -410,10 +480,12 @@ pub struct Variant {
     pub fingerprint: bool,
     pub value: bool,
     pub outbox: bool,
+    /// The handlers with a ttl of `SHORT_TTL_MS` (`Config::short_ttl`).
+    pub short: bool,
 }
 
 macro_rules! tx_ledger {
-    ($name:ident, $store:ty, $conn:ty, $ph:literal) => {
+    ($name:ident, $store:ty, $conn:ty, $ph:literal, $ph2:literal) => {
         pub struct $name {
             pub store: $store,
             pub ctx: Arc<Ctx>,
@@ -431,10 +503,11 @@ macro_rules! tx_ledger {
             ) -> Result<(), AppError> {
                 ran.store(true, Ordering::SeqCst);
                 sqlx::query(AssertSqlSafe(format!(
-                    "INSERT INTO {} (message_id) VALUES ({})",
-                    self.ctx.effects_table, $ph
+                    "INSERT INTO {} (message_id, at_ms) VALUES ({}, {})",
+                    self.ctx.effects_table, $ph, $ph2
                 )))
                 .bind(&msg.id)
+                .bind(now_ms())
                 .execute(&mut *tx)
                 .await?;
                 if let Some(outbox) = outbox {
@@ -576,6 +649,94 @@ macro_rules! tx_ledger {
                     .await
                     .map(|()| msg.amount)
             }
+            #[idempotent(key = "msg.id", store = self.store, ttl = "2s", scope = "checker.u")]
+            async fn u_s(
+                &self,
+                msg: &Msg,
+                ran: &AtomicBool,
+                fault: Option<BodyFault>,
+                tx: &mut $conn,
+            ) -> Result<(), AppError> {
+                self.body(msg, ran, fault, tx, None).await
+            }
+            #[idempotent(key = "msg.id", store = self.store, ttl = "2s", scope = "checker.uf", fingerprint = "msg")]
+            async fn uf_s(
+                &self,
+                msg: &Msg,
+                ran: &AtomicBool,
+                fault: Option<BodyFault>,
+                tx: &mut $conn,
+            ) -> Result<(), AppError> {
+                self.body(msg, ran, fault, tx, None).await
+            }
+            #[idempotent(key = "msg.id", store = self.store, ttl = "2s", scope = "checker.v")]
+            async fn v_s(
+                &self,
+                msg: &Msg,
+                ran: &AtomicBool,
+                fault: Option<BodyFault>,
+                tx: &mut $conn,
+            ) -> Result<i64, AppError> {
+                self.body(msg, ran, fault, tx, None).await.map(|()| msg.amount)
+            }
+            #[idempotent(key = "msg.id", store = self.store, ttl = "2s", scope = "checker.vf", fingerprint = "msg")]
+            async fn vf_s(
+                &self,
+                msg: &Msg,
+                ran: &AtomicBool,
+                fault: Option<BodyFault>,
+                tx: &mut $conn,
+            ) -> Result<i64, AppError> {
+                self.body(msg, ran, fault, tx, None).await.map(|()| msg.amount)
+            }
+            #[idempotent(key = "msg.id", store = self.store, ttl = "2s", scope = "checker.uo")]
+            async fn uo_s(
+                &self,
+                msg: &Msg,
+                ran: &AtomicBool,
+                fault: Option<BodyFault>,
+                tx: &mut $conn,
+                outbox: &mut Outbox,
+            ) -> Result<(), AppError> {
+                self.body(msg, ran, fault, tx, Some(outbox)).await
+            }
+            #[idempotent(key = "msg.id", store = self.store, ttl = "2s", scope = "checker.ufo", fingerprint = "msg")]
+            async fn ufo_s(
+                &self,
+                msg: &Msg,
+                ran: &AtomicBool,
+                fault: Option<BodyFault>,
+                tx: &mut $conn,
+                outbox: &mut Outbox,
+            ) -> Result<(), AppError> {
+                self.body(msg, ran, fault, tx, Some(outbox)).await
+            }
+            #[idempotent(key = "msg.id", store = self.store, ttl = "2s", scope = "checker.vo")]
+            async fn vo_s(
+                &self,
+                msg: &Msg,
+                ran: &AtomicBool,
+                fault: Option<BodyFault>,
+                tx: &mut $conn,
+                outbox: &mut Outbox,
+            ) -> Result<i64, AppError> {
+                self.body(msg, ran, fault, tx, Some(outbox))
+                    .await
+                    .map(|()| msg.amount)
+            }
+            #[idempotent(key = "msg.id", store = self.store, ttl = "2s", scope = "checker.vfo", fingerprint = "msg")]
+            async fn vfo_s(
+                &self,
+                msg: &Msg,
+                ran: &AtomicBool,
+                fault: Option<BodyFault>,
+                tx: &mut $conn,
+                outbox: &mut Outbox,
+            ) -> Result<i64, AppError> {
+                self.body(msg, ran, fault, tx, Some(outbox))
+                    .await
+                    .map(|()| msg.amount)
+            }
         }
 
         impl Ledger for $name {
@@ -589,16 +750,41 @@ macro_rules! tx_ledger {
                     fingerprint,
                     value,
                     outbox,
+                    short,
                 } = self.variant;
-                match (value, fingerprint, outbox) {
-                    (false, false, false) => Box::pin(async move { self.u(msg, ran, fault).await.map(|()| None) }),
-                    (false, true, false) => Box::pin(async move { self.uf(msg, ran, fault).await.map(|()| None) }),
-                    (true, false, false) => Box::pin(async move { self.v(msg, ran, fault).await.map(Some) }),
-                    (true, true, false) => Box::pin(async move { self.vf(msg, ran, fault).await.map(Some) }),
-                    (false, false, true) => Box::pin(async move { self.uo(msg, ran, fault).await.map(|()| None) }),
-                    (false, true, true) => Box::pin(async move { self.ufo(msg, ran, fault).await.map(|()| None) }),
-                    (true, false, true) => Box::pin(async move { self.vo(msg, ran, fault).await.map(Some) }),
-                    (true, true, true) => Box::pin(async move { self.vfo(msg, ran, fault).await.map(Some) }),
+                match (value, fingerprint, outbox, short) {
+                    (false, false, false, false) => {
+                        Box::pin(async move { self.u(msg, ran, fault).await.map(|()| None) })
+                    }
+                    (false, true, false, false) => {
+                        Box::pin(async move { self.uf(msg, ran, fault).await.map(|()| None) })
+                    }
+                    (true, false, false, false) => Box::pin(async move { self.v(msg, ran, fault).await.map(Some) }),
+                    (true, true, false, false) => Box::pin(async move { self.vf(msg, ran, fault).await.map(Some) }),
+                    (false, false, true, false) => {
+                        Box::pin(async move { self.uo(msg, ran, fault).await.map(|()| None) })
+                    }
+                    (false, true, true, false) => {
+                        Box::pin(async move { self.ufo(msg, ran, fault).await.map(|()| None) })
+                    }
+                    (true, false, true, false) => Box::pin(async move { self.vo(msg, ran, fault).await.map(Some) }),
+                    (true, true, true, false) => Box::pin(async move { self.vfo(msg, ran, fault).await.map(Some) }),
+                    (false, false, false, true) => {
+                        Box::pin(async move { self.u_s(msg, ran, fault).await.map(|()| None) })
+                    }
+                    (false, true, false, true) => {
+                        Box::pin(async move { self.uf_s(msg, ran, fault).await.map(|()| None) })
+                    }
+                    (true, false, false, true) => Box::pin(async move { self.v_s(msg, ran, fault).await.map(Some) }),
+                    (true, true, false, true) => Box::pin(async move { self.vf_s(msg, ran, fault).await.map(Some) }),
+                    (false, false, true, true) => {
+                        Box::pin(async move { self.uo_s(msg, ran, fault).await.map(|()| None) })
+                    }
+                    (false, true, true, true) => {
+                        Box::pin(async move { self.ufo_s(msg, ran, fault).await.map(|()| None) })
+                    }
+                    (true, false, true, true) => Box::pin(async move { self.vo_s(msg, ran, fault).await.map(Some) }),
+                    (true, true, true, true) => Box::pin(async move { self.vfo_s(msg, ran, fault).await.map(Some) }),
                 }
             }
             fn ctx(&self) -> &Arc<Ctx> {
@@ -636,6 +822,22 @@ macro_rules! lease_ledger {
             async fn vf(&self, msg: &Msg, ran: &AtomicBool, fault: Option<BodyFault>) -> Result<i64, AppError> {
                 self.ctx.mem_body(msg, ran, fault).await.map(|()| msg.amount)
             }
+            #[idempotent(key = "msg.id", store = self.store, ttl = "2s", scope = "checker.u", lease = "3s")]
+            async fn u_s(&self, msg: &Msg, ran: &AtomicBool, fault: Option<BodyFault>) -> Result<(), AppError> {
+                self.ctx.mem_body(msg, ran, fault).await
+            }
+            #[idempotent(key = "msg.id", store = self.store, ttl = "2s", scope = "checker.uf", lease = "3s", fingerprint = "msg")]
+            async fn uf_s(&self, msg: &Msg, ran: &AtomicBool, fault: Option<BodyFault>) -> Result<(), AppError> {
+                self.ctx.mem_body(msg, ran, fault).await
+            }
+            #[idempotent(key = "msg.id", store = self.store, ttl = "2s", scope = "checker.v", lease = "3s")]
+            async fn v_s(&self, msg: &Msg, ran: &AtomicBool, fault: Option<BodyFault>) -> Result<i64, AppError> {
+                self.ctx.mem_body(msg, ran, fault).await.map(|()| msg.amount)
+            }
+            #[idempotent(key = "msg.id", store = self.store, ttl = "2s", scope = "checker.vf", lease = "3s", fingerprint = "msg")]
+            async fn vf_s(&self, msg: &Msg, ran: &AtomicBool, fault: Option<BodyFault>) -> Result<i64, AppError> {
+                self.ctx.mem_body(msg, ran, fault).await.map(|()| msg.amount)
+            }
         }
 
         impl Ledger for $name {
@@ -645,11 +847,15 @@ macro_rules! lease_ledger {
                 ran: &'a AtomicBool,
                 fault: Option<BodyFault>,
             ) -> BoxFut<'a, Result<Option<i64>, AppError>> {
-                match (self.variant.value, self.variant.fingerprint) {
-                    (false, false) => Box::pin(async move { self.u(msg, ran, fault).await.map(|()| None) }),
-                    (false, true) => Box::pin(async move { self.uf(msg, ran, fault).await.map(|()| None) }),
-                    (true, false) => Box::pin(async move { self.v(msg, ran, fault).await.map(Some) }),
-                    (true, true) => Box::pin(async move { self.vf(msg, ran, fault).await.map(Some) }),
+                match (self.variant.value, self.variant.fingerprint, self.variant.short) {
+                    (false, false, false) => Box::pin(async move { self.u(msg, ran, fault).await.map(|()| None) }),
+                    (false, true, false) => Box::pin(async move { self.uf(msg, ran, fault).await.map(|()| None) }),
+                    (true, false, false) => Box::pin(async move { self.v(msg, ran, fault).await.map(Some) }),
+                    (true, true, false) => Box::pin(async move { self.vf(msg, ran, fault).await.map(Some) }),
+                    (false, false, true) => Box::pin(async move { self.u_s(msg, ran, fault).await.map(|()| None) }),
+                    (false, true, true) => Box::pin(async move { self.uf_s(msg, ran, fault).await.map(|()| None) }),
+                    (true, false, true) => Box::pin(async move { self.v_s(msg, ran, fault).await.map(Some) }),
+                    (true, true, true) => Box::pin(async move { self.vf_s(msg, ran, fault).await.map(Some) }),
                 }
             }
             fn ctx(&self) -> &Arc<Ctx> {
@@ -689,12 +895,18 @@ fn cached_len<S: MaybeCached>(store: &S) -> Option<usize> {
     store.cached_len()
 }
 
-tx_ledger!(PgLedger, PgStore, sqlx::PgConnection, "$1");
-tx_ledger!(PgCachedLedger, CachedStore<PgStore>, sqlx::PgConnection, "$1");
-tx_ledger!(MyLedger, MySqlStore, sqlx::MySqlConnection, "?");
-tx_ledger!(MyCachedLedger, CachedStore<MySqlStore>, sqlx::MySqlConnection, "?");
-tx_ledger!(LiteLedger, SqliteStore, sqlx::SqliteConnection, "?");
-tx_ledger!(LiteCachedLedger, CachedStore<SqliteStore>, sqlx::SqliteConnection, "?");
+tx_ledger!(PgLedger, PgStore, sqlx::PgConnection, "$1", "$2");
+tx_ledger!(PgCachedLedger, CachedStore<PgStore>, sqlx::PgConnection, "$1", "$2");
+tx_ledger!(MyLedger, MySqlStore, sqlx::MySqlConnection, "?", "?");
+tx_ledger!(MyCachedLedger, CachedStore<MySqlStore>, sqlx::MySqlConnection, "?", "?");
+tx_ledger!(LiteLedger, SqliteStore, sqlx::SqliteConnection, "?", "?");
+tx_ledger!(
+    LiteCachedLedger,
+    CachedStore<SqliteStore>,
+    sqlx::SqliteConnection,
+    "?",
+    "?"
+);
 lease_ledger!(RedisLedger, RedisStore);
 lease_ledger!(RedisCachedLedger, CachedStore<RedisStore>);
 lease_ledger!(MemLedger, MemoryStore);

@@ -277,6 +277,12 @@ impl HttpState {
                 tokio::time::sleep(HANG).await;
                 None
             }
+            Some(BodyFault::Hold) => {
+                // Holds the key a while (its copies wait), then fails.
+                tokio::time::sleep(super::config::HOLD).await;
+                ctx.fired_errors.fetch_add(1, Ordering::SeqCst);
+                Some((StatusCode::INTERNAL_SERVER_ERROR, "checker: held, then failed").into_response())
+            }
             Some(BodyFault::Swallow | BodyFault::AfterCall | BodyFault::Deadlock) | None => None,
         }
     }
@@ -392,7 +398,7 @@ async fn lease_handler(State(st): State<Arc<HttpState>>, body: Bytes) -> Respons
     }
     let ctx = st.ctx();
     if let Some(effects) = ctx.redis_effects.get() {
-        if let Err(error) = effects.record(&msg.id).await {
+        if let Err(error) = effects.record(&msg.id, None).await {
             return (StatusCode::INTERNAL_SERVER_ERROR, error).into_response();
         }
     } else {
@@ -828,6 +834,8 @@ async fn drive_faults(cfg: &Config, st: &HttpState, opened: &Opened, private: &P
                     .await;
                     fired.failovers += 1;
                 }
+                // The consumers' proxy: no broker consumers here.
+                TimedFault::ConnCut | TimedFault::ConnStall(_) => {}
             }
         }
     }

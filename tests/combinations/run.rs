@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use idempotent_runtime::async_nats;
 use idempotent_runtime::broker::pipeline::Broker;
-use idempotent_runtime::broker::{Backoff, CancellationToken, ConsumerBuilder};
+use idempotent_runtime::broker::{Backoff, CancellationToken, ConsumerBuilder, DeliveryInfo};
 use idempotent_runtime::outbox::{
     JetStreamPublisher, KafkaPublisher, OutboxRow, OutboxStore, PublishError, Publisher, RabbitPublisher, Relay,
     StreamPublisher,
@@ -23,6 +23,7 @@ use super::common;
 use super::config::{BodyFault, BrokerKind, Config, FaultKind, KillPhase, RelayKill, TimedFault};
 use super::db::{self, BatchTarget, Opened, RelayDb};
 use super::handlers::{self, AppError, Msg};
+use super::proxy::ConnFaults;
 
 /// The consumers' body size limit; the checker's bodies are far below it,
 /// its oversized ones above.
@@ -123,6 +124,9 @@ pub struct Counts {
     /// Lease stores: an effect made again (documented when a consumer died
     /// between effect and completion).
     pub reapplied: u64,
+    /// Effects made again after the previous one's ttl
+    /// (`Config::short_ttl`): allowed.
+    pub expired: u64,
     /// A duplicate answered before its effect was committed.
     pub early: u64,
     /// A replayed result different from the first run's.
@@ -186,6 +190,14 @@ struct Shared {
     /// returns `Ok` for them.
     settle_watch: Mutex<HashMap<String, Instant>>,
     settled: Mutex<Vec<Duration>>,
+    /// Late copies (`Schedule::late`) not yet due: their delay after the
+    /// first `Ok` of their message.
+    late: Mutex<HashMap<String, u64>>,
+    /// Late copies due at an instant, published by `drive`.
+    late_due: Mutex<Vec<(Instant, String)>>,
+    /// The proxy the consumers reach their broker through, and its settle
+    /// cuts (`Config::through_proxy`).
+    conn: Option<Arc<ConnFaults>>,
 }
 
 async fn handle(sh: Arc<Shared>, instance: usize, msg: Msg) -> Result<(), AppError> {
@@ -225,6 +237,11 @@ async fn handle(sh: Arc<Shared>, instance: usize, msg: Msg) -> Result<(), AppErr
         sh.early.lock().unwrap().push(msg.id.clone());
     }
     *sh.last_call.lock().unwrap() = Instant::now();
+    let late = sh.late.lock().unwrap().remove(&msg.id);
+    if let Some(ms) = late {
+        let due = Instant::now() + Duration::from_millis(ms);
+        sh.late_due.lock().unwrap().push((due, msg.id.clone()));
+    }
     let killed = sh.settle_watch.lock().unwrap().remove(&msg.id);
     if let Some(killed) = killed {
         sh.settled.lock().unwrap().push(killed.elapsed());
@@ -307,10 +324,21 @@ fn spawn_instance<B: Broker>(builder: ConsumerBuilder<B>, sh: &Arc<Shared>, i: u
         .expect("consumer configuration");
     let token = CancellationToken::new();
     let sh = Arc::clone(sh);
-    let run = consumer.run(
-        move |msg: Msg| {
+    let run = consumer.run_with_info(
+        move |msg: Msg, info: DeliveryInfo| {
             let sh = Arc::clone(&sh);
-            handle(sh, i, msg)
+            async move {
+                let id = msg.id.clone();
+                let result = handle(Arc::clone(&sh), i, msg).await;
+                // A run that gets its message dead-lettered: the proxy may
+                // cut the connections while it is settled.
+                if result.is_err()
+                    && let Some(conn) = &sh.conn
+                {
+                    conn.after_failure(&id, info.attempt);
+                }
+                result
+            }
         },
         token.clone(),
     );
@@ -335,6 +363,11 @@ struct Fired {
     sigkill_phases: BTreeMap<&'static str, u64>,
     /// Redis Cluster primaries killed (failed over).
     failovers: u64,
+    /// The proxy's cuts and stalls (timed, and the stall at shutdown).
+    conn_cuts: u64,
+    conn_stalls: u64,
+    /// Cuts right after a message's last failing run (`Config::settle_cut`).
+    settle_cuts: u64,
 }
 
 impl Fired {
@@ -490,6 +523,43 @@ pub async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static)
     }
 }
 
+/// Publishes the late copies that are due (`all`: every one left, due or
+/// not, and those whose message had no `Ok` here); returns how many were
+/// left to publish before.
+async fn publish_late(sh: &Shared, source: &Source, all: bool) -> usize {
+    let due: Vec<String> = {
+        let mut late_due = sh.late_due.lock().unwrap();
+        let mut late = sh.late.lock().unwrap();
+        let left = late_due.len() + late.len();
+        if left == 0 {
+            return 0;
+        }
+        let now = Instant::now();
+        let mut due: Vec<String> = Vec::new();
+        late_due.retain(|(at, id)| {
+            let go = all || *at <= now;
+            if go {
+                due.push(id.clone());
+            }
+            !go
+        });
+        if all {
+            due.extend(late.drain().map(|(id, _)| id));
+        }
+        if due.is_empty() {
+            return left;
+        }
+        due
+    };
+    let n = due.len();
+    for id in due {
+        let amount = id.trim_start_matches('m').parse::<i64>().unwrap_or(0) + 1;
+        let body = serde_json::to_vec(&Msg { id: id.clone(), amount }).unwrap();
+        source.publish(&body, &format!("{id}.late")).await;
+    }
+    n
+}
+
 /// Consumes until drained (or the deadline), firing the timed faults.
 /// Returns the messages left unsettled.
 #[allow(clippy::too_many_arguments)] // the run's parts, each borrowed its own way
@@ -511,6 +581,7 @@ async fn drive<B: Broker>(
     let mut joined: Option<ChildConsumer> = None;
     let batched = cfg.batch.is_some();
     let mut kill_rotation = 0usize;
+    let mut stalled_at_shutdown = false;
     loop {
         let tick = joined
             .as_ref()
@@ -638,28 +709,83 @@ async fn drive<B: Broker>(
                     bounded("failover of a Redis Cluster primary", violations, failover).await;
                     fired.failovers += 1;
                 }
+                // Only through the proxy (`Config::through_proxy`).
+                TimedFault::ConnCut => {
+                    if let Some(conn) = &sh.conn {
+                        conn.proxy.cut();
+                        fired.conn_cuts += 1;
+                    }
+                }
+                TimedFault::ConnStall(d) => {
+                    if let Some(conn) = &sh.conn {
+                        conn.proxy.stall(*d);
+                        fired.conn_stalls += 1;
+                    }
+                }
             }
             timed.next();
         }
+        publish_late(sh, source, false).await;
         let quiet = sh.last_call.lock().unwrap().elapsed() > QUIET;
         let timed_done = timed.peek().is_none() && sigkills.peek().is_none();
         let backlog = bounded("read of the broker's backlog", violations, source.backlog())
             .await
             .unwrap_or(u64::MAX);
+        if quiet
+            && (timed_done || start.elapsed() > deadline(cfg) / 2)
+            && backlog == 0
+            && publish_late(sh, source, true).await > 0
+        {
+            // Late copies still to come (their message's `Ok` was not seen
+            // here, or is recent): published now, drained with the rest.
+            *sh.last_call.lock().unwrap() = Instant::now();
+            continue;
+        }
         if quiet && (timed_done || start.elapsed() > deadline(cfg) / 2) && backlog == 0 {
             // A child that never reached its kill point is killed now.
             if let Some(c) = joined.take() {
                 sigkill_child(c, "at the drain (kill point not reached)", None, sh, fired, violations).await;
             }
+            // With `stall_at_shutdown`, once: the consumers' connections
+            // stall (no reset, no answer) for longer than the bound their
+            // stop is checked against.
+            let stalled = match &sh.conn {
+                Some(conn) if cfg.stall_at_shutdown && !stalled_at_shutdown => {
+                    stalled_at_shutdown = true;
+                    conn.proxy.stall(STOP_BOUND + Duration::from_secs(5));
+                    fired.conn_stalls += 1;
+                    Some(conn)
+                }
+                _ => None,
+            };
             // Stop every instance; anything they held goes back.
             for (task, token) in &instances {
                 token.cancel();
                 let _ = task;
             }
+            // Each within the bound of its own shutdown, asked of all at once.
+            let stop_by = tokio::time::Instant::now() + STOP_BOUND;
             for (task, _) in instances.drain(..) {
-                if tokio::time::timeout(STOP_BOUND, task).await.is_err() {
-                    violations.push(format!("a consumer did not stop within {STOP_BOUND:?} of its shutdown"));
+                if tokio::time::timeout_at(stop_by, task).await.is_err() {
+                    violations.push(format!(
+                        "a consumer did not stop within {STOP_BOUND:?} of its shutdown{}",
+                        if stalled.is_some() {
+                            " (its connection stalled)"
+                        } else {
+                            ""
+                        }
+                    ));
                 }
+            }
+            // The stall ends, and what the stopped consumers held is let go
+            // of with their connections.
+            if let Some(conn) = stalled {
+                eprintln!(
+                    "checker: the consumers stopped {} ms after their shutdown, their connections stalled",
+                    (STOP_BOUND - stop_by.saturating_duration_since(tokio::time::Instant::now())).as_millis()
+                );
+                conn.proxy.unstall();
+                conn.proxy.cut();
             }
             tokio::time::sleep(super::brokers::REDELIVERY + Duration::from_millis(200)).await;
             let left = bounded("read of the broker's backlog", violations, source.backlog())
@@ -928,7 +1054,16 @@ pub async fn run(cfg: &Config, sabotage: Option<Sabotage>) -> Report {
     let started = Instant::now();
     let name = env_name(cfg);
     let (private, at) = Private::start(cfg).await;
-    let source = Source::setup(cfg.broker, &name, &at).await;
+    let mut source = Source::setup(cfg.broker, &name, &at).await;
+    // The in-process consumers through a proxy (`Config::through_proxy`;
+    // child consumers connect directly, `Source::attach`).
+    let conn = if cfg.through_proxy() {
+        let conn = ConnFaults::start(cfg, &Source::broker_addr(cfg.broker, &at)).await;
+        source.through(&conn.proxy.addr()).await;
+        Some(Arc::new(conn))
+    } else {
+        None
+    };
     let sink = match cfg.sink() {
         Some(kind) => Some(Sink::setup(kind, &name, &at).await),
         None => None,
@@ -973,6 +1108,18 @@ pub async fn run(cfg: &Config, sabotage: Option<Sabotage>) -> Report {
         order.insert(at.max(n + 1).min(order.len()), (body(n), format!("m{n:04}.dup{d}")));
         *publications.entry(format!("m{n:04}")).or_default() += 1;
     }
+    // Short ttls: a held message's copy right after its first one (it
+    // waits on the held claim), and the late copies to come.
+    for id in &cfg.schedule.hold {
+        if let Some(at) = order.iter().position(|(_, i)| i == id) {
+            let n: usize = id.trim_start_matches('m').parse().unwrap();
+            order.insert(at + 1, (body(n), format!("{id}.held")));
+            *publications.entry(id.clone()).or_default() += 1;
+        }
+    }
+    for (id, _) in &cfg.schedule.late {
+        *publications.entry(id.clone()).or_default() += 1;
+    }
     for p in 0..cfg.schedule.poison {
         let at = rng.below(order.len() as u64) as usize;
         order.insert(at, (format!("{{not json {p}").into_bytes(), format!("poison-{p}")));
@@ -1008,6 +1155,9 @@ pub async fn run(cfg: &Config, sabotage: Option<Sabotage>) -> Report {
         redelivered: Mutex::default(),
         settle_watch: Mutex::default(),
         settled: Mutex::default(),
+        late: Mutex::new(cfg.schedule.late.iter().cloned().collect()),
+        late_due: Mutex::default(),
+        conn: conn.clone(),
     });
     let children = ChildPlan::new(
         cfg,
@@ -1098,6 +1248,13 @@ pub async fn run(cfg: &Config, sabotage: Option<Sabotage>) -> Report {
             .await
         }
     };
+    if let Some(conn) = &conn {
+        fired.settle_cuts = conn.settle_cuts.load(Ordering::SeqCst);
+        // The checker's own wiring: the consumers went through the proxy.
+        if conn.proxy.accepted() == 0 {
+            violations.push("the consumers never connected through their proxy".into());
+        }
+    }
     if fired.setting_changes > 0 {
         bounded("setting reset", &mut violations, opened.change_setting(false)).await;
     }
@@ -1330,6 +1487,13 @@ pub async fn run(cfg: &Config, sabotage: Option<Sabotage>) -> Report {
         ));
     }
     let ctx = opened.ledger.ctx();
+    counts.expired = bounded(
+        "read of the effects after a ttl",
+        &mut violations,
+        opened.expired_effects(),
+    )
+    .await
+    .unwrap_or_default();
     counts.reapplied = bounded("read of the effects made again", &mut violations, opened.reapplied())
         .await
         .unwrap_or_default();
@@ -1422,6 +1586,10 @@ pub async fn run(cfg: &Config, sabotage: Option<Sabotage>) -> Report {
     faults.insert(FaultKind::Deadlock, ctx.fired_deadlocks.load(Ordering::SeqCst));
     faults.insert(FaultKind::SlowCommit, cfg.schedule.slow_commit.len() as u64);
     faults.insert(FaultKind::Relapse, cfg.schedule.relapse.len() as u64);
+    faults.insert(
+        FaultKind::ShortTtl,
+        ctx.fired_holds.load(Ordering::SeqCst) + cfg.schedule.late.len() as u64,
+    );
     faults.insert(FaultKind::Poison, cfg.schedule.poison as u64);
     faults.insert(FaultKind::DataError, ctx.fired_data_errors.load(Ordering::SeqCst));
     faults.insert(FaultKind::LoneOutage, ctx.fired_outages.load(Ordering::SeqCst));
@@ -1435,6 +1603,9 @@ pub async fn run(cfg: &Config, sabotage: Option<Sabotage>) -> Report {
     faults.insert(FaultKind::BrokerRestart, fired.broker_restarts);
     faults.insert(FaultKind::DbRestart, fired.db_restarts);
     faults.insert(FaultKind::Failover, fired.failovers);
+    faults.insert(FaultKind::ConnCut, fired.conn_cuts);
+    faults.insert(FaultKind::ConnStall, fired.conn_stalls);
+    faults.insert(FaultKind::SettleCut, fired.settle_cuts);
     for (k, v) in relay_fired.lock().unwrap().iter() {
         faults.insert(*k, *v);
     }
@@ -1446,6 +1617,7 @@ pub async fn run(cfg: &Config, sabotage: Option<Sabotage>) -> Report {
 
     // Clean up.
     drop(sh);
+    drop(conn);
     bounded("clean-up of the source", &mut violations, source.teardown()).await;
     if let Some(sink) = sink {
         bounded("clean-up of the sink", &mut violations, sink.teardown()).await;
