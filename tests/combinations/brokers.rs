@@ -472,24 +472,36 @@ impl Source {
 
     pub async fn publish(&self, body: &[u8], id: &str) {
         match self {
-            Source::Rabbit { admin, queue, .. } => {
-                let admin = admin.lock().await.1.clone();
-                let props = BasicProperties::default()
-                    .with_message_id(id.into())
-                    .with_delivery_mode(2);
-                let confirm = admin
-                    .basic_publish(
-                        "".into(),
-                        queue.as_str().into(),
-                        BasicPublishOptions::default(),
-                        body,
-                        props,
-                    )
-                    .await
-                    .unwrap()
-                    .await
-                    .unwrap();
-                assert!(confirm.is_ack());
+            Source::Rabbit { url, admin, queue, .. } => {
+                // Late copies are published while the consumers run, a
+                // broker restart among them: again on a fresh channel.
+                for attempt in 1.. {
+                    let channel = live_channel(url, admin).await;
+                    let props = BasicProperties::default()
+                        .with_message_id(id.into())
+                        .with_delivery_mode(2);
+                    let confirmed = match channel
+                        .basic_publish(
+                            "".into(),
+                            queue.as_str().into(),
+                            BasicPublishOptions::default(),
+                            body,
+                            props.clone(),
+                        )
+                        .await
+                    {
+                        Ok(confirm) => confirm.await.map_err(|e| e.to_string()),
+                        Err(e) => Err(e.to_string()),
+                    };
+                    match confirmed {
+                        Ok(confirm) if confirm.is_ack() => break,
+                        other if attempt < 50 => {
+                            eprintln!("checker: RabbitMQ publish of {id}: {other:?}, again");
+                            tokio::time::sleep(Duration::from_millis(200)).await;
+                        }
+                        other => panic!("RabbitMQ publish of {id}: {other:?}"),
+                    }
+                }
             }
             Source::Js { js, subject, .. } => {
                 // The server's acknowledgement can time out on a loaded
@@ -507,7 +519,7 @@ impl Source {
                     };
                     match acked {
                         Ok(()) => break,
-                        Err(e) if attempt < 10 => {
+                        Err(e) if attempt < 50 => {
                             eprintln!("checker: JetStream publish of {id} failed ({e}), again");
                             tokio::time::sleep(Duration::from_millis(200)).await;
                         }
@@ -547,10 +559,22 @@ impl Source {
                         }
                     }
                 } else {
-                    let _: String = conn
-                        .xadd(stream, "*", &[("message_id", id.as_bytes()), ("body", body)])
-                        .await
-                        .unwrap();
+                    // Late copies are published while the consumers run, a
+                    // broker restart among them: the connection manager
+                    // connects again.
+                    for attempt in 1.. {
+                        let sent: Result<String, _> = conn
+                            .xadd(stream, "*", &[("message_id", id.as_bytes()), ("body", body)])
+                            .await;
+                        match sent {
+                            Ok(_) => break,
+                            Err(e) if attempt < 50 => {
+                                eprintln!("checker: XADD of {id}: {e}, again");
+                                tokio::time::sleep(Duration::from_millis(200)).await;
+                            }
+                            Err(e) => panic!("XADD of {id}: {e}"),
+                        }
+                    }
                 }
             }
             Source::Kafka {
