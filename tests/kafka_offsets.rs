@@ -823,7 +823,7 @@ scenarios! {
     sqlite: Sqlite;
 }
 
-/// The stores that cannot keep offsets do not compile (`tests/ui`); a
+/// The stores that cannot keep offsets do not compile (`ui/tests/ui`); a
 /// partitioned `PgStore`, whose claims keep their own transaction, is
 /// refused at build.
 #[tokio::test]

@@ -1,6 +1,7 @@
 //! Compile-time diagnostics of `#[idempotent]`: every misuse in `ui/fail`
 //! fails with the error its `.stderr` shows, every handler shape in
-//! `ui/pass` compiles. Regenerate with `TRYBUILD=overwrite cargo test --test ui`
+//! `ui/pass` compiles. Regenerate with
+//! `TRYBUILD=overwrite cargo test -p idempotent-ui --test ui`
 //! and read every diff.
 
 #[test]
