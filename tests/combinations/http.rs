@@ -604,6 +604,19 @@ struct Retries {
     outages: bool,
 }
 
+impl Retries {
+    /// The retries of a request for `key`: its body faults are `5xx` the
+    /// schedule plans (a relapse plans as many as the attempts), on top of
+    /// the room left for the store's failures.
+    fn for_key(self, cfg: &Config, key: &str) -> Retries {
+        let planned = cfg.schedule.body.get(key).map_or(0, Vec::len) as u32;
+        Retries {
+            attempts: self.attempts + planned,
+            ..self
+        }
+    }
+}
+
 /// Sends `job` until a final answer: a `2xx` or a `4xx` but `409`; a `5xx`
 /// is retried up to `retries.attempts` times, a lost connection, a timeout or a
 /// `409` until `GIVE_UP`.
@@ -1105,7 +1118,7 @@ pub async fn run(cfg: &Config, sabotage: Option<Sabotage>) -> Report {
                     futures_util::future::join_all(
                         copies
                             .iter()
-                            .map(|job| send(client, servers, job, retries, opened, seen)),
+                            .map(|job| send(client, servers, job, retries.for_key(cfg, &job.key), opened, seen)),
                     )
                     .await;
                 }
@@ -1114,7 +1127,10 @@ pub async fn run(cfg: &Config, sabotage: Option<Sabotage>) -> Report {
         futures_util::stream::iter(then)
             .for_each_concurrent(plan.concurrency, |job| {
                 let (client, servers, seen, opened) = (&client, &servers, &seen, &opened);
-                async move { send(client, servers, &job, retries, opened, seen).await }
+                async move {
+                    let retries = retries.for_key(cfg, &job.key);
+                    send(client, servers, &job, retries, opened, seen).await
+                }
             })
             .await;
         done.notify_waiters();
