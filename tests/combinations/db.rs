@@ -547,34 +547,38 @@ impl Opened {
         }
     }
 
-    /// Effects per message id: on the transactional stores an effect made
-    /// after the previous one's ttl (`Config::short_ttl`) is not counted
-    /// (see [`Opened::expired_effects`]).
-    pub async fn effects(&self) -> HashMap<String, i64> {
+    /// The transactional stores' effect rows, `(message_id, at_ms)` in that
+    /// order; `None` on the lease stores (their effects are not rows).
+    async fn effect_rows(&self) -> Option<Vec<(String, i64)>> {
         let sql = format!(
             "SELECT message_id, at_ms FROM {} ORDER BY message_id, at_ms",
             self.effects
         );
-        let rows: Vec<(String, i64)> = match &self.admin {
+        Some(match &self.admin {
             Admin::Pg { admin, .. } => sqlx::query_as(AssertSqlSafe(sql)).fetch_all(admin).await.unwrap(),
             Admin::My { admin, .. } => sqlx::query_as(AssertSqlSafe(sql)).fetch_all(admin).await.unwrap(),
             Admin::Lite { pool, .. } => sqlx::query_as(AssertSqlSafe(sql)).fetch_all(pool).await.unwrap(),
-            Admin::Redis { .. } | Admin::Memory => return self.lease_effects().await,
-        };
-        tally(&rows, self.ledger.ctx().short_ttl).0
+            Admin::Redis { .. } | Admin::Memory => return None,
+        })
+    }
+
+    /// Effects per message id: on the transactional stores an effect made
+    /// after the previous one's ttl (`Config::short_ttl`) is not counted
+    /// (see [`Opened::expired_effects`]).
+    pub async fn effects(&self) -> HashMap<String, i64> {
+        match self.effect_rows().await {
+            Some(rows) => tally(&rows, self.ledger.ctx().short_ttl).0,
+            None => self.lease_effects().await,
+        }
     }
 
     /// Effects made again after the previous one's ttl had passed
     /// (`Config::short_ttl`): allowed, counted apart.
     pub async fn expired_effects(&self) -> u64 {
-        let sql = format!(
-            "SELECT message_id, at_ms FROM {} ORDER BY message_id, at_ms",
-            self.effects
-        );
-        let rows: Vec<(String, i64)> = match &self.admin {
-            Admin::Pg { admin, .. } => sqlx::query_as(AssertSqlSafe(sql)).fetch_all(admin).await.unwrap(),
-            Admin::My { admin, .. } => sqlx::query_as(AssertSqlSafe(sql)).fetch_all(admin).await.unwrap(),
-            Admin::Lite { pool, .. } => sqlx::query_as(AssertSqlSafe(sql)).fetch_all(pool).await.unwrap(),
+        if let Some(rows) = self.effect_rows().await {
+            return tally(&rows, self.ledger.ctx().short_ttl).1;
+        }
+        match &self.admin {
             Admin::Redis { conn } => {
                 let mut conn = conn.clone();
                 let n: Option<u64> = redis::cmd("GET")
@@ -582,11 +586,10 @@ impl Opened {
                     .query_async(&mut conn)
                     .await
                     .unwrap_or(None);
-                return n.unwrap_or(0);
+                n.unwrap_or(0)
             }
-            Admin::Memory => return self.ledger.ctx().expired.load(Ordering::SeqCst),
-        };
-        tally(&rows, self.ledger.ctx().short_ttl).1
+            _ => self.ledger.ctx().expired.load(Ordering::SeqCst),
+        }
     }
 
     /// The lease stores' effects per message id.
