@@ -484,6 +484,102 @@ pub struct Variant {
     pub short: bool,
 }
 
+/// The transactional store's handlers (unit or value, with a fingerprint or
+/// not, with the outbox or not) under the names given; `$extra` is added to
+/// each attribute (`, ttl = "2s"` for the short-ttl ones).
+macro_rules! tx_handlers {
+    ($conn:ty, $u:ident, $uf:ident, $v:ident, $vf:ident, $uo:ident, $ufo:ident, $vo:ident, $vfo:ident; $($extra:tt)*) => {
+        #[idempotent(key = "msg.id", store = self.store, scope = "checker.u" $($extra)*)]
+        async fn $u(
+            &self,
+            msg: &Msg,
+            ran: &AtomicBool,
+            fault: Option<BodyFault>,
+            tx: &mut $conn,
+        ) -> Result<(), AppError> {
+            self.body(msg, ran, fault, tx, None).await
+        }
+        #[idempotent(key = "msg.id", store = self.store, scope = "checker.uf" $($extra)*, fingerprint = "msg")]
+        async fn $uf(
+            &self,
+            msg: &Msg,
+            ran: &AtomicBool,
+            fault: Option<BodyFault>,
+            tx: &mut $conn,
+        ) -> Result<(), AppError> {
+            self.body(msg, ran, fault, tx, None).await
+        }
+        #[idempotent(key = "msg.id", store = self.store, scope = "checker.v" $($extra)*)]
+        async fn $v(
+            &self,
+            msg: &Msg,
+            ran: &AtomicBool,
+            fault: Option<BodyFault>,
+            tx: &mut $conn,
+        ) -> Result<i64, AppError> {
+            self.body(msg, ran, fault, tx, None).await.map(|()| msg.amount)
+        }
+        #[idempotent(key = "msg.id", store = self.store, scope = "checker.vf" $($extra)*, fingerprint = "msg")]
+        async fn $vf(
+            &self,
+            msg: &Msg,
+            ran: &AtomicBool,
+            fault: Option<BodyFault>,
+            tx: &mut $conn,
+        ) -> Result<i64, AppError> {
+            self.body(msg, ran, fault, tx, None).await.map(|()| msg.amount)
+        }
+        #[idempotent(key = "msg.id", store = self.store, scope = "checker.uo" $($extra)*)]
+        async fn $uo(
+            &self,
+            msg: &Msg,
+            ran: &AtomicBool,
+            fault: Option<BodyFault>,
+            tx: &mut $conn,
+            outbox: &mut Outbox,
+        ) -> Result<(), AppError> {
+            self.body(msg, ran, fault, tx, Some(outbox)).await
+        }
+        #[idempotent(key = "msg.id", store = self.store, scope = "checker.ufo" $($extra)*, fingerprint = "msg")]
+        async fn $ufo(
+            &self,
+            msg: &Msg,
+            ran: &AtomicBool,
+            fault: Option<BodyFault>,
+            tx: &mut $conn,
+            outbox: &mut Outbox,
+        ) -> Result<(), AppError> {
+            self.body(msg, ran, fault, tx, Some(outbox)).await
+        }
+        #[idempotent(key = "msg.id", store = self.store, scope = "checker.vo" $($extra)*)]
+        async fn $vo(
+            &self,
+            msg: &Msg,
+            ran: &AtomicBool,
+            fault: Option<BodyFault>,
+            tx: &mut $conn,
+            outbox: &mut Outbox,
+        ) -> Result<i64, AppError> {
+            self.body(msg, ran, fault, tx, Some(outbox))
+                .await
+                .map(|()| msg.amount)
+        }
+        #[idempotent(key = "msg.id", store = self.store, scope = "checker.vfo" $($extra)*, fingerprint = "msg")]
+        async fn $vfo(
+            &self,
+            msg: &Msg,
+            ran: &AtomicBool,
+            fault: Option<BodyFault>,
+            tx: &mut $conn,
+            outbox: &mut Outbox,
+        ) -> Result<i64, AppError> {
+            self.body(msg, ran, fault, tx, Some(outbox))
+                .await
+                .map(|()| msg.amount)
+        }
+    };
+}
+
 macro_rules! tx_ledger {
     ($name:ident, $store:ty, $conn:ty, $ph:literal, $ph2:literal) => {
         pub struct $name {
@@ -561,182 +657,8 @@ macro_rules! tx_ledger {
                 self.ctx.fault(&msg.id, fault).await
             }
 
-            #[idempotent(key = "msg.id", store = self.store, scope = "checker.u")]
-            async fn u(
-                &self,
-                msg: &Msg,
-                ran: &AtomicBool,
-                fault: Option<BodyFault>,
-                tx: &mut $conn,
-            ) -> Result<(), AppError> {
-                self.body(msg, ran, fault, tx, None).await
-            }
-            #[idempotent(key = "msg.id", store = self.store, scope = "checker.uf", fingerprint = "msg")]
-            async fn uf(
-                &self,
-                msg: &Msg,
-                ran: &AtomicBool,
-                fault: Option<BodyFault>,
-                tx: &mut $conn,
-            ) -> Result<(), AppError> {
-                self.body(msg, ran, fault, tx, None).await
-            }
-            #[idempotent(key = "msg.id", store = self.store, scope = "checker.v")]
-            async fn v(
-                &self,
-                msg: &Msg,
-                ran: &AtomicBool,
-                fault: Option<BodyFault>,
-                tx: &mut $conn,
-            ) -> Result<i64, AppError> {
-                self.body(msg, ran, fault, tx, None).await.map(|()| msg.amount)
-            }
-            #[idempotent(key = "msg.id", store = self.store, scope = "checker.vf", fingerprint = "msg")]
-            async fn vf(
-                &self,
-                msg: &Msg,
-                ran: &AtomicBool,
-                fault: Option<BodyFault>,
-                tx: &mut $conn,
-            ) -> Result<i64, AppError> {
-                self.body(msg, ran, fault, tx, None).await.map(|()| msg.amount)
-            }
-            #[idempotent(key = "msg.id", store = self.store, scope = "checker.uo")]
-            async fn uo(
-                &self,
-                msg: &Msg,
-                ran: &AtomicBool,
-                fault: Option<BodyFault>,
-                tx: &mut $conn,
-                outbox: &mut Outbox,
-            ) -> Result<(), AppError> {
-                self.body(msg, ran, fault, tx, Some(outbox)).await
-            }
-            #[idempotent(key = "msg.id", store = self.store, scope = "checker.ufo", fingerprint = "msg")]
-            async fn ufo(
-                &self,
-                msg: &Msg,
-                ran: &AtomicBool,
-                fault: Option<BodyFault>,
-                tx: &mut $conn,
-                outbox: &mut Outbox,
-            ) -> Result<(), AppError> {
-                self.body(msg, ran, fault, tx, Some(outbox)).await
-            }
-            #[idempotent(key = "msg.id", store = self.store, scope = "checker.vo")]
-            async fn vo(
-                &self,
-                msg: &Msg,
-                ran: &AtomicBool,
-                fault: Option<BodyFault>,
-                tx: &mut $conn,
-                outbox: &mut Outbox,
-            ) -> Result<i64, AppError> {
-                self.body(msg, ran, fault, tx, Some(outbox))
-                    .await
-                    .map(|()| msg.amount)
-            }
-            #[idempotent(key = "msg.id", store = self.store, scope = "checker.vfo", fingerprint = "msg")]
-            async fn vfo(
-                &self,
-                msg: &Msg,
-                ran: &AtomicBool,
-                fault: Option<BodyFault>,
-                tx: &mut $conn,
-                outbox: &mut Outbox,
-            ) -> Result<i64, AppError> {
-                self.body(msg, ran, fault, tx, Some(outbox))
-                    .await
-                    .map(|()| msg.amount)
-            }
-            #[idempotent(key = "msg.id", store = self.store, ttl = "2s", scope = "checker.u")]
-            async fn u_s(
-                &self,
-                msg: &Msg,
-                ran: &AtomicBool,
-                fault: Option<BodyFault>,
-                tx: &mut $conn,
-            ) -> Result<(), AppError> {
-                self.body(msg, ran, fault, tx, None).await
-            }
-            #[idempotent(key = "msg.id", store = self.store, ttl = "2s", scope = "checker.uf", fingerprint = "msg")]
-            async fn uf_s(
-                &self,
-                msg: &Msg,
-                ran: &AtomicBool,
-                fault: Option<BodyFault>,
-                tx: &mut $conn,
-            ) -> Result<(), AppError> {
-                self.body(msg, ran, fault, tx, None).await
-            }
-            #[idempotent(key = "msg.id", store = self.store, ttl = "2s", scope = "checker.v")]
-            async fn v_s(
-                &self,
-                msg: &Msg,
-                ran: &AtomicBool,
-                fault: Option<BodyFault>,
-                tx: &mut $conn,
-            ) -> Result<i64, AppError> {
-                self.body(msg, ran, fault, tx, None).await.map(|()| msg.amount)
-            }
-            #[idempotent(key = "msg.id", store = self.store, ttl = "2s", scope = "checker.vf", fingerprint = "msg")]
-            async fn vf_s(
-                &self,
-                msg: &Msg,
-                ran: &AtomicBool,
-                fault: Option<BodyFault>,
-                tx: &mut $conn,
-            ) -> Result<i64, AppError> {
-                self.body(msg, ran, fault, tx, None).await.map(|()| msg.amount)
-            }
-            #[idempotent(key = "msg.id", store = self.store, ttl = "2s", scope = "checker.uo")]
-            async fn uo_s(
-                &self,
-                msg: &Msg,
-                ran: &AtomicBool,
-                fault: Option<BodyFault>,
-                tx: &mut $conn,
-                outbox: &mut Outbox,
-            ) -> Result<(), AppError> {
-                self.body(msg, ran, fault, tx, Some(outbox)).await
-            }
-            #[idempotent(key = "msg.id", store = self.store, ttl = "2s", scope = "checker.ufo", fingerprint = "msg")]
-            async fn ufo_s(
-                &self,
-                msg: &Msg,
-                ran: &AtomicBool,
-                fault: Option<BodyFault>,
-                tx: &mut $conn,
-                outbox: &mut Outbox,
-            ) -> Result<(), AppError> {
-                self.body(msg, ran, fault, tx, Some(outbox)).await
-            }
-            #[idempotent(key = "msg.id", store = self.store, ttl = "2s", scope = "checker.vo")]
-            async fn vo_s(
-                &self,
-                msg: &Msg,
-                ran: &AtomicBool,
-                fault: Option<BodyFault>,
-                tx: &mut $conn,
-                outbox: &mut Outbox,
-            ) -> Result<i64, AppError> {
-                self.body(msg, ran, fault, tx, Some(outbox))
-                    .await
-                    .map(|()| msg.amount)
-            }
-            #[idempotent(key = "msg.id", store = self.store, ttl = "2s", scope = "checker.vfo", fingerprint = "msg")]
-            async fn vfo_s(
-                &self,
-                msg: &Msg,
-                ran: &AtomicBool,
-                fault: Option<BodyFault>,
-                tx: &mut $conn,
-                outbox: &mut Outbox,
-            ) -> Result<i64, AppError> {
-                self.body(msg, ran, fault, tx, Some(outbox))
-                    .await
-                    .map(|()| msg.amount)
-            }
+            tx_handlers!($conn, u, uf, v, vf, uo, ufo, vo, vfo;);
+            tx_handlers!($conn, u_s, uf_s, v_s, vf_s, uo_s, ufo_s, vo_s, vfo_s; , ttl = "2s");
         }
 
         impl Ledger for $name {
@@ -797,6 +719,29 @@ macro_rules! tx_ledger {
     };
 }
 
+/// The lease stores' handlers (unit or value, with a fingerprint or not)
+/// under the names given; `$extra` is added to each attribute.
+macro_rules! lease_handlers {
+    ($u:ident, $uf:ident, $v:ident, $vf:ident; $($extra:tt)*) => {
+        #[idempotent(key = "msg.id", store = self.store, scope = "checker.u", lease = "3s" $($extra)*)]
+        async fn $u(&self, msg: &Msg, ran: &AtomicBool, fault: Option<BodyFault>) -> Result<(), AppError> {
+            self.ctx.mem_body(msg, ran, fault).await
+        }
+        #[idempotent(key = "msg.id", store = self.store, scope = "checker.uf", lease = "3s" $($extra)*, fingerprint = "msg")]
+        async fn $uf(&self, msg: &Msg, ran: &AtomicBool, fault: Option<BodyFault>) -> Result<(), AppError> {
+            self.ctx.mem_body(msg, ran, fault).await
+        }
+        #[idempotent(key = "msg.id", store = self.store, scope = "checker.v", lease = "3s" $($extra)*)]
+        async fn $v(&self, msg: &Msg, ran: &AtomicBool, fault: Option<BodyFault>) -> Result<i64, AppError> {
+            self.ctx.mem_body(msg, ran, fault).await.map(|()| msg.amount)
+        }
+        #[idempotent(key = "msg.id", store = self.store, scope = "checker.vf", lease = "3s" $($extra)*, fingerprint = "msg")]
+        async fn $vf(&self, msg: &Msg, ran: &AtomicBool, fault: Option<BodyFault>) -> Result<i64, AppError> {
+            self.ctx.mem_body(msg, ran, fault).await.map(|()| msg.amount)
+        }
+    };
+}
+
 macro_rules! lease_ledger {
     ($name:ident, $store:ty) => {
         pub struct $name {
@@ -806,38 +751,8 @@ macro_rules! lease_ledger {
         }
 
         impl $name {
-            #[idempotent(key = "msg.id", store = self.store, scope = "checker.u", lease = "3s")]
-            async fn u(&self, msg: &Msg, ran: &AtomicBool, fault: Option<BodyFault>) -> Result<(), AppError> {
-                self.ctx.mem_body(msg, ran, fault).await
-            }
-            #[idempotent(key = "msg.id", store = self.store, scope = "checker.uf", lease = "3s", fingerprint = "msg")]
-            async fn uf(&self, msg: &Msg, ran: &AtomicBool, fault: Option<BodyFault>) -> Result<(), AppError> {
-                self.ctx.mem_body(msg, ran, fault).await
-            }
-            #[idempotent(key = "msg.id", store = self.store, scope = "checker.v", lease = "3s")]
-            async fn v(&self, msg: &Msg, ran: &AtomicBool, fault: Option<BodyFault>) -> Result<i64, AppError> {
-                self.ctx.mem_body(msg, ran, fault).await.map(|()| msg.amount)
-            }
-            #[idempotent(key = "msg.id", store = self.store, scope = "checker.vf", lease = "3s", fingerprint = "msg")]
-            async fn vf(&self, msg: &Msg, ran: &AtomicBool, fault: Option<BodyFault>) -> Result<i64, AppError> {
-                self.ctx.mem_body(msg, ran, fault).await.map(|()| msg.amount)
-            }
-            #[idempotent(key = "msg.id", store = self.store, ttl = "2s", scope = "checker.u", lease = "3s")]
-            async fn u_s(&self, msg: &Msg, ran: &AtomicBool, fault: Option<BodyFault>) -> Result<(), AppError> {
-                self.ctx.mem_body(msg, ran, fault).await
-            }
-            #[idempotent(key = "msg.id", store = self.store, ttl = "2s", scope = "checker.uf", lease = "3s", fingerprint = "msg")]
-            async fn uf_s(&self, msg: &Msg, ran: &AtomicBool, fault: Option<BodyFault>) -> Result<(), AppError> {
-                self.ctx.mem_body(msg, ran, fault).await
-            }
-            #[idempotent(key = "msg.id", store = self.store, ttl = "2s", scope = "checker.v", lease = "3s")]
-            async fn v_s(&self, msg: &Msg, ran: &AtomicBool, fault: Option<BodyFault>) -> Result<i64, AppError> {
-                self.ctx.mem_body(msg, ran, fault).await.map(|()| msg.amount)
-            }
-            #[idempotent(key = "msg.id", store = self.store, ttl = "2s", scope = "checker.vf", lease = "3s", fingerprint = "msg")]
-            async fn vf_s(&self, msg: &Msg, ran: &AtomicBool, fault: Option<BodyFault>) -> Result<i64, AppError> {
-                self.ctx.mem_body(msg, ran, fault).await.map(|()| msg.amount)
-            }
+            lease_handlers!(u, uf, v, vf;);
+            lease_handlers!(u_s, uf_s, v_s, vf_s; , ttl = "2s");
         }
 
         impl Ledger for $name {
